@@ -1,0 +1,108 @@
+"""Pieces every lowband optimizer shares: local shards, replica-distinct state, the finite check."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lowband.link import Link
+from lowband.topology import Topology
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "NonFiniteGradientError",
+    "local",
+    "replica_state_like",
+    "check_sharded",
+    "grads_nonfinite",
+    "param_label",
+    "NONFINITE_POLICIES",
+]
+
+NONFINITE_POLICIES = ("raise", "skip")
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held NaN or Inf; the step was refused and nothing was sent or changed."""
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def param_label(group: dict, i: int, p: torch.Tensor) -> str:
+    names = group.get("param_names")
+    if names is not None and i < len(names):
+        return f"'{names[i]}'"
+    return f"#{i} of shape {tuple(p.shape)}"
+
+
+def check_sharded(param_groups: list[dict], topology: Topology | None) -> None:
+    """With S > 1 every parameter must be an FSDP2 shard (a DTensor sharded over the node)."""
+    if topology is None or topology.shards == 1 or not dist.is_initialized():
+        return
+    for group in param_groups:
+        for i, p in enumerate(group["params"]):
+            if not isinstance(p, DTensor) or not any(isinstance(pl, Shard) for pl in p.placements):
+                raise ValueError(
+                    f"parameter {param_label(group, i, p)} is not sharded by FSDP2, but the topology shards "
+                    f"each model copy over {topology.shards} ranks. Call lowband.sharding.shard_model(model, "
+                    "topology) before building the optimizer (or use shards=1)."
+                )
+
+
+def replica_state_like(p: torch.Tensor, topology: Topology | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A zero state tensor shaped like ``p`` that may differ between replicas.
+
+    Momentum and error feedback are per replica: each replica has its own. To save and load them
+    with torch.distributed.checkpoint (which keeps one copy of replicated data), the state is a
+    DTensor over the 2-D mesh whose global shape is (R, *p.shape): replica r holds row r.
+    Single-process: a plain tensor.
+    """
+    lp = local(p)
+    dtype = dtype or lp.dtype
+    if topology is None or not dist.is_initialized() or topology.world_size == 1:
+        return torch.zeros_like(lp, dtype=dtype)
+    mesh = topology.mesh()
+    local_state = torch.zeros((1, *lp.shape), dtype=dtype, device=lp.device)
+    if isinstance(p, DTensor):
+        (pl,) = p.placements
+        inner = Shard(pl.dim + 1) if isinstance(pl, Shard) else Replicate()
+        gshape = (topology.replicas, *p.shape)
+    else:
+        inner = Replicate()
+        gshape = (topology.replicas, *lp.shape)
+    stride = torch.empty(gshape, device="meta").stride()
+    return DTensor.from_local(local_state, mesh, [Shard(0), inner], run_check=False, shape=gshape, stride=stride)
+
+
+def state_view(t: torch.Tensor) -> torch.Tensor:
+    """This replica's row of a :func:`replica_state_like` tensor, as a plain tensor (shares storage)."""
+    if isinstance(t, DTensor):
+        return t.to_local()[0]
+    return t
+
+
+def grads_nonfinite(grads: list[torch.Tensor], link: Link | None, *, shard_group=None) -> bool:
+    """True if any rank of the job holds a NaN/Inf gradient. Collective: every rank must call it.
+
+    The flag is reduced inside the node (shard group, fast links) and then between nodes through
+    the link (one byte), so that all ranks agree before anything is sent or changed.
+    """
+    bad = False
+    for g in grads:
+        if not torch.isfinite(g).all():
+            bad = True
+            break
+    device = grads[0].device if grads else torch.device("cpu")
+    flag = torch.tensor([1 if bad else 0], dtype=torch.uint8, device=device)
+    if shard_group is not None and dist.get_world_size(shard_group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard_group)
+    if link is not None and link.group_size > 1:
+        link.all_reduce(flag, op="max")
+    return bool(flag.item())

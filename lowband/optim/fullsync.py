@@ -1,0 +1,164 @@
+"""The FlexDeMo paper's full-synchronisation baselines, through the same link.
+
+Both take the gradient shard FSDP2 leaves after backward (the intra-node mean) and all-reduce it
+(mean) over the replicate group through the link, as one flat fp32 message per step. The result
+equals HSDP's gradient (the mean over all W ranks), so:
+
+- :class:`AdamWFullSync` is AdamW with hybrid sharding (the paper's "AdamW" baseline);
+- :class:`DetoFull` is sign-SGD on the fully synchronised gradient (the paper's "Deto-Full").
+
+A NaN/Inf anywhere is detected on every rank through one extra element of the same message:
+the offending rank sends zeros and the flag, so nothing non-finite reaches a peer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.optim import AdamW, Optimizer
+
+from lowband.link import Link
+from lowband.optim._common import NONFINITE_POLICIES, NonFiniteGradientError, check_sharded, local
+
+__all__ = ["AdamWFullSync", "DetoFull", "sync_gradients"]
+
+log = logging.getLogger(__name__)
+
+
+def sync_gradients(grads: list[torch.Tensor], link: Link | None, *, shard_group=None) -> bool:
+    """Average gradient shards over the replicate group in place; return True if any was non-finite.
+
+    One fp32 message: all gradients flattened, plus one flag element. Collective.
+    """
+    bad = any(not torch.isfinite(g).all() for g in grads)
+    device = grads[0].device if grads else torch.device("cpu")
+    if shard_group is not None and dist.get_world_size(shard_group) > 1:
+        f = torch.tensor([1 if bad else 0], dtype=torch.uint8, device=device)
+        dist.all_reduce(f, op=dist.ReduceOp.MAX, group=shard_group)
+        bad = bool(f.item())
+    if link is None or link.group_size == 1:
+        return bad
+    numel = sum(g.numel() for g in grads)
+    flat = torch.empty(numel + 1, dtype=torch.float32, device=device)
+    if bad:
+        flat.zero_()
+        flat[-1] = 1.0
+    else:
+        offset = 0
+        for g in grads:
+            flat[offset:offset + g.numel()].copy_(g.reshape(-1))
+            offset += g.numel()
+        flat[-1] = 0.0
+    link.all_reduce(flat, op="avg")
+    if flat[-1].item() > 0:
+        return True
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
+        offset += n
+    return False
+
+
+class _FullSyncMixin:
+    link: Link | None
+    nonfinite: str
+    skipped_steps: int
+
+    def _init_sync(self, link: Link | None, nonfinite: str) -> None:
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        self.link = link
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        topo = link.topology if link is not None else None
+        check_sharded(self.param_groups, topo)  # type: ignore[attr-defined]
+        self._shard_group = (
+            topo.shard_group() if topo is not None and topo.shards > 1 and topo.world_size > 1 else None
+        )
+
+    def _sync(self) -> bool:
+        """All-reduce the gradients; True if the step may go ahead."""
+        grads = [local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]  # type: ignore[attr-defined]
+        if sync_gradients(grads, self.link, shard_group=self._shard_group):
+            if self.nonfinite == "raise":
+                raise NonFiniteGradientError(
+                    "a gradient holds NaN or Inf on at least one rank; the step was refused before any "
+                    "value was sent or changed. Lower the learning rate, clip gradients, or pass "
+                    "nonfinite='skip'."
+                )
+            self.skipped_steps += 1
+            log.warning("non-finite gradient: step skipped (%d skipped so far)", self.skipped_steps)
+            return False
+        return True
+
+
+class AdamWFullSync(_FullSyncMixin, AdamW):
+    """AdamW on the gradient all-reduced over the replicate group (HSDP-equivalent).
+
+    Args:
+        params, lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW` (foreach/fused too).
+        link: the inter-node link; None for a single process.
+        nonfinite: "raise" (default) or "skip" when a gradient holds NaN/Inf.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, *, link: Link | None = None,
+                 nonfinite: str = "raise", **adamw_kwargs) -> None:
+        if not isinstance(lr, torch.Tensor) and not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        AdamW.__init__(self, params, lr=lr, **adamw_kwargs)
+        self._init_sync(link, nonfinite)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._sync():
+            AdamW.step(self)
+        return loss
+
+
+class DetoFull(_FullSyncMixin, Optimizer):
+    """Sign-SGD on the fully synchronised gradient: x ← x − lr·sign(ḡ); x ← x − lr·wd·x.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate (> 0).
+        sign: step with sign(ḡ) (default) or ḡ.
+        weight_decay: decoupled weight decay (≥ 0).
+        link: the inter-node link; None for a single process.
+        nonfinite: "raise" (default) or "skip".
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, *, sign: bool = True, weight_decay: float = 0.0,
+                 link: Link | None = None, nonfinite: str = "raise") -> None:
+        if not isinstance(lr, torch.Tensor) and not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        Optimizer.__init__(self, params, dict(lr=lr, sign=sign, weight_decay=weight_decay))
+        self._init_sync(link, nonfinite)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._sync():
+            return loss
+        for group in self.param_groups:
+            lr = group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                x, g = local(p), local(p.grad)
+                x.add_(g.sign() if group["sign"] else g, alpha=-lr)
+                if group["weight_decay"] > 0:
+                    x.mul_(1.0 - lr * group["weight_decay"])
+        return loss

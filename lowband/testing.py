@@ -1,0 +1,117 @@
+"""Run a function on W real processes with gloo, for tests and quick experiments.
+
+Processes are forked (≈0.1 s for four ranks with gloo, against ≈5 s for torchrun or spawn), each
+with ``OMP_NUM_THREADS=1`` and one torch thread, on a free port. Every launch has a timeout; a rank
+that raises makes the launch raise with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["free_port", "run_ranks"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, local_world: int, port: int, fn, args, kwargs, queue, extra_env) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank % local_world), LOCAL_WORLD_SIZE=str(local_world), OMP_NUM_THREADS="1",
+        GROUP_RANK=str(rank // local_world),
+    )
+    os.environ.update(extra_env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, *args, **kwargs)
+        queue.put((rank, "ok", result))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with its traceback
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    *,
+    world_size: int,
+    ranks_per_node: int | None = None,
+    timeout_s: float = 120.0,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` forked gloo processes; return results by rank.
+
+    ``fn`` must be picklable-free (it is inherited through fork) and return picklable results.
+    Raises RuntimeError with the failing ranks' tracebacks, or TimeoutError naming the ranks
+    that did not finish within ``timeout_s``.
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    local_world = ranks_per_node or world_size
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, local_world, port, fn, args, kwargs or {}, queue, env or {}),
+                    daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, Any]] = {}
+    import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(results))
+                errors = {r: v for r, (s, v) in results.items() if s == "error"}
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s} s; errors so far: {errors}")
+            try:
+                rank, status, value = queue.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) and len(results) < world_size:
+                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                    if dead:
+                        raise RuntimeError(f"ranks {dead} died (exit codes "
+                                           f"{[procs[i].exitcode for i in dead]})") from None
+                continue
+            results[rank] = (status, value)
+            if status == "error":
+                # Give the other ranks a moment to report too, then fail with every error.
+                time.sleep(0.5)
+                while True:
+                    try:
+                        r2, s2, v2 = queue.get_nowait()
+                        results[r2] = (s2, v2)
+                    except queue_mod.Empty:
+                        break
+                errors = "\n".join(f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(results.items()) if s == "error")
+                raise RuntimeError(f"distributed run failed:\n{errors}")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [results[r][1] for r in range(world_size)]

@@ -1,0 +1,409 @@
+"""FlexDeMo, the full-sync baselines, the link and checkpoints on a real 2 × 2 gloo mesh.
+
+Each test is one multi-process launch (four forked ranks, OMP_NUM_THREADS=1) that checks many
+things; results come back to the parent, which asserts.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowband.compress import WireFormat, num_chunks
+from lowband.link import Link
+from lowband.optim import AdamWFullSync, DetoFull, FlexDeMo, NonFiniteGradientError
+from lowband.sharding import shard_model
+from lowband.testing import run_ranks
+from lowband.topology import Topology
+
+LR = 0.05
+
+
+class Block(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def make_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    # Odd sizes: shards are uneven and not multiples of the chunk (padding is exercised).
+    return nn.Sequential(Block(13, 37), Block(37, 29), nn.Linear(29, 3))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 13, generator=g), torch.randn(8, 3, generator=g)
+
+
+def loss_of(model, rank, step):
+    x, y = batch(rank, step)
+    return ((model(x) - y) ** 2).mean()
+
+
+def sharded(topo: Topology, seed: int = 0):
+    model = make_model(seed)
+    return shard_model(model, topo, blocks=[model[0], model[1]])
+
+
+def full_params(model) -> list[torch.Tensor]:
+    out = []
+    for p in model.parameters():
+        out.append(p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone())
+    return out
+
+
+def replicas_equal(model, topo: Topology) -> bool:
+    """All replicas of every shard hold identical values (gathered over the replicate group)."""
+    group = topo.replicate_group()
+    for p in model.parameters():
+        loc = p.to_local() if hasattr(p, "to_local") else p
+        bufs = [torch.empty_like(loc) for _ in range(topo.replicas)]
+        dist.all_gather(bufs, loc.detach().contiguous(), group=group)
+        if not all(torch.equal(bufs[0], b) for b in bufs[1:]):
+            return False
+    return True
+
+
+# ----------------------------------------------------------------------------- launch 1
+def _equivalences(rank: int) -> dict:
+    topo = Topology.from_env()
+    out: dict = {"topology": (topo.num_nodes, topo.ranks_per_node, topo.shards, topo.replicas)}
+    steps = 3
+
+    # (a) AdamW through the link vs FSDP2's own 2-D HSDP with AdamW.
+    model = sharded(topo)
+    link = Link(topo)
+    opt = AdamWFullSync(model.parameters(), lr=1e-2, link=link, weight_decay=0.01)
+    ref = make_model()
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = topo.mesh()
+    fully_shard(ref[0], mesh=mesh)
+    fully_shard(ref[1], mesh=mesh)
+    fully_shard(ref, mesh=mesh)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    adam_bytes = []
+    for step in range(steps):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            loss_of(m, rank, step).backward()
+            o.step()
+        adam_bytes.append(link.end_step())
+    a, b = full_params(model), full_params(ref)
+    out["adamw_vs_hsdp_maxdiff"] = max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+    out["adamw_moved"] = max((x - y).abs().max().item() for x, y in zip(a, full_params(make_model()), strict=True))
+    n_local = sum(p.to_local().numel() for p in model.parameters())
+    out["adamw_local_numel"] = n_local
+    out["adamw_bytes"] = [(t.inter_node_bytes_sent, t.by_kind()) for t in adam_bytes]
+
+    # (b) FlexDeMo, topk = chunk, fp32, sign off == SGD at lr² on the mean gradient over all W ranks.
+    model = sharded(topo)
+    link = Link(topo)
+    opt = FlexDeMo(model.parameters(), lr=LR, topk=16, chunk=16, sign=False, values="fp32", link=link)
+    ref = make_model()
+    sgd = torch.optim.SGD(ref.parameters(), lr=LR**2)
+    for step in range(steps):
+        opt.zero_grad()
+        loss_of(model, rank, step).backward()
+        opt.step()
+        link.end_step()
+        sgd.zero_grad()
+        # The mean gradient over all W ranks, computed locally on the full model.
+        torch.stack([loss_of(ref, r, step) for r in range(topo.world_size)]).mean().backward()
+        sgd.step()
+    out["flex_vs_sgd_maxdiff"] = max(
+        (x - y).abs().max().item() for x, y in zip(full_params(model), full_params(ref), strict=True)
+    )
+
+    # (c) FlexDeMo Top-1 / chunk 128, bf16, sign on: replicas identical after every step; bytes per formula.
+    model = sharded(topo)
+    link = Link(topo)
+    opt = FlexDeMo(model.named_parameters(), lr=LR, topk=1, chunk=128, weight_decay=0.01, link=link)
+    same, flex_bytes = [], []
+    for step in range(4):
+        opt.zero_grad()
+        loss_of(model, rank, step).backward()
+        opt.step()
+        flex_bytes.append(link.end_step())
+        same.append(replicas_equal(model, topo))
+    out["flex_replicas_equal"] = same
+    out["flex_bytes"] = [(t.inter_node_bytes_sent, t.by_kind()) for t in flex_bytes]
+    wire = WireFormat(128, 1, "bf16")
+    out["flex_expected_payload"] = sum(
+        wire.payload_nbytes(num_chunks(p.to_local().numel(), 128)) for p in model.parameters()
+    )
+    out["flex_payload_method"] = opt.payload_bytes()
+    out["flex_delta_is_dtensor_2d"] = type(opt.state[next(iter(model.parameters()))]["delta"]).__name__
+    out["moved"] = max((x - y).abs().max().item() for x, y in zip(full_params(model), full_params(make_model()), strict=True))
+
+    # (d) Deto-Full: sign-SGD on the mean gradient over all W ranks.
+    model = sharded(topo)
+    link = Link(topo)
+    opt = DetoFull(model.parameters(), lr=LR, link=link)
+    ref = make_model()
+    for step in range(2):
+        opt.zero_grad()
+        loss_of(model, rank, step).backward()
+        opt.step()
+        link.end_step()
+        ref.zero_grad()
+        torch.stack([loss_of(ref, r, step) for r in range(topo.world_size)]).mean().backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.sub_(LR * p.grad.sign())
+    diffs = [(x - y).abs() for x, y in zip(full_params(model), full_params(ref), strict=True)]
+    # sign() of a gradient within rounding of zero may flip: count elements off by more than rounding.
+    out["deto_mismatched"] = sum(int((d > 1e-5).sum()) for d in diffs)
+    out["deto_numel"] = sum(d.numel() for d in diffs)
+    return out
+
+
+def test_equivalences_and_bytes_on_2x2_mesh():
+    results = run_ranks(_equivalences, world_size=4, ranks_per_node=2, timeout_s=240)
+    for rank, r in enumerate(results):
+        assert r["topology"] == (2, 2, 2, 2)
+        assert r["adamw_moved"] > 1e-3
+        assert r["adamw_vs_hsdp_maxdiff"] < 1e-6, (rank, r["adamw_vs_hsdp_maxdiff"])
+        assert r["flex_vs_sgd_maxdiff"] < 1e-6, (rank, r["flex_vs_sgd_maxdiff"])
+        assert all(r["flex_replicas_equal"]), r["flex_replicas_equal"]
+        assert r["moved"] > 1e-3
+        assert r["flex_delta_is_dtensor_2d"] == "DTensor"
+        # Deto-Full: equal up to sign flips of near-zero gradient elements.
+        assert r["deto_mismatched"] <= 0.01 * r["deto_numel"], r["deto_mismatched"]
+        # Bytes, R = 2 (ring): all-gather sends (R-1)·payload; the NaN flag is a 1-byte all-reduce.
+        payload = r["flex_expected_payload"]
+        assert r["flex_payload_method"] == payload
+        for sent, kinds in r["flex_bytes"]:
+            assert kinds["all_gather"] == {"count": 1, "bytes": payload, "inter_node_bytes": payload,
+                                           "largest_group": 2}
+            assert kinds["all_reduce"]["bytes"] == 1 and kinds["all_reduce"]["count"] == 1
+            assert sent == payload + 1
+        # Full sync: ring all-reduce of n fp32 elements plus the flag element: 2·(R−1)/R·(n+1)·4.
+        n = r["adamw_local_numel"]
+        for sent, kinds in r["adamw_bytes"]:
+            assert sent == (2 * 1 * (n + 1) * 4) // 2
+            assert kinds == {"all_reduce": {"count": 1, "bytes": sent, "inter_node_bytes": sent, "largest_group": 2}}
+
+
+# ----------------------------------------------------------------------------- launch 2
+def _demo_and_single_node(rank: int, shards: int) -> dict:
+    topo = Topology.from_env(shards=shards)
+    model = sharded(topo)
+    link = Link(topo)
+    opt = FlexDeMo(model.parameters(), lr=LR, topk=2, chunk=64, link=link)
+    traffic = []
+    for step in range(2):
+        opt.zero_grad()
+        loss_of(model, rank, step).backward()
+        opt.step()
+        traffic.append(link.end_step())
+    return {
+        "replicas": topo.replicas,
+        "shards": topo.shards,
+        "payload": opt.payload_bytes(),
+        "traffic": [(t.inter_node_bytes_sent, t.node_inter_node_bytes_sent, t.bytes_sent, t.by_kind()) for t in traffic],
+        "equal": replicas_equal(model, topo) if topo.replicas > 1 else True,
+    }
+
+
+def test_demo_counts_only_bytes_that_cross_nodes():
+    # DeMo on 2 nodes × 2 ranks: S = 1, a replicate group of 4 with two ranks per node.
+    results = run_ranks(_demo_and_single_node, world_size=4, ranks_per_node=2, args=(1,), timeout_s=120)
+    per_node = {0: 0, 1: 0}
+    for rank, r in enumerate(results):
+        assert r["replicas"] == 4 and r["shards"] == 1 and r["equal"]
+        for inter, node_inter, total, kinds in r["traffic"]:
+            p = r["payload"]
+            assert kinds["all_gather"]["bytes"] == 3 * p  # ring: (R−1)·payload, all hops
+            # Ring 0→1→2→3→0: only ranks 1 and 3 send to the other node.
+            expected_inter = 3 * p + 1 if rank in (1, 3) else 0
+            assert inter == expected_inter, (rank, inter, expected_inter)
+            assert node_inter == 3 * p + 1  # each node's uplink carries one rank's ring traffic
+        per_node[rank // 2] += r["traffic"][0][0]
+    assert per_node[0] == per_node[1] > 0
+
+
+def test_single_node_sends_nothing_between_nodes():
+    # R = 1: one node of 4 ranks sharding one copy; nothing crosses nodes.
+    results = run_ranks(_demo_and_single_node, world_size=4, ranks_per_node=4, args=(None,), timeout_s=120)
+    for r in results:
+        assert r["replicas"] == 1 and r["shards"] == 4
+        for inter, node_inter, total, kinds in r["traffic"]:
+            assert inter == 0 and node_inter == 0 and total == 0
+
+
+# ----------------------------------------------------------------------------- launch 3
+def _checkpoint_resume(rank: int, ckpt_dir: str) -> dict:
+    from lowband.checkpoint import load_checkpoint, save_checkpoint
+
+    topo = Topology.from_env()
+
+    def run(model, opt, link, steps):
+        for step in steps:
+            opt.zero_grad()
+            loss_of(model, rank, step).backward()
+            opt.step()
+            link.end_step()
+
+    out = {}
+    for name, make_opt in (
+        ("flexdemo", lambda m, link: FlexDeMo(m.parameters(), lr=LR, topk=3, chunk=32, decay=0.9, link=link)),
+        ("adamw", lambda m, link: AdamWFullSync(m.parameters(), lr=1e-2, link=link)),
+    ):
+        # Uninterrupted: 6 steps.
+        model = sharded(topo)
+        link = Link(topo)
+        opt = make_opt(model, link)
+        run(model, opt, link, range(6))
+        straight = full_params(model)
+        # Interrupted: 3 steps, save, fresh model/optimizer, load, 3 more.
+        model = sharded(topo)
+        link = Link(topo)
+        opt = make_opt(model, link)
+        run(model, opt, link, range(3))
+        path = f"{ckpt_dir}/{name}"
+        save_checkpoint(path, model=model, optimizer=opt, extra={"step": 3})
+        model2 = sharded(topo, seed=123)  # different init: everything must come from the checkpoint
+        link2 = Link(topo)
+        opt2 = make_opt(model2, link2)
+        extra = load_checkpoint(path, model=model2, optimizer=opt2)
+        run(model2, opt2, link2, range(3, 6))
+        resumed = full_params(model2)
+        out[name] = {
+            "maxdiff": max((x - y).abs().max().item() for x, y in zip(straight, resumed, strict=True)),
+            "extra": extra,
+        }
+    return out
+
+
+def test_checkpoint_resume_follows_the_uninterrupted_trajectory(tmp_path):
+    results = run_ranks(_checkpoint_resume, world_size=4, ranks_per_node=2, args=(str(tmp_path),), timeout_s=240)
+    for r in results:
+        for name in ("flexdemo", "adamw"):
+            assert r[name]["maxdiff"] == 0.0, (name, r[name]["maxdiff"])
+            assert r[name]["extra"]["step"] == 3
+
+
+# ----------------------------------------------------------------------------- launch 4
+def _nonfinite(rank: int) -> dict:
+    topo = Topology.from_env()
+    out = {}
+    for name, cls, kw in (("flexdemo", FlexDeMo, dict(topk=1, chunk=16)), ("adamw", AdamWFullSync, {}),
+                          ("deto", DetoFull, {})):
+        model = sharded(topo)
+        link = Link(topo)
+        opt = cls(model.parameters(), lr=LR, link=link, nonfinite="skip", **kw)
+        before = [p.to_local().clone() for p in model.parameters()]
+        opt.zero_grad()
+        loss_of(model, rank, 0).backward()
+        if rank == 3:  # one rank of node 1 holds a NaN in one gradient shard
+            next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("nan")
+        opt.step()
+        traffic = link.end_step()
+        unchanged = all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters(), strict=True))
+        states_finite = all(
+            torch.isfinite(v.to_local() if hasattr(v, "to_local") else v).all().item()
+            for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.is_floating_point()
+        )
+        out[name] = {"skipped": opt.skipped_steps, "unchanged": unchanged, "states_finite": states_finite,
+                     "sent": traffic.inter_node_bytes_sent}
+        # raise policy: every rank raises the same clear error.
+        opt.nonfinite = "raise"
+        opt.zero_grad()
+        loss_of(model, rank, 1).backward()
+        if rank == 0:
+            next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("inf")
+        try:
+            opt.step()
+            out[name]["raised"] = None
+        except NonFiniteGradientError as e:
+            out[name]["raised"] = str(e)
+        link.end_step()
+    return out
+
+
+def test_nonfinite_gradient_is_refused_everywhere_and_never_sent():
+    results = run_ranks(_nonfinite, world_size=4, ranks_per_node=2, timeout_s=120)
+    for r in results:
+        for name in ("flexdemo", "adamw", "deto"):
+            assert r[name]["skipped"] == 1, (name, r[name])
+            assert r[name]["unchanged"], name
+            assert r[name]["states_finite"], name
+            assert r[name]["raised"] and "NaN or Inf" in r[name]["raised"]
+        assert r["flexdemo"]["sent"] == 1  # only the one-byte flag crossed the link
+
+
+# ----------------------------------------------------------------------------- bad input
+def _unsharded_param(rank: int) -> str:
+    topo = Topology.from_env()
+    model = make_model()
+    try:
+        FlexDeMo(model.named_parameters(), lr=LR, link=Link(topo))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_unsharded_parameter_with_shards_is_a_clear_error():
+    results = run_ranks(_unsharded_param, world_size=4, ranks_per_node=2, timeout_s=60)
+    for msg in results:
+        assert "not sharded by FSDP2" in msg and "'0.lin.weight'" in msg and "shard_model" in msg
+
+
+def _launch_mismatch(rank: int) -> str:
+    try:
+        Topology(num_nodes=3, ranks_per_node=2).mesh()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_topology_that_does_not_match_the_launch():
+    msgs = run_ranks(_launch_mismatch, world_size=2, ranks_per_node=2, timeout_s=60)
+    assert all("6 ranks" in m and "world size 2" in m for m in msgs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(topk=0), "topk"),
+        (dict(topk=129, chunk=128), "topk"),
+        (dict(chunk=0), "chunk"),
+        (dict(decay=1.0), "decay"),
+        (dict(decay=-0.1), "decay"),
+        (dict(lr=0.0), "lr"),
+        (dict(lr=-1.0), "lr"),
+        (dict(values="int4"), "values"),
+        (dict(weight_decay=-1.0), "weight_decay"),
+        (dict(nonfinite="ignore"), "nonfinite"),
+    ],
+)
+def test_flexdemo_bad_hyperparameters(kwargs, needle):
+    model = make_model()
+    args = dict(lr=LR)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=needle):
+        FlexDeMo(model.parameters(), **args)
+
+
+def test_single_process_flexdemo_is_sharded_sign_sgd_without_traffic():
+    # S = R = 1: no process group; FlexDeMo runs on the whole model and sends nothing.
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = FlexDeMo(model.parameters(), lr=LR, topk=4, chunk=4, sign=False, values="fp32")
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR**2)
+    for step in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            loss_of(m, 0, step).backward()
+            o.step()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
