@@ -1,0 +1,152 @@
+"""Chunked DCT, top-k and the wire format, in one process."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from lowband.compress import (
+    VALUE_FORMATS,
+    WireFormat,
+    dct,
+    dct_basis,
+    from_chunks,
+    idct,
+    num_chunks,
+    scatter_chunks,
+    to_chunks,
+    topk_per_chunk,
+)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 7, 64, 128, 300])
+def test_basis_is_orthonormal_and_is_the_dct_ii(chunk):
+    b = dct_basis(chunk, torch.float64)
+    torch.testing.assert_close(b @ b.T, torch.eye(chunk, dtype=torch.float64), atol=1e-12, rtol=0)
+    # Against the textbook DCT-II sum for one random vector.
+    x = torch.randn(chunk, dtype=torch.float64)
+    n = torch.arange(chunk, dtype=torch.float64)
+    ref = torch.stack([
+        (x * torch.cos(math.pi * (2 * n + 1) * k / (2 * chunk))).sum() * math.sqrt((1 if k == 0 else 2) / chunk)
+        for k in range(chunk)
+    ])
+    torch.testing.assert_close(dct(x.view(1, -1))[0], ref, atol=1e-10, rtol=0)
+
+
+def test_basis_is_cached_per_chunk_dtype_device():
+    assert dct_basis(128) is dct_basis(128, torch.float32, "cpu")
+    assert dct_basis(128, torch.float64) is not dct_basis(128, torch.float32)
+    assert dct_basis(64) is not dct_basis(128)
+
+
+@pytest.mark.parametrize("numel, chunk", [(16204, 128), (4051, 128), (1, 128), (128, 128), (129, 128), (97, 1)])
+def test_padding_keeps_the_chunk_size_asked_for(numel, chunk):
+    # 16204 = 4·4051: DeToNATION's largest-divisor rule would give chunk 4; a prime gives chunk 1.
+    x = torch.randn(numel)
+    chunks = to_chunks(x, chunk)
+    assert chunks.shape == (num_chunks(numel, chunk), chunk)
+    assert torch.equal(from_chunks(chunks, numel), x)
+    assert torch.count_nonzero(chunks.reshape(-1)[numel:]) == 0
+
+
+def test_encode_decode_round_trip():
+    x = torch.randn(1000, dtype=torch.float64)
+    chunks = to_chunks(x, 128)
+    torch.testing.assert_close(from_chunks(idct(dct(chunks)), 1000), x, atol=1e-12, rtol=0)
+
+
+def test_topk_equal_to_chunk_reconstructs_exactly():
+    x = torch.randn(777, dtype=torch.float64)
+    coeffs = dct(to_chunks(x, 64))
+    idx, vals = topk_per_chunk(coeffs, 64)
+    torch.testing.assert_close(from_chunks(idct(scatter_chunks(idx, vals, 64)), 777), x, atol=1e-12, rtol=0)
+
+
+def test_topk_keeps_the_largest_magnitudes():
+    coeffs = torch.tensor([[0.1, -5.0, 3.0, 0.0], [2.0, 0.5, -0.25, -7.0]])
+    idx, vals = topk_per_chunk(coeffs, 2)
+    assert [sorted(r) for r in idx.tolist()] == [[1, 2], [0, 3]]
+    assert sorted(vals[0].tolist()) == [-5.0, 3.0]
+    with pytest.raises(ValueError, match="topk"):
+        topk_per_chunk(coeffs, 5)
+    with pytest.raises(ValueError, match="topk"):
+        topk_per_chunk(coeffs, 0)
+
+
+def test_decode_is_the_true_mean_over_replicas():
+    # ALGORITHMS.md: replicas sending {1,1} and {3,5} at positions {0,1} and {1,2} must decode to
+    # [0.5, 2, 2.5, 0] (DeToNATION's "mean over those who picked it" gives [1, 2, 5, 0]).
+    idx = torch.tensor([[[0, 1]], [[1, 2]]])
+    vals = torch.tensor([[[1.0, 1.0]], [[3.0, 5.0]]])
+    mean = scatter_chunks(idx, vals, 4) / 2
+    assert mean.tolist() == [[0.5, 2.0, 2.5, 0.0]]
+
+
+@pytest.mark.parametrize("values, chunk, topk", list(itertools.product(VALUE_FORMATS, [4, 128, 256, 257, 4096], [1, 3])))
+def test_pack_unpack_round_trip_and_payload_size(values, chunk, topk):
+    wire = WireFormat(chunk, topk, values)
+    n = 37
+    coeffs = torch.randn(n, chunk)
+    idx, vals = topk_per_chunk(coeffs, topk)
+    buf = wire.pack(idx, vals)
+    assert buf.dtype == torch.uint8 and buf.dim() == 1
+    assert buf.numel() == wire.payload_nbytes(n)
+    idx_bytes = 1 if chunk <= 256 else 2
+    count = n * topk
+    value_bytes = {"bf16": 2 * count, "fp32": 4 * count, "sign": -(-count // 8) + 4}[values]
+    assert wire.payload_nbytes(n) == count * idx_bytes + value_bytes
+    idx2, vals2 = wire.unpack(buf, n)
+    assert torch.equal(idx2, idx)
+    if values == "fp32":
+        assert torch.equal(vals2, vals)
+    elif values == "bf16":
+        assert torch.equal(vals2, vals.to(torch.bfloat16).float())
+    else:
+        scale = vals.abs().mean()
+        assert torch.equal(vals2.sign(), torch.where(vals >= 0, 1.0, -1.0))
+        torch.testing.assert_close(vals2.abs(), torch.full_like(vals, scale.item()))
+    # Gathered buffers with a leading replica dimension unpack row by row.
+    stacked = torch.stack([buf, buf])
+    idx3, vals3 = wire.unpack(stacked, n)
+    assert idx3.shape == (2, n, topk) and torch.equal(idx3[1], idx) and torch.equal(vals3[0], vals2)
+
+
+def test_index_dtype_is_the_smallest_that_fits():
+    assert WireFormat(128, 1).index_dtype == torch.uint8
+    assert WireFormat(256, 1).index_dtype == torch.uint8
+    assert WireFormat(257, 1).index_bytes == 2
+    assert WireFormat(65536, 1).index_bytes == 2
+    assert WireFormat(65537, 1).index_bytes == 4
+    # Index 65535 survives the 16-bit path.
+    wire = WireFormat(65536, 1, "fp32")
+    idx = torch.tensor([[65535], [0], [32768]])
+    vals = torch.tensor([[1.0], [2.0], [3.0]])
+    assert torch.equal(wire.unpack(wire.pack(idx, vals), 3)[0], idx)
+
+
+def test_top1_chunk128_is_3_bytes_per_chunk_against_8_for_int32_fp32():
+    # Paper setting: Top-1, chunk 128. DeToNATION sends int32 + fp32 = 8 bytes per coefficient.
+    n = num_chunks(16204, 128)
+    assert WireFormat(128, 1, "bf16").payload_nbytes(n) == 3 * n
+    assert 8 * n / WireFormat(128, 1, "bf16").payload_nbytes(n) == pytest.approx(8 / 3)
+
+
+def test_empty_tensor_packs_to_nothing_but_the_sign_scale():
+    for values in VALUE_FORMATS:
+        wire = WireFormat(16, 2, values)
+        idx = torch.empty(0, 2, dtype=torch.long)
+        vals = torch.empty(0, 2)
+        buf = wire.pack(idx, vals)
+        assert buf.numel() == wire.payload_nbytes(0) == (4 if values == "sign" else 0)
+        i2, v2 = wire.unpack(buf, 0)
+        assert i2.shape == (0, 2) and v2.shape == (0, 2)
+
+
+@pytest.mark.parametrize("kwargs", [dict(chunk=0, topk=1), dict(chunk=8, topk=9), dict(chunk=8, topk=0),
+                                    dict(chunk=8, topk=1, values="fp8")])
+def test_wire_format_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        WireFormat(**kwargs)
