@@ -1,0 +1,56 @@
+"""``lowband train | bench | report | simulate``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+__all__ = ["main", "build_parser"]
+
+# command -> (module with add_arguments/main, help); modules are imported only when used.
+COMMANDS = {
+    "train": ("lowband.train.cli", "train on this rank (launch with torchrun on real clusters)"),
+    "bench": ("lowband.bench", "methods × links on emulated nodes: tables, results.json and plots"),
+    "report": ("lowband.bench.report_cli", "re-render report.md and plots of a bench run directory"),
+    "simulate": ("lowband.simulate", "model DiLoCo's all-reduce against NoLoCo's gossip for 2..1024 replicas"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lowband", description="Training across nodes joined by slow links.")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if command in (None, name):
+            try:
+                importlib.import_module(module).add_arguments(p)
+            except ModuleNotFoundError as e:
+                if command == name:
+                    raise
+                logging.getLogger(__name__).debug("%s unavailable: %s", name, e)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    parser = build_parser(command)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.main(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"lowband {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"lowband {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

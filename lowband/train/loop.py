@@ -1,0 +1,388 @@
+"""``lowband train``: the training loop, run on every rank (torchrun on clusters, or `lowband bench`).
+
+Per step and rank: the rank's slice of the global batch -> forward/backward (FSDP2 reduce-scatters
+inside the node) -> ``optimizer.step()`` (the inter-node part, through the link) -> the link's
+record of the step. Rank 0 writes ``metrics.jsonl``; every rank writes ``summary_rank{R}.json``.
+
+Outputs in ``--out`` (schema used by `lowband bench`):
+
+- ``metrics.jsonl`` (rank 0): ``{"type": "train", "step", "epoch", "loss", "step_time_s",
+  "compute_time_s", "comm_time_s", "inter_node_bytes_sent", "wall_s", "lr"}`` per step and
+  ``{"type": "val", "step", "epoch", "val_loss", "wall_s"}`` per validation.
+- ``summary_rank{R}.json``: medians of the step timings (warm-up steps excluded), bytes per step,
+  the link's operations by kind, peak memory, the final validation loss and its history.
+- ``checkpoints/step_NNNNNN/`` (DCP) every ``--ckpt-every`` steps and at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowband.link import Link
+from lowband.topology import Topology
+from lowband.train.methods import METHODS, build_optimizer, check_hyperparameters, method_shards
+
+__all__ = ["TrainConfig", "run_training", "WARMUP_STEPS_EXCLUDED"]
+
+log = logging.getLogger(__name__)
+
+# Step timings of the first steps (allocator warm-up, first collectives) are left out of medians.
+WARMUP_STEPS_EXCLUDED = 2
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One training run.
+
+    Args:
+        method: a key of :data:`lowband.train.methods.METHODS`.
+        hp: hyper-parameter overrides for the method (see ``METHODS[method].hyperparameters``).
+        model: a named size (:data:`lowband.train.models.MODEL_SIZES`) or a local model directory.
+        data: a local data file, or None for the embedded default (Wikipedia vital articles).
+        source_column, target_column, text_column: columns of a user's jsonl/csv.
+        max_source_len, max_target_len, max_len: truncation (paper: 512 in, 150 out).
+        vocab_size: size of the tokenizer lowband trains on the data.
+        val_size: validation examples (count) or share (fraction).
+        max_examples: use at most this many examples (quick runs).
+        steps: optimizer steps.
+        batch_size: examples per rank per step.
+        seed: model init, data order and everything random.
+        shards: ranks that shard one model copy (None: all ranks of a node; DeMo: 1).
+        schedule: "constant" or "cosine" (linear warm-up then cosine to min_lr_ratio × lr).
+        warmup_steps, min_lr_ratio: of the schedule.
+        val_every: validate every this many steps (0: only per epoch and at the end).
+        val_batches: validation batches per evaluation.
+        ckpt_every: checkpoint every this many steps (0: only at the end when ckpt_at_end).
+        ckpt_at_end: write a checkpoint after the last step.
+        resume: a checkpoint directory, or "auto" for the newest under OUT/checkpoints.
+        out: run directory.
+        tensorboard: also write TensorBoard scalars (needs the tensorboard package).
+        progress: show a progress bar on rank 0.
+    """
+
+    method: str = "flexdemo"
+    hp: dict[str, Any] = field(default_factory=dict)
+    model: str = "t5-mini"
+    data: str | None = None
+    source_column: str = "source"
+    target_column: str = "target"
+    text_column: str = "text"
+    max_source_len: int = 128
+    max_target_len: int = 32
+    max_len: int = 128
+    vocab_size: int = 8192
+    val_size: float | int = 256
+    max_examples: int | None = None
+    steps: int = 100
+    batch_size: int = 8
+    seed: int = 0
+    shards: int | None = None
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    val_every: int = 0
+    val_batches: int = 8
+    ckpt_every: int = 0
+    ckpt_at_end: bool = False
+    resume: str | None = None
+    out: str = "runs/train"
+    tensorboard: bool = False
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Check everything that can be checked before any process group exists."""
+        check_hyperparameters(self.method, self.hp)
+        for name in ("steps", "batch_size", "val_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("val_every", "ckpt_every", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.schedule not in ("constant", "cosine"):
+            raise ValueError(f"--schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.data is not None and not Path(self.data).exists():
+            raise FileNotFoundError(f"data file {self.data!r} does not exist; pass a local .jsonl/.csv/.txt file "
+                                    "or leave --data out for the embedded Wikipedia data")
+        from lowband.train.models import MODEL_SIZES
+
+        if self.model not in MODEL_SIZES and not (Path(self.model) / "config.json").exists():
+            raise ValueError(f"unknown model {self.model!r}; named sizes: {', '.join(MODEL_SIZES)}, "
+                             "or a local model directory with a config.json")
+
+
+# --------------------------------------------------------------------------- helpers
+def _init_distributed() -> None:
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+def _model_kind(model: str) -> str:
+    from lowband.train.models import MODEL_SIZES
+
+    if model in MODEL_SIZES:
+        return MODEL_SIZES[model].kind
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model, local_files_only=True)
+    return "seq2seq" if getattr(cfg, "is_encoder_decoder", False) else "causal"
+
+
+def _peak_rss_mb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Multiplier of the base lr at each step: constant, or linear warm-up then cosine decay."""
+    def f(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        span = max(1, cfg.steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+@torch.no_grad()
+def evaluate(model, data, *, batch_size: int, max_batches: int, device) -> float:
+    """Token-weighted mean validation loss of this rank's model copy (all shard ranks call it)."""
+    from lowband.train.data import val_batches
+    from lowband.train.models import compute_loss
+
+    was_training = model.training
+    model.eval()
+    total, tokens = 0.0, 0
+    for batch in val_batches(data, batch_size=batch_size, max_batches=max_batches):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        n = int((batch["labels"] != -100).sum())
+        total += compute_loss(model, batch).item() * n
+        tokens += n
+    model.train(was_training)
+    return total / max(tokens, 1)
+
+
+class _Metrics:
+    """metrics.jsonl (and TensorBoard) on rank 0."""
+
+    def __init__(self, out: Path, *, enabled: bool, tensorboard: bool, append: bool) -> None:
+        self.enabled = enabled
+        self.file = open(out / "metrics.jsonl", "a" if append else "w") if enabled else None  # noqa: SIM115
+        self.tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out / "tensorboard"))
+            except ImportError as e:
+                raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from e
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k not in ("type", "step") and isinstance(v, int | float):
+                    self.tb.add_scalar(f"{record['type']}/{k}", v, record["step"])
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+# --------------------------------------------------------------------------- the run
+def run_training(cfg: TrainConfig) -> dict:
+    """Train on this rank; return this rank's summary (also written to ``summary_rank{R}.json``)."""
+    cfg.validate()
+    _init_distributed()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    shards = method_shards(cfg.method, local_world, cfg.shards)
+    topology = Topology.from_env(shards=shards)
+    topology.check_launch()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # T5 blocks return views; FSDP2 warns that an in-place op on them would skip its hook. Neither
+    # model does one: tests/test_sharding.py checks sharded T5 gradients against unsharded ones.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    t_start = time.perf_counter()
+
+    from lowband.sharding import shard_model
+    from lowband.train.data import DataConfig, epoch_of, load_data, steps_per_epoch, train_batch
+    from lowband.train.models import build_model, compute_loss, transformer_blocks
+
+    data = load_data(DataConfig(
+        path=cfg.data, kind=_model_kind(cfg.model), source_column=cfg.source_column,
+        target_column=cfg.target_column, text_column=cfg.text_column, val_size=cfg.val_size,
+        max_source_len=cfg.max_source_len, max_target_len=cfg.max_target_len, max_len=cfg.max_len,
+        vocab_size=cfg.vocab_size, seed=cfg.seed, max_examples=cfg.max_examples,
+    ))
+    spec = build_model(cfg.model, vocab_size=data.vocab_size, seed=cfg.seed)
+    model = spec.model.to(device)
+    model = shard_model(model, topology, blocks=transformer_blocks(model))
+    link = Link.from_env(topology)
+    hp = check_hyperparameters(cfg.method, cfg.hp)
+    optimizer = build_optimizer(cfg.method, model.named_parameters(), link=link, hp=cfg.hp, model=model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+    start_step = 0
+    if cfg.resume:
+        from lowband.checkpoint import latest_checkpoint, load_checkpoint
+
+        path = latest_checkpoint(out / "checkpoints") if cfg.resume == "auto" else Path(cfg.resume)
+        if path is None:
+            raise FileNotFoundError(f"--resume auto: no checkpoint under {out / 'checkpoints'}; "
+                                    "drop --resume to start afresh")
+        extra = load_checkpoint(path, model=model, optimizer=optimizer)
+        start_step = int(extra["step"])
+        scheduler.load_state_dict(extra["scheduler"])
+        link.end_step()  # loading may run a zero-lr step (DCP initialises optimizer state): not traffic
+        link.history.clear()
+        log.info("resumed from %s at step %d", path, start_step)
+
+    metrics = _Metrics(out, enabled=rank == 0, tensorboard=cfg.tensorboard, append=start_step > 0)
+    spe = steps_per_epoch(data, world_size=world, batch_size=cfg.batch_size)
+    bar = None
+    if rank == 0 and cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start_step, desc=f"{cfg.method}", file=sys.stderr,
+                   dynamic_ncols=True, mininterval=1.0)
+
+    step_times, compute_times, comm_times, sent, node_sent, sync_times = [], [], [], [], [], []
+    ops_total: dict[str, dict[str, int]] = {}
+    val_history: list[list[float]] = []
+    train_loss = float("nan")
+    wall0 = time.perf_counter()
+
+    def validate(step: int) -> float:
+        v = evaluate(model, data, batch_size=cfg.batch_size, max_batches=cfg.val_batches, device=device)
+        wall = time.perf_counter() - wall0
+        val_history.append([step, wall, v])
+        metrics.write({"type": "val", "step": step, "epoch": epoch_of(step, data=data, world_size=world,
+                                                                      batch_size=cfg.batch_size),
+                       "val_loss": v, "wall_s": wall})
+        return v
+
+    if start_step == 0:
+        validate(0)
+    try:
+        for step in range(start_step, cfg.steps):
+            batch = {k: v.to(device) for k, v in
+                     train_batch(data, step=step, rank=rank, world_size=world, batch_size=cfg.batch_size,
+                                 seed=cfg.seed).items()}
+            # Dropout masks as a function of (seed, step, rank): a resumed run repeats them exactly.
+            torch.manual_seed((cfg.seed * 1_000_003 + step) * world + rank)
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = compute_loss(model, batch)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            step_time = time.perf_counter() - t0
+            traffic = link.end_step()
+            link.history.clear()
+            train_loss = loss.item()
+            if not math.isfinite(train_loss):
+                raise FloatingPointError(f"training loss is {train_loss} at step {step}; lower --lr")
+            comm = traffic.comm_time_s
+            if step - start_step >= WARMUP_STEPS_EXCLUDED:
+                step_times.append(step_time)
+                comm_times.append(comm)
+                compute_times.append(step_time - comm)
+            sent.append(traffic.inter_node_bytes_sent)
+            node_sent.append(traffic.node_inter_node_bytes_sent)
+            if traffic.ops and METHODS[cfg.method].family == "local":
+                sync_times.append(comm)
+            for kind, d in traffic.by_kind().items():
+                acc = ops_total.setdefault(kind, {"count": 0, "bytes": 0, "inter_node_bytes": 0, "largest_group": 0})
+                acc["count"] += d["count"]
+                acc["bytes"] += d["bytes"]
+                acc["inter_node_bytes"] += d["inter_node_bytes"]
+                acc["largest_group"] = max(acc["largest_group"], d["largest_group"])
+            epoch = epoch_of(step, data=data, world_size=world, batch_size=cfg.batch_size)
+            metrics.write({"type": "train", "step": step + 1, "epoch": epoch, "loss": train_loss,
+                           "step_time_s": step_time, "compute_time_s": step_time - comm, "comm_time_s": comm,
+                           "inter_node_bytes_sent": traffic.inter_node_bytes_sent,
+                           "wall_s": time.perf_counter() - wall0, "lr": scheduler.get_last_lr()[0]})
+            done = step + 1
+            end_of_epoch = done % spe == 0
+            if done < cfg.steps and ((cfg.val_every and done % cfg.val_every == 0) or end_of_epoch):
+                validate(done)
+            if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < cfg.steps:
+                _save(out, done, model, optimizer, scheduler)
+            if bar is not None:
+                bar.set_postfix(loss=f"{train_loss:.3f}", s_step=f"{step_time:.3f}",
+                                comm=f"{comm:.3f}", refresh=False)
+                bar.update(1)
+        final_val = validate(cfg.steps)
+        if cfg.ckpt_at_end or cfg.ckpt_every:
+            _save(out, cfg.steps, model, optimizer, scheduler)
+    finally:
+        if bar is not None:
+            bar.close()
+        metrics.close()
+
+    med = statistics.median
+    summary = {
+        "rank": rank, "node": topology.node_of(rank), "method": cfg.method, "hp": hp,
+        "topk": hp.get("topk"), "chunk": hp.get("chunk"), "shards": topology.shards,
+        "nodes": topology.num_nodes, "ranks_per_node": topology.ranks_per_node, "replicas": topology.replicas,
+        "steps": cfg.steps, "start_step": start_step, "model": cfg.model, "num_params": spec.num_params,
+        "batch_size": cfg.batch_size, "status": "ok",
+        "step_time_s": med(step_times) if step_times else None,
+        "compute_time_s": med(compute_times) if compute_times else None,
+        "comm_time_s": med(comm_times) if comm_times else None,
+        "inter_node_bytes_per_step": sum(sent) / max(len(sent), 1),
+        "node_inter_node_bytes_per_step": sum(node_sent) / max(len(node_sent), 1),
+        "link_ops": ops_total, "peak_rss_mb": _peak_rss_mb(), "val_loss": final_val,
+        "val_history": val_history, "train_loss": train_loss,
+        "shaping": {"bandwidth_bps": link.bandwidth_bps, "latency_s": link.latency_s} if link.shaping else None,
+        "wall_time_s": time.perf_counter() - t_start, "data": data.name, "config": asdict(cfg),
+    }
+    if METHODS[cfg.method].family == "local":
+        summary["sync_time_s"] = med(sync_times) if sync_times else None
+        summary["outer_steps"] = getattr(optimizer, "outer_steps", len(sync_times))
+    (out / f"summary_rank{rank}.json").write_text(json.dumps(summary, indent=1, default=str))
+    if dist.is_initialized():
+        dist.barrier()
+    return summary
+
+
+def _save(out: Path, step: int, model, optimizer, scheduler) -> None:
+    from lowband.checkpoint import save_checkpoint
+
+    save_checkpoint(out / "checkpoints" / f"step_{step:06d}", model=model, optimizer=optimizer,
+                    extra={"step": step, "scheduler": scheduler.state_dict()})
