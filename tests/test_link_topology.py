@@ -1,0 +1,80 @@
+"""Topology arithmetic, bandwidth parsing and the link's shaping, on real gloo processes where needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowband.link import Link, parse_bandwidth
+from lowband.testing import run_ranks
+from lowband.topology import Topology
+
+
+@pytest.mark.parametrize("text, bps", [("100mbit", 100e6), ("1gbit", 1e9), ("500Mbps", 500e6), ("2.5e8", 2.5e8),
+                                       ("1.5 Gbit/s", 1.5e9), (250_000_000, 2.5e8)])
+def test_parse_bandwidth(text, bps):
+    assert parse_bandwidth(text) == pytest.approx(bps)
+
+
+@pytest.mark.parametrize("text", ["fast", "100mbitz", "", "-5mbit", "0"])
+def test_parse_bandwidth_rejects_nonsense_and_lists_units(text):
+    with pytest.raises(ValueError, match="bandwidth"):
+        parse_bandwidth(text)
+
+
+def test_topology_layout():
+    t = Topology(num_nodes=2, ranks_per_node=2)
+    assert (t.world_size, t.replicas, t.shards) == (4, 2, 2)
+    assert t.replicate_group_ranks(1) == [1, 3] and t.shard_group_ranks(3) == [2, 3]
+    assert [t.node_of(r) for r in range(4)] == [0, 0, 1, 1]
+    d = Topology(num_nodes=2, ranks_per_node=2, shards=1)
+    assert d.replicas == 4 and d.replicate_group_ranks(2) == [0, 1, 2, 3]
+
+
+def test_topology_errors_name_both_numbers(monkeypatch):
+    with pytest.raises(ValueError, match=r"shards=3 must divide ranks_per_node=4"):
+        Topology(num_nodes=2, ranks_per_node=4, shards=3)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"world size 6 does not factor into nodes of LOCAL_WORLD_SIZE=4"):
+        Topology.from_env()
+    with pytest.raises(ValueError):
+        Topology(num_nodes=0, ranks_per_node=1)
+
+
+def _shaped(rank: int) -> dict:
+    topo = Topology.from_env()
+    link = Link(topo, bandwidth_bps=8e6, latency_s=0.05)  # 1 MB/s per node uplink
+    x = torch.ones(25_000)  # 100 kB per rank
+    link.all_reduce(x, op="avg")
+    ar = link.current.ops[-1]
+    y = link.all_gather(torch.full((10_000,), float(rank)))  # 40 kB per rank
+    ag = link.current.ops[-1]
+    peer = topo.replicate_group_ranks(rank)
+    recv = link.exchange(torch.full((5,), float(rank)), [p for p in peer if p != rank])
+    ex = link.current.ops[-1]
+    return {"ar": (ar.node_inter_node_bytes_sent, ar.modelled_link_time_s, ar.time_s, x[0].item()),
+            "ag": (ag.node_inter_node_bytes_sent, ag.modelled_link_time_s, ag.time_s, y[:, 0].tolist()),
+            "ex": (ex.group_size, ex.inter_node_bytes_sent, recv[0][0].item())}
+
+
+def test_shaping_makes_operations_take_the_link_time():
+    results = run_ranks(_shaped, world_size=4, ranks_per_node=2, timeout_s=60)
+    for rank, r in enumerate(results):
+        node_bytes, modelled, took, value = r["ar"]
+        # R = 2: each rank sends 2·(R−1)/R·100 kB = 100 kB; the node's two ranks share the uplink.
+        assert node_bytes == 200_000
+        assert modelled == pytest.approx(200_000 * 8 / 8e6 + 0.05 * 2)
+        assert took >= modelled and value == 1.0
+        node_bytes, modelled, took, gathered = r["ag"]
+        assert node_bytes == 80_000 and modelled == pytest.approx(0.08 + 0.05) and took >= modelled
+        assert gathered == [float(p) for p in [rank % 2, rank % 2 + 2]]
+        group, inter, peer_value = r["ex"]
+        assert group == 2 and inter == 20 and peer_value == float((rank + 2) % 4)
+
+
+def test_link_rejects_bad_settings():
+    t = Topology(num_nodes=1, ranks_per_node=1)
+    for kwargs in (dict(bandwidth_bps=0), dict(latency_s=-1), dict(timeout_s=0)):
+        with pytest.raises(ValueError):
+            Link(t, **kwargs)
