@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "or a local model directory (config.json, optional weights)")
     m.add_argument("--data", default=None, help="local .jsonl/.csv/.txt file (default: embedded Wikipedia "
                    "lead paragraph -> description pairs)")
+    m.add_argument("--val-data", default=None, help="separate validation file (same format as --data)")
+    m.add_argument("--tokenizer", default=None, help="a tokenizer.json or its directory (default: train one "
+                   "on the data, cached)")
     m.add_argument("--source-column", default=d.source_column)
     m.add_argument("--target-column", default=d.target_column)
     m.add_argument("--text-column", default=d.text_column)
@@ -99,7 +102,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if val_size >= 1:
         val_size = int(val_size)
     return TrainConfig(
-        method=args.method, hp=hp, model=args.model, data=args.data, source_column=args.source_column,
+        method=args.method, hp=hp, model=args.model, data=args.data, val_data=args.val_data,
+        tokenizer=args.tokenizer, source_column=args.source_column,
         target_column=args.target_column, text_column=args.text_column, max_source_len=args.max_source_len,
         max_target_len=args.max_target_len, max_len=args.max_len, vocab_size=args.vocab_size,
         val_size=val_size, max_examples=args.max_examples, steps=args.steps, batch_size=args.batch_size,

@@ -53,6 +53,8 @@ class TrainConfig:
         hp: hyper-parameter overrides for the method (see ``METHODS[method].hyperparameters``).
         model: a named size (:data:`lowband.train.models.MODEL_SIZES`) or a local model directory.
         data: a local data file, or None for the embedded default (Wikipedia vital articles).
+        val_data: a separate validation file (then all of ``data`` is for training).
+        tokenizer: a tokenizer.json (or a directory holding one); None trains one on the data.
         source_column, target_column, text_column: columns of a user's jsonl/csv.
         max_source_len, max_target_len, max_len: truncation (paper: 512 in, 150 out).
         vocab_size: size of the tokenizer lowband trains on the data.
@@ -78,6 +80,8 @@ class TrainConfig:
     hp: dict[str, Any] = field(default_factory=dict)
     model: str = "t5-mini"
     data: str | None = None
+    val_data: str | None = None
+    tokenizer: str | None = None
     source_column: str = "source"
     target_column: str = "target"
     text_column: str = "text"
@@ -116,9 +120,11 @@ class TrainConfig:
             raise ValueError(f"--schedule must be 'constant' or 'cosine', got {self.schedule!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.data is not None and not Path(self.data).exists():
-            raise FileNotFoundError(f"data file {self.data!r} does not exist; pass a local .jsonl/.csv/.txt file "
-                                    "or leave --data out for the embedded Wikipedia data")
+        for flag, path in (("--data", self.data), ("--val-data", self.val_data), ("--tokenizer", self.tokenizer)):
+            if path is not None and not Path(path).exists():
+                raise FileNotFoundError(f"{flag} {path!r} does not exist; pass a local file (data: .jsonl, .csv, "
+                                        ".tsv, .txt; tokenizer: tokenizer.json or its directory), or leave "
+                                        f"{flag} out for the default")
         from lowband.train.models import MODEL_SIZES
 
         if self.model not in MODEL_SIZES and not (Path(self.model) / "config.json").exists():
@@ -135,17 +141,6 @@ def _init_distributed() -> None:
         dist.init_process_group("nccl")
     else:
         dist.init_process_group("gloo")
-
-
-def _model_kind(model: str) -> str:
-    from lowband.train.models import MODEL_SIZES
-
-    if model in MODEL_SIZES:
-        return MODEL_SIZES[model].kind
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model, local_files_only=True)
-    return "seq2seq" if getattr(cfg, "is_encoder_decoder", False) else "causal"
 
 
 def _peak_rss_mb() -> float:
@@ -239,10 +234,10 @@ def run_training(cfg: TrainConfig) -> dict:
 
     from lowband.sharding import shard_model
     from lowband.train.data import DataConfig, epoch_of, load_data, steps_per_epoch, train_batch
-    from lowband.train.models import build_model, compute_loss, transformer_blocks
+    from lowband.train.models import build_model, compute_loss, model_kind, transformer_blocks
 
     data = load_data(DataConfig(
-        path=cfg.data, kind=_model_kind(cfg.model), source_column=cfg.source_column,
+        path=cfg.data, kind=model_kind(cfg.model), val_path=cfg.val_data, tokenizer=cfg.tokenizer, source_column=cfg.source_column,
         target_column=cfg.target_column, text_column=cfg.text_column, val_size=cfg.val_size,
         max_source_len=cfg.max_source_len, max_target_len=cfg.max_target_len, max_len=cfg.max_len,
         vocab_size=cfg.vocab_size, seed=cfg.seed, max_examples=cfg.max_examples,

@@ -1,0 +1,59 @@
+"""Training layer: data, tokenizer, models (and the training loop, evaluation, checkpoints).
+
+Names are imported lazily, so ``import lowband.train.<module>`` does not pull in transformers
+or datasets until a name that needs them is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    # data
+    "DataConfig": "lowband.train.data",
+    "Data": "lowband.train.data",
+    "Split": "lowband.train.data",
+    "load_data": "lowband.train.data",
+    "train_batch": "lowband.train.data",
+    "val_batches": "lowband.train.data",
+    "val_batch_count": "lowband.train.data",
+    "batch_indices": "lowband.train.data",
+    "collate": "lowband.train.data",
+    "steps_per_epoch": "lowband.train.data",
+    "epoch_of": "lowband.train.data",
+    "default_corpus_path": "lowband.train.data",
+    "describe": "lowband.train.data",
+    # tokenizer
+    "get_tokenizer": "lowband.train.tokenizer",
+    "load_tokenizer": "lowband.train.tokenizer",
+    "train_tokenizer": "lowband.train.tokenizer",
+    "special_ids": "lowband.train.tokenizer",
+    "SpecialIds": "lowband.train.tokenizer",
+    "cache_root": "lowband.train.tokenizer",
+    "DEFAULT_DATASET_ID": "lowband.train.tokenizer",
+    # models
+    "MODEL_SIZES": "lowband.train.models",
+    "ModelSize": "lowband.train.models",
+    "ModelSpec": "lowband.train.models",
+    "build_model": "lowband.train.models",
+    "model_kind": "lowband.train.models",
+    "transformer_blocks": "lowband.train.models",
+    "compute_loss": "lowband.train.models",
+    "count_params": "lowband.train.models",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lowband.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,299 @@
+"""Tokenizers for ``lowband train``: trained once on the training text, cached on disk.
+
+A tokenizer is either
+
+* trained with the ``tokenizers`` library on a list of texts (byte-level BPE by default, or
+  Unigram), with the special tokens ``<pad>`` = 0, ``</s>`` = 1 and ``<unk>`` = 2 (the ids a
+  randomly initialised T5 expects), and cached under ``$LOWBAND_CACHE/tokenizers`` (default
+  ``~/.cache/lowband``) keyed by a hash of (texts, vocabulary size, kind); or
+* loaded from a user's local ``tokenizer.json`` (or a directory holding one).
+
+Training is deterministic (the same texts give byte-identical ``tokenizer.json`` whatever the
+number of threads), so nodes without a shared file system still agree on the token ids.
+Several ranks starting at once are safe: one process trains while the others wait on a file
+lock, and the file appears through an atomic rename, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+logger = logging.getLogger(__name__)
+
+PAD_TOKEN = "<pad>"
+EOS_TOKEN = "</s>"
+UNK_TOKEN = "<unk>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, EOS_TOKEN, UNK_TOKEN)
+PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+
+TOKENIZER_KINDS: tuple[str, ...] = ("bpe", "unigram")
+DEFAULT_DATASET_ID = "wiki-vital-en"
+"""Name of the embedded default corpus (see :mod:`lowband.train.data`)."""
+
+# Bump when the trained tokenizer's recipe changes, so old cache entries are not reused.
+_RECIPE_VERSION = 1
+_LOCK_TIMEOUT_S = 600.0
+
+# How many tokenizers this process has trained (tests use it to see that the cache is reused).
+train_count = 0
+
+_PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>")
+_EOS_NAMES = ("</s>", "<eos>", "<|endoftext|>", "[SEP]", "<|eos|>")
+_UNK_NAMES = ("<unk>", "[UNK]", "<|unk|>")
+
+
+def cache_root() -> Path:
+    """The lowband cache directory: ``$LOWBAND_CACHE`` or ``~/.cache/lowband``.
+
+    Returns:
+        The directory (not created here).
+    """
+    env = os.environ.get("LOWBAND_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "lowband"
+
+
+@dataclass(kw_only=True, frozen=True)
+class SpecialIds:
+    """Ids of the special tokens a data pipeline needs.
+
+    Args:
+        pad: id used to pad inputs (labels are padded with -100 instead).
+        eos: id appended to every sequence.
+        unk: id of the unknown token, or None when the tokenizer has none.
+    """
+
+    pad: int
+    eos: int
+    unk: int | None
+
+
+def special_ids(tokenizer: Tokenizer) -> SpecialIds:
+    """Find pad / eos / unk ids of a tokenizer (ours: 0 / 1 / 2; a user's: looked up by name).
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer``.
+
+    Returns:
+        The ids. A tokenizer without a pad token pads with its eos id.
+
+    Raises:
+        ValueError: the tokenizer has no end-of-sequence token under any usual name.
+    """
+
+    def find(names: Sequence[str]) -> int | None:
+        for name in names:
+            idx = tokenizer.token_to_id(name)
+            if idx is not None:
+                return idx
+        return None
+
+    eos = find(_EOS_NAMES)
+    if eos is None:
+        raise ValueError(
+            f"the tokenizer has no end-of-sequence token (looked for {', '.join(_EOS_NAMES)}); "
+            "use a tokenizer that has one, or let lowband train its own (omit the tokenizer path)"
+        )
+    pad = find(_PAD_NAMES)
+    return SpecialIds(pad=eos if pad is None else pad, eos=eos, unk=find(_UNK_NAMES))
+
+
+def texts_fingerprint(texts: Iterable[str]) -> str:
+    """A content hash of a sequence of texts (order and boundaries included).
+
+    Args:
+        texts: the texts.
+
+    Returns:
+        Hex SHA-256 digest.
+    """
+    h = hashlib.sha256()
+    for text in texts:
+        data = text.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+def _new_tokenizer(kind: str, vocab_size: int) -> tuple[Tokenizer, trainers.Trainer]:
+    """An untrained tokenizer and its trainer for ``kind``."""
+    if kind == "bpe":
+        tok = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+        tok.decoder = decoders.ByteLevel()
+        trainer: trainers.Trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+    elif kind == "unigram":
+        tok = Tokenizer(models.Unigram())
+        tok.normalizer = normalizers.NFKC()
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        trainer = trainers.UnigramTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(SPECIAL_TOKENS),
+            unk_token=UNK_TOKEN,
+            show_progress=False,
+        )
+    else:
+        raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {', '.join(TOKENIZER_KINDS)}")
+    return tok, trainer
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int, *, kind: str = "bpe") -> Tokenizer:
+    """Train a tokenizer (no caching; see :func:`get_tokenizer`).
+
+    Args:
+        texts: training texts.
+        vocab_size: target vocabulary size, special tokens included. A small corpus may give
+            fewer entries; read the real size with ``tokenizer.get_vocab_size()``.
+        kind: ``"bpe"`` (byte-level BPE: never produces ``<unk>``) or ``"unigram"``.
+
+    Returns:
+        The trained tokenizer, with ``<pad>`` = 0, ``</s>`` = 1, ``<unk>`` = 2.
+
+    Raises:
+        ValueError: bad ``kind`` or ``vocab_size``, or no texts.
+    """
+    global train_count
+    if vocab_size < len(SPECIAL_TOKENS) + 1 or (kind == "bpe" and vocab_size < 256 + len(SPECIAL_TOKENS)):
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small for a {kind} tokenizer "
+            f"(byte-level BPE needs at least {256 + len(SPECIAL_TOKENS)})"
+        )
+    if len(texts) == 0:
+        raise ValueError("cannot train a tokenizer on no text: the training data is empty")
+    tok, trainer = _new_tokenizer(kind, vocab_size)
+    start = time.perf_counter()
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    train_count += 1
+    for token, idx in zip(SPECIAL_TOKENS, (PAD_ID, EOS_ID, UNK_ID), strict=True):
+        if tok.token_to_id(token) != idx:  # pragma: no cover - guaranteed by the trainers
+            raise RuntimeError(f"trained tokenizer has {token} at {tok.token_to_id(token)}, expected {idx}")
+    logger.info(
+        "trained %s tokenizer: %d entries on %d texts in %.2f s",
+        kind,
+        tok.get_vocab_size(),
+        len(texts),
+        time.perf_counter() - start,
+    )
+    return tok
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """Load a user's tokenizer: a ``tokenizer.json`` file or a directory that holds one.
+
+    Args:
+        path: file or directory.
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        FileNotFoundError: nothing there, or a directory without ``tokenizer.json``.
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "tokenizer.json"
+        if not p.is_file():
+            raise FileNotFoundError(
+                f"{path} has no tokenizer.json: give a directory saved by a fast (Rust) Hugging Face "
+                "tokenizer, or a tokenizer.json file"
+            )
+    elif not p.is_file():
+        raise FileNotFoundError(
+            f"tokenizer not found: {path} (give a tokenizer.json or a directory holding one)"
+        )
+    return Tokenizer.from_file(str(p))
+
+
+def _cached_train(texts: Sequence[str], vocab_size: int, kind: str, cache_dir: Path) -> Tokenizer:
+    """Train or reuse the tokenizer cached for (texts, vocab_size, kind)."""
+    key = hashlib.sha256(
+        f"v{_RECIPE_VERSION}|{kind}|{vocab_size}|{'|'.join(SPECIAL_TOKENS)}|{texts_fingerprint(texts)}".encode()
+    ).hexdigest()[:24]
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    target = cache_dir / f"{kind}-{vocab_size}-{key}.json"
+    if target.is_file():
+        logger.debug("reusing cached tokenizer %s", target)
+        return Tokenizer.from_file(str(target))
+
+    # One process trains; the others wait on the lock, then find the file. filelock ships with
+    # datasets / transformers / huggingface_hub, so it is present wherever they are.
+    from filelock import FileLock
+
+    with FileLock(str(target) + ".lock", timeout=_LOCK_TIMEOUT_S):
+        if target.is_file():
+            return Tokenizer.from_file(str(target))
+        tok = train_tokenizer(texts, vocab_size, kind=kind)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=target.name, suffix=".tmp")
+        os.close(fd)
+        try:
+            tok.save(tmp)
+            os.replace(tmp, target)  # atomic: readers without the lock never see a partial file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        logger.info("cached tokenizer at %s", target)
+    return tok
+
+
+def get_tokenizer(
+    source: str | os.PathLike[str] | Sequence[str],
+    vocab_size: int = 8192,
+    *,
+    kind: str = "bpe",
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Tokenizer:
+    """Get the tokenizer for some text: from the cache, trained now, or a user's own.
+
+    Args:
+        source: one of
+            * a sequence of texts: train on them (cached by content, vocab size and kind);
+            * ``"wiki-vital-en"`` (:data:`DEFAULT_DATASET_ID`): train on the embedded default
+              corpus, all of it (the tokenizer does not depend on the train/validation split);
+            * the path of a ``tokenizer.json`` or of a directory holding one: load it as is
+              (``vocab_size`` and ``kind`` are then ignored).
+        vocab_size: vocabulary size of a trained tokenizer, special tokens included.
+        kind: ``"bpe"`` (byte-level BPE, default, ~1 s on the default corpus) or ``"unigram"``.
+        cache_dir: where trained tokenizers are cached; default ``$LOWBAND_CACHE/tokenizers``.
+
+    Returns:
+        A ``tokenizers.Tokenizer``. Trained ones have ``<pad>`` = 0, ``</s>`` = 1, ``<unk>`` = 2;
+        use :func:`special_ids` to find them in any tokenizer.
+
+    Raises:
+        ValueError: a string that is neither the default corpus id nor an existing path, an
+            unknown ``kind``, or a ``vocab_size`` that is too small.
+        FileNotFoundError: a directory without ``tokenizer.json``.
+    """
+    if kind not in TOKENIZER_KINDS:
+        raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {', '.join(TOKENIZER_KINDS)}")
+    cdir = Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / "tokenizers"
+    if isinstance(source, (str, os.PathLike)):
+        if str(source) == DEFAULT_DATASET_ID:
+            from lowband.train.data import default_corpus_texts  # local import: data imports us
+
+            return _cached_train(default_corpus_texts(), vocab_size, kind, cdir)
+        if Path(source).expanduser().exists():
+            return load_tokenizer(source)
+        raise ValueError(
+            f"tokenizer source {str(source)!r} is neither the default corpus id {DEFAULT_DATASET_ID!r} "
+            "nor an existing tokenizer.json or directory holding one (nothing is downloaded)"
+        )
+    texts = list(source)
+    if not all(isinstance(t, str) for t in texts):
+        raise ValueError("get_tokenizer expects a sequence of str texts")
+    return _cached_train(texts, vocab_size, kind, cdir)
