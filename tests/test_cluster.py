@@ -1,0 +1,352 @@
+"""Emulated nodes: namespaces with real link limits, the throughput probe and the launcher.
+
+Tests that build namespaces skip (with the reason) where that is impossible, e.g. without root.
+Every namespace here uses the prefix ``lbtest`` so that other runs on the machine are untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lowband.cluster import (
+    EmulatedNetwork,
+    cleanup_leftovers,
+    default_burst_bytes,
+    launch_nodes,
+    list_namespaces,
+    measure_throughput,
+    netns_available,
+    torchrun_argv,
+)
+from lowband.cluster._procs import is_alive
+
+PREFIX = "lbtest"
+NETNS_OK, NETNS_REASON = netns_available(PREFIX)
+needs_netns = pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces unavailable: {NETNS_REASON}")
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The tiny distributed job: a gloo all_reduce over all ranks plus checks of the torchrun env.
+JOB = textwrap.dedent(
+    """
+    import os, sys, time
+    mode = sys.argv[1]
+    Path = __import__("pathlib").Path
+    (Path(sys.argv[2]) / f"started-{os.environ['RANK']}").touch()
+    if mode == "hang":
+        time.sleep(300)
+    if mode == "fail":
+        if os.environ["GROUP_RANK"] == "1":
+            sys.exit(3)
+        time.sleep(300)
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    assert os.environ["WORLD_SIZE"] == "4", os.environ["WORLD_SIZE"]
+    assert os.environ["LOCAL_WORLD_SIZE"] == "2", os.environ["LOCAL_WORLD_SIZE"]
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    assert os.environ["LB_TEST_ENV"] == "passed-through"
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.full((4096,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.all(t == 10.0), t[:4]
+    print(f"JOB-OK rank={rank} node={os.environ['GROUP_RANK']} if={os.environ['GLOO_SOCKET_IFNAME']}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _write_job(tmp_path: Path) -> Path:
+    script = tmp_path / "lbjob.py"
+    script.write_text(JOB)
+    return script
+
+
+def _our_namespaces(pid: int | None = None) -> list[str]:
+    head = f"{PREFIX}-{pid}-" if pid is not None else f"{PREFIX}-"
+    return [n for n in list_namespaces() if n.startswith(head)]
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    """Pids (other than this one) whose command line contains ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = (
+                Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            )
+        except OSError:
+            continue
+        if marker in cmdline and is_alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def _wait_until(cond, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+# --------------------------------------------------------------------------------- no root needed
+
+
+def test_argument_errors_name_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="prefix"):
+        EmulatedNetwork(2, 1e8, prefix="bad-prefix")
+    with pytest.raises(ValueError, match="num_nodes"):
+        EmulatedNetwork(0, 1e8)
+    with pytest.raises(ValueError, match="bandwidth_bps"):
+        EmulatedNetwork(2, 10.0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        launch_nodes(
+            num_nodes=2, ranks_per_node=1, module_args=[], env={}, net=None, timeout_s=0, log_dir=tmp_path
+        )
+    with pytest.raises(ValueError, match="script"):
+        launch_nodes(
+            num_nodes=2, ranks_per_node=1, module_args=[], env={}, net=None, timeout_s=5,
+            log_dir=tmp_path, script=tmp_path / "missing.py",
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="not running"):
+        EmulatedNetwork(2, 1e8, prefix=PREFIX).tx_bytes(0)
+    assert default_burst_bytes(100e6) == 50_000 and default_burst_bytes(1e6) == 16 * 1024
+
+
+def test_torchrun_argv_shapes() -> None:
+    argv = torchrun_argv(
+        num_nodes=3, ranks_per_node=2, node_rank=1, master_addr="10.77.0.1", master_port=29500,
+        local_addr="10.77.0.2", module_args=["bench", "--x"],
+    )  # fmt: skip
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    joined = " ".join(argv)
+    for part in ("--nnodes 3", "--nproc-per-node 2", "--node-rank 1", "--master-addr 10.77.0.1",
+                 "--master-port 29500", "--max-restarts 0"):  # fmt: skip
+        assert part in joined
+    assert argv[-4:] == ["-m", "lowband", "bench", "--x"]
+    script_argv = torchrun_argv(
+        num_nodes=1, ranks_per_node=1, node_rank=0, master_addr="127.0.0.1", master_port=1,
+        local_addr="127.0.0.1", module_args=["a"], script=Path("/x/job.py"),
+    )  # fmt: skip
+    assert script_argv[-2:] == ["/x/job.py", "a"]
+
+
+def test_loopback_fallback_runs_the_job(tmp_path: Path) -> None:
+    script = _write_job(tmp_path)
+    result = launch_nodes(
+        num_nodes=2, ranks_per_node=2, module_args=["run", str(tmp_path)],
+        env={"LB_TEST_ENV": "passed-through"}, net=None, timeout_s=90, log_dir=tmp_path / "logs",
+        script=script,
+    )  # fmt: skip
+    assert result.ok, result.failure_message()
+    assert result.master_addr == "127.0.0.1"
+    logs = "".join(p.read_text() for p in result.log_paths)
+    assert sorted(line.split()[1] for line in logs.splitlines() if line.startswith("JOB-OK")) == [
+        "rank=0", "rank=1", "rank=2", "rank=3",
+    ]  # fmt: skip
+    assert "if=lo" in logs
+    assert _processes_mentioning(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("mode", ["fail", "hang"])
+def test_failed_or_hanging_nodes_are_killed(tmp_path: Path, mode: str) -> None:
+    """A node that fails brings the others down after failure_grace_s; a hang hits timeout_s."""
+    script = _write_job(tmp_path)
+    result = launch_nodes(
+        num_nodes=2, ranks_per_node=1, module_args=[mode, str(tmp_path)], env={}, net=None,
+        timeout_s=40 if mode == "fail" else 8, log_dir=tmp_path / "logs", script=script,
+        failure_grace_s=1.0, kill_grace_s=2.0,
+    )  # fmt: skip
+    assert not result.ok
+    if mode == "fail":
+        assert result.returncodes[1] not in (0, None) and not result.killed[1]
+        assert result.killed[0] and not result.timed_out
+    else:
+        assert result.timed_out and all(result.killed)
+        assert "timed out" in result.failure_message()
+    assert all(rc is not None for rc in result.returncodes)
+    assert _processes_mentioning(str(tmp_path)) == []
+
+
+# ---------------------------------------------------------------------------------- needs netns
+
+
+@needs_netns
+def test_throughput_at_100mbit_and_byte_counters() -> None:
+    limit_bps = 100e6
+    with EmulatedNetwork(2, limit_bps, prefix=PREFIX) as net:
+        assert [n.ip for n in net.nodes] == ["10.77.0.1", "10.77.0.2"]
+        assert all(n.namespace in list_namespaces() for n in net.nodes)
+        tx0, rx1 = net.tx_bytes(0), net.rx_bytes(1)
+        details: dict[str, float] = {}
+        measured = measure_throughput(net, 0, 1, seconds=1.5, details=details)
+        assert abs(measured - limit_bps) <= 0.10 * limit_bps, f"{measured / 1e6:.1f} Mbit/s at 100mbit"
+        assert details["bytes"] == details["sent_bytes"]
+        assert net.tx_bytes(0) - tx0 >= details["sent_bytes"]
+        assert net.rx_bytes(1) - rx1 >= details["sent_bytes"]
+    assert _our_namespaces(os.getpid()) == []
+
+
+@needs_netns
+def test_torchrun_across_two_emulated_nodes(tmp_path: Path) -> None:
+    script = _write_job(tmp_path)
+    with EmulatedNetwork(2, 100e6, prefix=PREFIX) as net:
+        tx_before = [net.tx_bytes(i) for i in range(2)]
+        result = launch_nodes(
+            num_nodes=2, ranks_per_node=2, module_args=["run", str(tmp_path)],
+            env={"LB_TEST_ENV": "passed-through"}, net=net, timeout_s=90, log_dir=tmp_path / "logs",
+            script=script,
+        )  # fmt: skip
+        assert result.ok, result.failure_message()
+        sent = [net.tx_bytes(i) - tx_before[i] for i in range(2)]
+    assert result.master_addr == "10.77.0.1"
+    logs = [p.read_text() for p in result.log_paths]
+    for node, text in enumerate(logs):
+        ok_lines = [line for line in text.splitlines() if line.startswith("JOB-OK")]
+        assert len(ok_lines) == 2 and all(f"node={node} if=lbv{node}" in line for line in ok_lines), text
+    # The all_reduce of 4096 floats crossed the link both ways (gloo sends at least a share of it).
+    assert all(s >= 4096 for s in sent), sent
+    assert _our_namespaces(os.getpid()) == []
+    assert _processes_mentioning(str(tmp_path)) == []
+
+
+@needs_netns
+def test_teardown_after_exception_stops_processes_inside() -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmulatedNetwork(3, 50e6, prefix=PREFIX) as net:
+            assert net.hub_namespace in list_namespaces()
+            sleeper = subprocess.Popen(net.exec_argv(2, ["sleep", "300"]), start_new_session=True)
+            raise RuntimeError("boom")
+    assert sleeper.wait(timeout=10) != 0
+    assert _our_namespaces(os.getpid()) == []
+    assert net.closed and net.teardown_s is not None
+
+
+CRASHER = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, time
+    from lowband.cluster import EmulatedNetwork
+    net = EmulatedNetwork(2, 100e6, prefix=sys.argv[1]).__enter__()
+    sleeper = subprocess.Popen(
+        net.exec_argv(1, ["sleep", "300"]), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    print(sleeper.pid, flush=True)
+    if sys.argv[2] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)  # a crash: no cleanup runs
+    time.sleep(60)
+    """
+)
+
+
+@needs_netns
+def test_cleanup_leftovers_after_a_crash() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", CRASHER, PREFIX, "kill"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(),
+    )  # fmt: skip
+    out, err = child.communicate(timeout=30)
+    assert child.returncode == -signal.SIGKILL, err
+    sleeper_pid = int(out.split()[0])
+    try:
+        leftovers = _our_namespaces(child.pid)
+        assert len(leftovers) == 2 and is_alive(sleeper_pid)
+        removed = cleanup_leftovers(PREFIX)
+        assert set(leftovers) <= set(removed)
+        assert _our_namespaces(child.pid) == []
+        assert _wait_until(lambda: not is_alive(sleeper_pid), 5.0)
+    finally:
+        if is_alive(sleeper_pid):
+            os.kill(sleeper_pid, signal.SIGKILL)
+        cleanup_leftovers(PREFIX)
+
+
+@needs_netns
+def test_sigterm_tears_the_network_down() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", CRASHER, PREFIX, "wait"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(),
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        sleeper_pid = int(child.stdout.readline())
+        assert len(_our_namespaces(child.pid)) == 2
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=20) == 128 + signal.SIGTERM
+        assert _our_namespaces(child.pid) == []
+        assert _wait_until(lambda: not is_alive(sleeper_pid), 5.0)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+        cleanup_leftovers(PREFIX)
+
+
+LAUNCHER = textwrap.dedent(
+    """
+    import logging, sys
+    from pathlib import Path
+    from lowband.cluster import EmulatedNetwork, launch_nodes
+    logging.basicConfig(level=logging.INFO)
+    prefix, mode, tmp = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    kwargs = dict(num_nodes=2, ranks_per_node=2, module_args=["hang", str(tmp)], env={}, timeout_s=120,
+                  log_dir=tmp / "logs", script=tmp / "lbjob.py", kill_grace_s=2.0)
+    if mode == "netns":
+        with EmulatedNetwork(2, 100e6, prefix=prefix) as net:
+            launch_nodes(net=net, **kwargs)
+    else:
+        launch_nodes(net=None, **kwargs)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "mode, signum",
+    [pytest.param("netns", signal.SIGINT, marks=needs_netns), ("loopback", signal.SIGTERM)],
+    ids=["netns-ctrl-c", "loopback-sigterm"],
+)
+def test_interrupted_launch_leaves_nothing_behind(tmp_path: Path, mode: str, signum: int) -> None:
+    """Ctrl-C or SIGTERM while the nodes run: every process and namespace is gone afterwards."""
+    _write_job(tmp_path)
+    child = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, PREFIX, mode, str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(),
+    )  # fmt: skip
+    try:
+        started = _wait_until(lambda: len(list(tmp_path.glob("started-*"))) == 4, 60.0)
+        assert started, "the hanging job never started all 4 ranks"
+        if mode == "netns":
+            assert len(_our_namespaces(child.pid)) == 2
+        child.send_signal(signum)
+        _, err = child.communicate(timeout=30)
+        if signum == signal.SIGINT:
+            assert "KeyboardInterrupt" in err, err[-2000:]
+        else:
+            assert child.returncode == 128 + signal.SIGTERM, err[-2000:]
+        assert _our_namespaces(child.pid) == []
+        assert _wait_until(lambda: _processes_mentioning(str(tmp_path)) == [], 5.0)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+        if NETNS_OK:
+            cleanup_leftovers(PREFIX)
