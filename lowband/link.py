@@ -316,13 +316,13 @@ class Link:
                     ok = w.wait(timeout=timedelta(seconds=self.timeout_s))
                 except RuntimeError as e:
                     raise PeerTimeoutError(
-                        f"rank {self.rank}: peer rank(s) {peers} did not answer within {self.timeout_s:.0f} s "
+                        f"rank {self.rank}: peer rank(s) {peers} did not answer within {self.timeout_s:g} s "
                         f"(node(s) {sorted({self.topology.node_of(p) for p in peers})}); the peer may have "
                         f"died or its link is down. Underlying error: {e}"
                     ) from e
                 if ok is False:
                     raise PeerTimeoutError(
-                        f"rank {self.rank}: peer rank(s) {peers} did not answer within {self.timeout_s:.0f} s"
+                        f"rank {self.rank}: peer rank(s) {peers} did not answer within {self.timeout_s:g} s"
                     )
         node = self.topology.node_of
         me = node(self.rank)

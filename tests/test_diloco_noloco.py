@@ -1,0 +1,659 @@
+"""DiLoCo and NoLoCo on real gloo processes (and their single-process logic).
+
+Each distributed test is one launch of forked ranks (OMP_NUM_THREADS=1) that checks many things;
+results come back to the parent, which asserts.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowband.link import Link, PeerTimeoutError
+from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError, noloco_groups, warmup_cosine
+from lowband.optim._common import state_view
+from lowband.sharding import shard_model
+from lowband.testing import run_ranks
+from lowband.topology import Topology
+
+INNER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+
+
+class Block(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def make_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    # Odd sizes: FSDP2 shards are uneven.
+    return nn.Sequential(Block(13, 37), Block(37, 29), nn.Linear(29, 3))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 13, generator=g), torch.randn(8, 3, generator=g)
+
+
+def loss_of(model, rank, step):
+    x, y = batch(rank, step)
+    return ((model(x) - y) ** 2).mean()
+
+
+def sharded(topo: Topology, seed: int = 0):
+    model = make_model(seed)
+    return shard_model(model, topo, blocks=[model[0], model[1]])
+
+
+def full_params(model) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+            for p in model.parameters()]
+
+
+def maxdiff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def gather_replicas(t: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """(R, *t.shape): ``t`` of every replica holding the same shard (a test-side collective)."""
+    bufs = [torch.empty_like(t) for _ in range(topo.replicas)]
+    dist.all_gather(bufs, t.detach().contiguous(), group=topo.replicate_group())
+    return torch.stack(bufs)
+
+
+def replicas_equal(model, topo: Topology) -> bool:
+    for p in model.parameters():
+        g = gather_replicas(p.to_local() if hasattr(p, "to_local") else p, topo)
+        if not all(torch.equal(g[0], x) for x in g[1:]):
+            return False
+    return True
+
+
+def run(model, opt, link, rank, steps) -> list:
+    traffic = []
+    for step in steps:
+        opt.zero_grad()
+        loss_of(model, rank, step).backward()
+        opt.step()
+        traffic.append(link.end_step())
+    return traffic
+
+
+def watch_sends(link: Link, method: str) -> list[bool]:
+    """Record, for every call of ``link.<method>``, whether the tensor this rank sends is finite."""
+    seen: list[bool] = []
+    original = getattr(link, method)
+
+    def wrapper(tensor, *args, **kwargs):
+        seen.append(bool(torch.isfinite(tensor).all()))
+        return original(tensor, *args, **kwargs)
+
+    setattr(link, method, wrapper)
+    return seen
+
+
+def kinds(traffic) -> list[dict]:
+    return [{k: (v["count"], v["largest_group"]) for k, v in t.by_kind().items()} for t in traffic]
+
+
+# ----------------------------------------------------------------------------- launch 1: DiLoCo, 2 × 2
+def _diloco_2x2(rank: int) -> dict:
+    topo = Topology.from_env()
+    out: dict = {}
+    H, eta, mu = 2, 0.7, 0.9
+
+    # (a) Numerics of the outer step against the rule computed here on the gathered values.
+    model = sharded(topo)
+    link = Link(topo)
+    opt = DiLoCo(model.named_parameters(), INNER, link=link, sync_every=H, outer_lr=eta, outer_momentum=mu)
+    params = list(model.parameters())
+    snaps: list[dict] = []
+
+    def before_outer(_opt, _args, _kwargs):
+        if (opt.inner_steps + 1) % H == 0:  # the outer step follows this inner step
+            snaps.append({
+                "theta": [gather_replicas(p.to_local(), topo) for p in params],
+                "phi": [state_view(opt.state[p]["slow"]).clone() for p in params],
+                "b": [state_view(opt.state[p]["momentum"]).clone() for p in params],
+            })
+
+    opt.inner_optimizer.register_step_post_hook(before_outer)
+    equal_after, errs, traffic = [], [], []
+    for step in range(2 * H):
+        traffic += run(model, opt, link, rank, [step])
+        equal_after.append(replicas_equal(model, topo))
+        if (step + 1) % H == 0:
+            s = snaps[-1]
+            for i, p in enumerate(params):
+                delta = (s["phi"][i] - s["theta"][i]).mean(0)
+                b = mu * s["b"][i] + delta
+                phi = s["phi"][i] - eta * (delta + mu * b)
+                st = opt.state[p]
+                errs.append(max((state_view(st["slow"]) - phi).abs().max().item(),
+                                (state_view(st["momentum"]) - b).abs().max().item()))
+                errs.append(0.0 if torch.equal(p.to_local(), state_view(st["slow"])) else float("inf"))
+    out["ref_maxdiff"] = max(errs)
+    out["equal_after"] = equal_after
+    out["kinds"] = kinds(traffic)
+    out["outer_bytes"] = [t.bytes_sent for t in traffic]
+    out["local_numel"] = sum(p.to_local().numel() for p in params)
+    out["counters"] = (opt.inner_steps, opt.outer_steps, opt.last_sync_time_s > 0)
+    # Per-replica state: DTensors over the 2-D mesh with a leading replica dimension of size R.
+    out["state_types"] = sorted((k, type(v).__name__, v.device_mesh.ndim if hasattr(v, "device_mesh") else 0,
+                                 tuple(v.shape[:1])) for k, v in opt.state[params[0]].items())
+    out["moved"] = maxdiff(full_params(model), full_params(make_model()))
+
+    # (b) NoLoCo with n = R = 2 == DiLoCo with heavy-ball momentum (η = β, μ = α); the γ term vanishes.
+    res = {}
+    for name, make in (
+        ("diloco_hb", lambda ps, ln: DiLoCo(ps, INNER, link=ln, sync_every=H, outer_lr=0.7, outer_momentum=0.5,
+                                            nesterov=False)),
+        ("noloco", lambda ps, ln: NoLoCo(ps, INNER, link=ln, sync_every=H, alpha=0.5, beta=0.7,
+                                         max_grad_norm=None)),
+        ("noloco_gamma0", lambda ps, ln: NoLoCo(ps, INNER, link=ln, sync_every=H, alpha=0.5, beta=0.7, gamma=0.0,
+                                                max_grad_norm=None)),
+    ):
+        model = sharded(topo)
+        link = Link(topo)
+        opt = make(model.parameters(), link)
+        run(model, opt, link, rank, range(3 * H))
+        phis = [gather_replicas(state_view(opt.state[p]["slow"]), topo) for p in model.parameters()]
+        res[name] = (full_params(model), max((g - g.mean(0)).abs().max().item() for g in phis))
+    out["hb_vs_noloco"] = maxdiff(res["diloco_hb"][0], res["noloco"][0])
+    out["noloco_gamma_vs_gamma0"] = maxdiff(res["noloco"][0], res["noloco_gamma0"][0])
+    out["noloco_phi_minus_mean"] = res["noloco"][1]
+
+    # (c) Inner steps with clipping on FSDP2 shards == AdamW on the full model with the node's mean
+    # gradient clipped to the same norm (the norm is taken over the whole model copy).
+    model = sharded(topo)
+    link = Link(topo)
+    opt = DiLoCo(model.parameters(), INNER, link=link, sync_every=100, max_grad_norm=0.05)
+    ref = make_model()
+    ref_opt = INNER(ref.parameters())
+    norms = []
+    for step in range(2):
+        run(model, opt, link, rank, [step])
+        ref_opt.zero_grad()
+        torch.stack([loss_of(ref, r, step) for r in topo.shard_group_ranks(rank)]).mean().backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
+        ref_opt.step()
+    out["clip_maxdiff"] = maxdiff(full_params(model), full_params(ref))
+    out["clip_norms"] = norms
+
+    # (d) A non-finite pseudo-gradient on one rank: every rank refuses, nothing non-finite is sent.
+    model = sharded(topo)
+    link = Link(topo)
+    opt = DiLoCo(model.parameters(), INNER, link=link, sync_every=H)
+    sent_finite = watch_sends(link, "all_reduce")
+    if rank == 3:
+        opt.inner_optimizer.register_step_post_hook(
+            lambda *_: next(iter(model.parameters())).to_local().view(-1).__setitem__(0, float("nan"))
+            if opt.inner_steps + 1 == H else None)
+    try:
+        run(model, opt, link, rank, range(H))
+        out["nan_raised"] = None
+    except NonFiniteGradientError as e:
+        out["nan_raised"] = str(e)
+    out["nan_phi_finite"] = all(torch.isfinite(state_view(opt.state[p]["slow"])).all().item()
+                                for p in model.parameters())
+    out["nan_sent_finite"] = sent_finite
+    return out
+
+
+def _diloco_demo_like(rank: int) -> dict:
+    # S = 1 on 2 nodes × 2 ranks: every rank is a replica (R = 4), no sharding.
+    topo = Topology.from_env(shards=1)
+    model = make_model()
+    link = Link(topo)
+    opt = DiLoCo(model.parameters(), INNER, link=link, sync_every=2)
+    equal = []
+    traffic = []
+    for step in range(4):
+        traffic += run(model, opt, link, rank, [step])
+        equal.append(replicas_equal(model, topo))
+    return {"equal": equal, "kinds": kinds(traffic), "replicas": topo.replicas}
+
+
+def test_diloco_outer_step_numerics_fsdp2_and_heavy_ball_equivalence():
+    results = run_ranks(_diloco_2x2, world_size=4, ranks_per_node=2, timeout_s=120)
+    for rank, r in enumerate(results):
+        assert r["ref_maxdiff"] < 1e-6, (rank, r["ref_maxdiff"])
+        # Replicas differ inside an inner phase and are identical right after each outer step.
+        assert r["equal_after"] == [False, True, False, True], r["equal_after"]
+        # Inner steps send nothing; an outer step is one all-reduce over R = 2, fp32 + flag element.
+        assert r["kinds"] == [{}, {"all_reduce": (1, 2)}, {}, {"all_reduce": (1, 2)}], r["kinds"]
+        assert r["outer_bytes"][1] == (r["local_numel"] + 1) * 4  # ring, R = 2: 2·(R−1)/R·payload
+        assert r["counters"] == (4, 2, True)
+        assert r["state_types"] == [("momentum", "DTensor", 2, (2,)), ("slow", "DTensor", 2, (2,)),
+                                    ("step", "Tensor", 0, ())], r["state_types"]
+        assert r["moved"] > 1e-3
+        assert r["hb_vs_noloco"] < 1e-6, r["hb_vs_noloco"]
+        assert r["noloco_gamma_vs_gamma0"] == 0.0
+        assert r["noloco_phi_minus_mean"] == 0.0
+        assert r["clip_maxdiff"] < 1e-6 and min(r["clip_norms"]) > 0.05, (r["clip_maxdiff"], r["clip_norms"])
+        assert r["nan_raised"] and "NaN or Inf" in r["nan_raised"], r["nan_raised"]
+        assert r["nan_phi_finite"]
+        assert r["nan_sent_finite"] == [True], r["nan_sent_finite"]  # zeros and the flag, never NaN
+
+
+def test_diloco_demo_like_every_rank_a_replica():
+    results = run_ranks(_diloco_demo_like, world_size=4, ranks_per_node=2, timeout_s=120)
+    for r in results:
+        assert r["replicas"] == 4
+        assert r["equal"] == [False, True, False, True]
+        assert r["kinds"] == [{}, {"all_reduce": (1, 4)}, {}, {"all_reduce": (1, 4)}]
+
+
+# ----------------------------------------------------------------------------- launch 2: NoLoCo, R = 4
+def _noloco_r4(rank: int, ckpt_dir: str) -> dict:
+    from lowband.checkpoint import load_checkpoint, save_checkpoint
+
+    topo = Topology.from_env(shards=1)
+    out: dict = {"replica": topo.replica_index(rank)}
+    H = 2
+
+    # (a) Groups and traffic over several outer steps.
+    model = make_model()
+    link = Link(topo)
+    opt = NoLoCo(model.parameters(), INNER, link=link, sync_every=H, seed=7)
+    traffic, last_groups, phis_after_first = [], [], None
+    for step in range(4 * H):
+        traffic += run(model, opt, link, rank, [step])
+        if (step + 1) % H == 0:
+            last_groups.append(opt.last_group)
+        if step + 1 == H:
+            phis_after_first = [gather_replicas(state_view(opt.state[p]["slow"]), topo) for p in model.parameters()]
+    out["kinds"] = kinds(traffic)
+    out["payload"] = [o.payload_bytes for t in traffic for o in t.ops]
+    out["numel"] = sum(p.numel() for p in model.parameters())
+    out["last_groups"] = last_groups
+    out["groups"] = [noloco_groups(4, 2, seed=7, outer_index=k) for k in range(4)]
+    # After the first outer step (all φ started equal), φ is equal inside each group.
+    g0 = out["groups"][0]
+    out["first_equal_in_group"] = all(torch.equal(ph[g[0]], ph[g[1]]) for ph in phis_after_first for g in g0)
+    out["first_differs_between_groups"] = any(not torch.equal(ph[g0[0][0]], ph[g0[1][0]]) for ph in phis_after_first)
+
+    # (b) A pure γ step (α = β = 0) keeps the mean of φ inside each group; replicas start apart.
+    model = make_model(seed=rank)
+    link = Link(topo)
+    opt = NoLoCo(model.parameters(), INNER, link=link, sync_every=1, alpha=0.0, beta=0.0, gamma=0.3, seed=3)
+    before = [gather_replicas(p.detach(), topo) for p in model.parameters()]
+    run(model, opt, link, rank, [0])
+    after = [gather_replicas(state_view(opt.state[p]["slow"]), topo) for p in model.parameters()]
+    group = noloco_groups(4, 2, seed=3, outer_index=0)
+    mean_err, rule_err = 0.0, 0.0
+    for b, a in zip(before, after, strict=True):
+        for g in group:
+            mean_err = max(mean_err, (b[g].mean(0) - a[g].mean(0)).abs().max().item())
+            expected = b[g] - 0.3 * (b[g] - b[g].mean(0))
+            rule_err = max(rule_err, (a[g] - expected).abs().max().item())
+    out["gamma_mean_err"], out["gamma_rule_err"] = mean_err, rule_err
+    out["gamma_moved"] = max((a - b).abs().max().item() for a, b in zip(after, before, strict=True))
+
+    # (c) Checkpoint in the middle of an inner phase, R = 4, S = 1 (φ differs between replicas).
+    def fresh(seed: int, group_seed: int = 11):
+        m = make_model(seed)
+        ln = Link(topo)
+        return m, NoLoCo(m.parameters(), INNER, link=ln, sync_every=3, seed=group_seed), ln
+
+    model, opt, link = fresh(0)
+    run(model, opt, link, rank, range(8))
+    straight = full_params(model)
+    model, opt, link = fresh(0)
+    run(model, opt, link, rank, range(4))
+    save_checkpoint(f"{ckpt_dir}/noloco_r4", model=model, optimizer=opt)
+    model2, opt2, link2 = fresh(100 + rank, group_seed=99)  # the seed, too, comes from the checkpoint
+    load_checkpoint(f"{ckpt_dir}/noloco_r4", model=model2, optimizer=opt2)
+    out["ckpt_seed"] = opt2.param_groups[0]["seed"]
+    run(model2, opt2, link2, rank, range(4, 8))
+    out["ckpt_maxdiff"] = maxdiff(straight, full_params(model2))
+    out["ckpt_replicas_differ"] = not replicas_equal(model2, topo)
+
+    # (d) A NaN in one replica's θ at an outer step: its group refuses; the other group goes on.
+    model = make_model()
+    link = Link(topo)
+    opt = NoLoCo(model.parameters(), INNER, link=link, sync_every=1, seed=5)
+    sent_finite = watch_sends(link, "exchange")
+    if rank == 0:
+        opt.inner_optimizer.register_step_post_hook(
+            lambda *_: next(iter(model.parameters())).view(-1).__setitem__(0, float("nan")))
+    try:
+        run(model, opt, link, rank, [0])
+        out["nan_raised"] = None
+    except NonFiniteGradientError as e:
+        out["nan_raised"] = str(e)
+    out["nan_group"] = noloco_groups(4, 2, seed=5, outer_index=0)
+    out["nan_phi_finite"] = all(torch.isfinite(state_view(opt.state[p]["slow"])).all().item()
+                                for p in model.parameters())
+    out["nan_sent_finite"] = sent_finite
+    return out
+
+
+def test_noloco_groups_traffic_gamma_checkpoint_and_nan_with_four_replicas(tmp_path):
+    results = run_ranks(_noloco_r4, world_size=4, ranks_per_node=2, args=(str(tmp_path),), timeout_s=150)
+    groups = results[0]["groups"]
+    for rank, r in enumerate(results):
+        # Every rank derives the same groups; each replica is in exactly one group of n = 2.
+        assert r["groups"] == groups
+        for gs in groups:
+            assert sorted(x for g in gs for x in g) == [0, 1, 2, 3] and all(len(g) == 2 for g in gs)
+        # This rank's group in each outer step is the drawn one (S = 1: replica = rank).
+        for k, last in enumerate(r["last_groups"]):
+            assert rank in last and last in groups[k], (rank, k, last)
+        # Point-to-point only, never more than n = 2 ranks, one flat buffer (φ, θ − φ, flag) per outer step.
+        assert r["kinds"] == [{}, {"exchange": (1, 2)}] * 4, r["kinds"]
+        assert r["payload"] == [(2 * r["numel"] + 1) * 4] * 4
+        assert r["first_equal_in_group"] and r["first_differs_between_groups"]
+        assert r["gamma_mean_err"] < 1e-6 and r["gamma_rule_err"] < 1e-6 and r["gamma_moved"] > 1e-2, r
+        assert r["ckpt_maxdiff"] == 0.0, (rank, r["ckpt_maxdiff"])
+        assert r["ckpt_seed"] == 11
+        assert r["ckpt_replicas_differ"]
+        nan_group = next(g for g in r["nan_group"] if rank in g)
+        if 0 in nan_group:
+            assert r["nan_raised"] and "NaN or Inf" in r["nan_raised"], (rank, r["nan_raised"])
+        else:
+            assert r["nan_raised"] is None
+        assert r["nan_phi_finite"]
+        assert r["nan_sent_finite"] == [True], r["nan_sent_finite"]
+    assert len({str(g) for g in groups}) > 1  # groups vary with the outer step
+
+
+# ----------------------------------------------------------------------------- launch 3: checkpoints, 2 × 2
+def _checkpoint_2x2(rank: int, ckpt_dir: str) -> dict:
+    from lowband.checkpoint import load_checkpoint, save_checkpoint
+
+    topo = Topology.from_env()
+    out = {}
+    for name, cls, kw in (("diloco", DiLoCo, {}), ("noloco", NoLoCo, dict(seed=5))):
+        def fresh(seed: int, cls=cls, kw=kw):
+            model = sharded(topo, seed)
+            link = Link(topo)
+            opt = cls(model.parameters(), INNER, link=link, sync_every=3, **kw)
+            return model, opt, link, warmup_cosine(opt, warmup_steps=2, total_steps=8)
+
+        def go(model, opt, link, sched, steps):
+            for step in steps:
+                run(model, opt, link, rank, [step])
+                sched.step()
+
+        model, opt, link, sched = fresh(0)
+        go(model, opt, link, sched, range(8))
+        straight = full_params(model)
+        model, opt, link, sched = fresh(0)
+        go(model, opt, link, sched, range(4))  # one outer step (after step 3), then one inner step
+        mid_phase_differ = not replicas_equal(model, topo)
+        path = f"{ckpt_dir}/{name}"
+        save_checkpoint(path, model=model, optimizer=opt, extra={"sched": sched.state_dict()})
+        model2, opt2, link2, sched2 = fresh(123)  # different init: everything must come from the checkpoint
+        extra = load_checkpoint(path, model=model2, optimizer=opt2)
+        sched2.load_state_dict(extra["sched"])
+        counters = (opt2.inner_steps, opt2.outer_steps, opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"])
+        go(model2, opt2, link2, sched2, range(4, 8))
+        out[name] = {"maxdiff": maxdiff(straight, full_params(model2)), "mid_phase_differ": mid_phase_differ,
+                     "counters": counters, "moved": maxdiff(straight, full_params(make_model()))}
+    return out
+
+
+def test_checkpoint_mid_phase_resumes_exactly_with_fsdp2(tmp_path):
+    results = run_ranks(_checkpoint_2x2, world_size=4, ranks_per_node=2, args=(str(tmp_path),), timeout_s=150)
+    for rank, r in enumerate(results):
+        for name in ("diloco", "noloco"):
+            assert r[name]["mid_phase_differ"], name  # the save really holds distinct replicas
+            assert r[name]["counters"] == (4, 1, True), (name, r[name]["counters"])
+            assert r[name]["moved"] > 1e-3
+            assert r[name]["maxdiff"] == 0.0, (rank, name, r[name]["maxdiff"])
+
+
+# ----------------------------------------------------------------------------- launch 4: R = 3, n = 2
+def _odd_replicas(rank: int) -> dict:
+    topo = Topology.from_env()  # 3 nodes × 1 rank
+    res = {}
+    for name, make in (
+        ("noloco", lambda ps, ln: NoLoCo(ps, INNER, link=ln, sync_every=2, alpha=0.5, beta=0.7, group_size=2,
+                                         max_grad_norm=None)),
+        ("diloco_hb", lambda ps, ln: DiLoCo(ps, INNER, link=ln, sync_every=2, outer_lr=0.7, outer_momentum=0.5,
+                                            nesterov=False)),
+    ):
+        model = make_model()
+        link = Link(topo)
+        opt = make(model.parameters(), link)
+        traffic = run(model, opt, link, rank, range(4))
+        res[name] = {"params": full_params(model), "kinds": kinds(traffic), "equal": replicas_equal(model, topo),
+                     "group": getattr(opt, "last_group", None)}
+    return {"kinds": res["noloco"]["kinds"], "equal": res["noloco"]["equal"], "group": res["noloco"]["group"],
+            "vs_diloco": maxdiff(res["noloco"]["params"], res["diloco_hb"]["params"])}
+
+
+def test_noloco_odd_replica_joins_a_group_of_three():
+    results = run_ranks(_odd_replicas, world_size=3, ranks_per_node=1, timeout_s=90)
+    for r in results:
+        assert r["group"] == [0, 1, 2]
+        assert r["kinds"] == [{}, {"exchange": (1, 3)}] * 2
+        assert r["equal"]
+        assert r["vs_diloco"] < 1e-6, r["vs_diloco"]
+
+
+# ----------------------------------------------------------------------------- launch 5: peer timeout
+def _silent_peer(rank: int) -> dict:
+    topo = Topology.from_env()  # 2 nodes × 1 rank
+    model = make_model()
+    opt = NoLoCo(model.parameters(), INNER, link=Link(topo), sync_every=1, timeout_s=0.5)
+    if rank == 1:  # never takes part in the exchange
+        time.sleep(2.0)
+        return {"error": None}
+    start = time.monotonic()
+    try:
+        run(model, opt, opt.link, rank, [0])
+        err = None
+    except PeerTimeoutError as e:
+        err = str(e)
+    return {"error": err, "elapsed_s": time.monotonic() - start, "link_timeout": opt.link.timeout_s}
+
+
+def test_silent_peer_raises_peer_timeout_naming_it():
+    start = time.monotonic()
+    results = run_ranks(_silent_peer, world_size=2, ranks_per_node=1, timeout_s=60)
+    r = results[0]
+    assert r["error"] is not None and "peer rank(s) [1]" in r["error"], r["error"]
+    assert r["elapsed_s"] < 10
+    assert r["link_timeout"] == 300.0  # the per-optimizer timeout does not stick to the link
+    assert time.monotonic() - start < 30
+
+
+# ----------------------------------------------------------------------------- single process
+def test_single_process_outer_step_is_torch_sgd_on_the_pseudo_gradient():
+    for nesterov in (True, False):
+        model, ref = make_model(), make_model()
+        opt = DiLoCo(model.parameters(), INNER, sync_every=3, outer_lr=0.7, outer_momentum=0.9, nesterov=nesterov)
+        inner = INNER(ref.parameters())
+        slow = [p.detach().clone().requires_grad_() for p in ref.parameters()]
+        outer = torch.optim.SGD(slow, lr=0.7, momentum=0.9, nesterov=nesterov)
+        for step in range(9):
+            for m, o in ((model, opt), (ref, inner)):
+                o.zero_grad()
+                loss_of(m, 0, step).backward()
+                o.step()
+            if (step + 1) % 3 == 0:
+                with torch.no_grad():
+                    for s, p in zip(slow, ref.parameters(), strict=True):
+                        s.grad = s - p
+                    outer.step()
+                    for s, p in zip(slow, ref.parameters(), strict=True):
+                        p.copy_(s)
+        for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        assert opt.outer_steps == 3 and opt.inner_steps == 9
+
+
+def test_single_process_clipping_schedule_and_shared_param_groups():
+    model, ref = make_model(), make_model()
+    opt = NoLoCo(model.parameters(), functools.partial(torch.optim.Adam, lr=0.05), sync_every=100,
+                 max_grad_norm=0.1)
+    inner = torch.optim.Adam(ref.parameters(), lr=0.05)
+    sched, ref_sched = (warmup_cosine(o, warmup_steps=2, total_steps=6) for o in (opt, inner))
+    for step in range(5):
+        for m, o, s in ((model, opt, sched), (ref, inner, ref_sched)):
+            o.zero_grad()
+            loss_of(m, 0, step).backward()
+            if o is inner:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+            o.step()
+            s.step()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert opt.inner_optimizer.param_groups is opt.param_groups
+    assert opt.inner_optimizer.param_groups[0]["lr"] == inner.param_groups[0]["lr"]
+
+
+def test_warmup_cosine_factors():
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=2.0)
+    sched = warmup_cosine(opt, warmup_steps=4, total_steps=14, min_ratio=0.1)
+    lrs = []
+    for _ in range(16):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:5] == pytest.approx([0.5, 1.0, 1.5, 2.0, 2.0])
+    assert lrs[9] == pytest.approx(2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5))))
+    assert lrs[14:] == pytest.approx([0.2, 0.2])
+
+
+def test_noloco_groups_partition_the_replicas():
+    for replicas in range(2, 12):
+        for n in range(2, replicas + 1):
+            seen = set()
+            for k in range(6):
+                groups = noloco_groups(replicas, n, seed=1, outer_index=k)
+                assert groups == noloco_groups(replicas, n, seed=1, outer_index=k)  # deterministic
+                members = sorted(x for g in groups for x in g)
+                assert members == list(range(replicas))
+                # replicas // n groups of n; the ones left over spread over them (sizes differ by <= 1).
+                sizes = [len(g) for g in groups]
+                assert len(groups) == replicas // n and min(sizes) >= n and max(sizes) - min(sizes) <= 1
+                seen.add(str(groups))
+            if replicas // n >= 2:
+                assert len(seen) > 1, (replicas, n)
+    assert noloco_groups(3, 2, seed=0, outer_index=0) == [[0, 1, 2]]
+    assert noloco_groups(8, 2, seed=0, outer_index=0) != noloco_groups(8, 2, seed=1, outer_index=0)
+
+
+def test_nonfinite_gradient_is_refused_before_anything_changes():
+    for cls in (DiLoCo, NoLoCo):
+        model = make_model()
+        opt = cls(model.parameters(), INNER, sync_every=1)
+        before = copy.deepcopy(model.state_dict())
+        opt.zero_grad()
+        loss_of(model, 0, 0).backward()
+        next(iter(model.parameters())).grad.view(-1)[0] = float("nan")
+        with pytest.raises(NonFiniteGradientError, match="NaN or Inf"):
+            opt.step()
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert opt.inner_steps == 0 and not opt.inner_optimizer.state
+
+
+def test_state_dict_before_the_first_step_changes_nothing():
+    for cls in (DiLoCo, NoLoCo):
+        model, fresh_model = make_model(), make_model(seed=9)
+        opt = cls(model.parameters(), INNER, sync_every=2)
+        before = copy.deepcopy(model.state_dict())
+        sd = copy.deepcopy(opt.state_dict())  # the inner optimizer has no state yet: a template is saved
+        assert not opt.inner_optimizer.state and all(p.grad is None for p in model.parameters())
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert opt.param_groups[0]["lr"] == 1e-2
+        fresh = cls(fresh_model.parameters(), INNER, sync_every=2)
+        fresh.load_state_dict(sd)
+        assert not fresh.inner_optimizer.state  # the template is not restored
+        for step in range(5):
+            for m, o in ((model, opt), (fresh_model, fresh)):
+                o.zero_grad()
+                loss_of(m, 0, step).backward()
+                o.step()
+        for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_inner_optimizer_instance_and_old_state_dicts():
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = DiLoCo(model.parameters(), inner, sync_every=2)
+    assert opt.inner_optimizer is inner and inner.param_groups is opt.param_groups
+    with pytest.raises(ValueError, match="inner_optimizer"):
+        DiLoCo(list(model.parameters())[:2], torch.optim.AdamW(model.parameters()))
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        del g["nesterov"]  # a checkpoint from before the option existed
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["nesterov"] is True and inner.param_groups is opt.param_groups
+
+
+def test_add_param_group_reaches_the_inner_optimizer():
+    model = make_model()
+    params = list(model.parameters())
+    opt = DiLoCo(params[:2], INNER, sync_every=2)
+    opt.add_param_group({"params": params[2:], "lr": 0.5, "outer_lr": 0.3})
+    assert len(opt.param_groups) == 2 and opt.inner_optimizer.param_groups is opt.param_groups
+    assert opt.param_groups[1]["outer_momentum"] == 0.9 and opt.param_groups[1]["betas"] == (0.9, 0.999)
+    for step in range(2):
+        opt.zero_grad()
+        loss_of(model, 0, step).backward()
+        opt.step()
+    assert all(p in opt.inner_optimizer.state and opt.state[p]["step"].item() == 2 for p in params)
+
+
+class _StubLink:
+    """Enough of a link to validate hyper-parameters against R = 4 replicas."""
+
+    group_size = 4
+    topology = None
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, needle",
+    [
+        (DiLoCo, dict(sync_every=0), "sync_every"),
+        (DiLoCo, dict(sync_every=1.5), "sync_every"),
+        (DiLoCo, dict(outer_lr=0.0), "outer_lr"),
+        (DiLoCo, dict(outer_lr=-1.0), "outer_lr"),
+        (DiLoCo, dict(outer_momentum=1.0), r"outer_momentum must be in \[0, 1\)"),
+        (DiLoCo, dict(outer_momentum=-0.1), "outer_momentum"),
+        (DiLoCo, dict(max_grad_norm=0.0), "max_grad_norm"),
+        (DiLoCo, dict(inner_optimizer="adam"), "inner_optimizer"),
+        (NoLoCo, dict(sync_every=0), "sync_every"),
+        (NoLoCo, dict(alpha=1.0), r"alpha must be in \[0, 1\)"),
+        (NoLoCo, dict(alpha=-0.5), "alpha"),
+        (NoLoCo, dict(beta=1.0), r"beta must be in \[0, 1\)"),
+        (NoLoCo, dict(beta=-0.1), "beta"),
+        (NoLoCo, dict(gamma=-0.1), "gamma must be >= 0"),
+        (NoLoCo, dict(group_size=1), "group_size"),
+        (NoLoCo, dict(group_size=5, link=_StubLink()), r"group_size \(n\) must be in \[2, R=4\]"),
+        (NoLoCo, dict(timeout_s=0.0), "timeout_s must be > 0"),
+        (NoLoCo, dict(timeout_s=-1.0), "timeout_s"),
+        (NoLoCo, dict(seed=1.5), "seed"),
+    ],
+)
+def test_bad_hyperparameters(cls, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        cls(make_model().parameters(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [(dict(warmup_steps=-1, total_steps=5), "warmup_steps"), (dict(warmup_steps=5, total_steps=5), "total_steps"),
+     (dict(warmup_steps=1, total_steps=5, min_ratio=1.5), "min_ratio")],
+)
+def test_warmup_cosine_bad_input(kwargs, needle):
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    with pytest.raises(ValueError, match=needle):
+        warmup_cosine(opt, **kwargs)
