@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sign", type=_bool, help="DeMo/FlexDeMo/Deto-Full: step with sign() (true/false)")
     g.add_argument("--values", choices=["bf16", "fp32", "sign"], help="DeMo/FlexDeMo: wire format of values")
     g.add_argument("--sync-every", type=int, help="DiLoCo/NoLoCo: inner steps H between outer steps")
-    g.add_argument("--outer-lr", type=float, help="DiLoCo/NoLoCo: outer learning rate")
+    g.add_argument("--outer-lr", type=float, help="DiLoCo: outer learning rate (NoLoCo: --beta)")
     g.add_argument("--outer-momentum", type=float, help="DiLoCo: outer Nesterov momentum")
     g.add_argument("--group-size", type=int, help="NoLoCo: replicas per gossip group n")
     g.add_argument("--alpha", type=float, help="NoLoCo: momentum alpha")

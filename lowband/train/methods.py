@@ -37,7 +37,7 @@ class MethodSpec:
 
 
 _DEMO_HP = dict(lr=1e-3, topk=1, chunk=128, decay=0.999, sign=True, weight_decay=0.0, values="bf16")
-_LOCAL_HP = dict(lr=4e-4, weight_decay=0.1, H=50, outer_lr=0.7, outer_momentum=0.9, clip=1.0)
+_LOCAL_HP = dict(lr=4e-4, weight_decay=0.1, H=50, clip=1.0)
 
 METHODS: dict[str, MethodSpec] = {
     m.name: m
@@ -71,13 +71,13 @@ METHODS: dict[str, MethodSpec] = {
             name="diloco",
             family="local",
             description="DiLoCo: H local AdamW steps, then an all-reduced Nesterov outer step",
-            hyperparameters=dict(_LOCAL_HP, nesterov=True),
+            hyperparameters=dict(_LOCAL_HP, outer_lr=0.7, outer_momentum=0.9, nesterov=True),
         ),
         MethodSpec(
             name="noloco",
             family="local",
             description="NoLoCo: H local Adam steps, then gossip averaging in random groups of n",
-            hyperparameters=dict(_LOCAL_HP, H=50, n=2, alpha=0.5, beta=0.7, gamma=None),
+            hyperparameters=dict(_LOCAL_HP, weight_decay=0.0, n=2, alpha=0.5, beta=0.7, gamma=None, seed=0),
         ),
     )
 }
