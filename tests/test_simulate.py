@@ -1,0 +1,263 @@
+"""`lowband simulate`: the model's closed forms and properties, the CLI, and a quick measured run.
+
+The measured run needs network namespaces (root, iproute2) and skips with the reason otherwise.
+No test asserts a speed: the measured figures are checked for presence, not for size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lowband.cli import main as cli_main
+from lowband.simulate import parse_count, parse_duration, parse_size
+from lowband.simulate.model import (
+    SyncModel,
+    closed_form,
+    default_replica_counts,
+    expected_max_factor,
+    group_sizes,
+    simulate,
+    sweep,
+    tree_round_messages,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+M = 125e6 * 4  # bytes
+B = 1e9  # bit/s
+L = 0.05  # s
+
+
+def _model(sigma: float, **kw) -> SyncModel:
+    return SyncModel(model_bytes=M, bandwidth_bps=B, latency_s=L, sigma=sigma, **kw)
+
+
+# ---------------------------------------------------------------- the model
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 64, 100, 256, 1024])
+def test_sigma_zero_equals_the_closed_forms(n: int) -> None:
+    r = simulate(n, _model(0.0))
+    ring = 2 * (n - 1) * (L + 8 * M / (n * B))
+    tree = 2 * math.ceil(math.log2(n)) * (L + 8 * M / B)
+    sizes = group_sizes(n, 2)
+    pair = sum(g * (L + 8 * 2 * M * (g - 1) / B) for g in sizes) / n  # g = 2: L + 16·M/B
+    assert r.ring_s == pytest.approx(ring, rel=1e-12)
+    assert r.tree_s == pytest.approx(tree, rel=1e-12)
+    assert r.pair_s == pytest.approx(pair, rel=1e-12)
+    assert r.ring_no_barrier_s == pytest.approx(ring, rel=1e-12)
+    assert r.tree_no_barrier_s == pytest.approx(tree, rel=1e-12)
+    if n % 2 == 0:
+        assert r.pair_s == pytest.approx(L + 16 * M / B, rel=1e-12) == r.pair_slowest_s
+    assert r == closed_form(n, _model(0.0))
+
+
+def test_group_of_three_when_replicas_are_odd() -> None:
+    assert group_sizes(3, 2) == [3]
+    assert group_sizes(7, 2) == [3, 2, 2]
+    r = closed_form(3, _model(0.0))
+    assert r.pair_s == pytest.approx(L + 8 * 2 * M * 2 / B)  # each member sends 2M to two peers over one uplink
+
+
+@pytest.mark.parametrize("replicas, n", [(2, 2), (7, 2), (8, 2), (9, 4), (10, 3), (5, 4), (16, 16)])
+def test_group_sizes_match_nolocos_own_groups(replicas: int, n: int) -> None:
+    from lowband.optim.local_sgd import noloco_groups
+
+    groups = noloco_groups(replicas, n, seed=0, outer_index=3)
+    assert sorted(group_sizes(replicas, n)) == sorted(len(g) for g in groups)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 13, 256, 1000])
+def test_tree_rounds_send_every_non_root_once(n: int) -> None:
+    rounds = tree_round_messages(n)
+    assert len(rounds) == math.ceil(math.log2(n))
+    assert sum(rounds) == n - 1
+    if n & (n - 1) == 0:
+        assert rounds == [n // 2**r for r in range(1, len(rounds) + 1)]
+
+
+@pytest.mark.parametrize("sigma", [0.0, 0.5])
+def test_ratio_grows_with_replicas(sigma: float) -> None:
+    rows = sweep(default_replica_counts(1024), _model(sigma, samples=400))
+    for attr in ("ring_ratio", "tree_ratio", "ring_no_barrier_ratio", "tree_no_barrier_ratio"):
+        values = [getattr(r, attr) for r in rows]
+        assert all(b > a for a, b in zip(values, values[1:], strict=False)), (attr, values)
+    # NoLoCo's per-replica time does not depend on N (pairs, no global barrier); its slowest pair grows.
+    pair = [r.pair_s for r in rows]
+    assert max(pair) / min(pair) < 1.05
+    if sigma > 0:
+        slowest = [r.pair_slowest_s for r in rows]
+        assert all(b > a for a, b in zip(slowest, slowest[1:], strict=False))
+
+
+def test_ratio_at_two_replicas_is_about_one() -> None:
+    """N = 2: the tree's 2 rounds of M against the pair's one message of 2M (≈ 1); the ring moves
+    only M/2 per step (≈ 0.5 when bandwidth dominates). With σ > 0 the pair waits for the slower
+    of its two messages while each tree round has one message: a little below 1."""
+    r0 = simulate(2, _model(0.0))
+    assert 0.95 < r0.tree_ratio < 1.05
+    assert 0.45 < r0.ring_ratio < 0.55
+    r = simulate(2, _model(0.5))
+    assert 0.6 < r.tree_ratio < 1.0
+
+
+def _lognormal_max_quadrature(k: int, sigma: float) -> float:
+    """E[max of k mean-one log-normals] = ∫ 1 − F(x)^k dx, on a fine grid."""
+    x = np.linspace(1e-6, 60.0, 400_000)
+    z = (np.log(x) + 0.5 * sigma * sigma) / sigma
+    cdf = 0.5 * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))
+    return float(np.trapezoid(1 - cdf**k, x))
+
+
+def test_slowest_of_k_grows_with_k_and_matches_quadrature() -> None:
+    ks = [1, 2, 4, 16, 64, 256, 1024]
+    values = [expected_max_factor(k, sigma=0.5, samples=4000, seed=0) for k in ks]
+    assert all(b > a for a, b in zip(values, values[1:], strict=False)), values
+    assert values[0] == pytest.approx(1.0, abs=0.03)  # mean one
+    for k in (2, 256):
+        assert expected_max_factor(k, sigma=0.5, samples=4000, seed=0) == pytest.approx(
+            _lognormal_max_quadrature(k, 0.5), rel=0.03)
+    assert expected_max_factor(1024, sigma=0.0, samples=10, seed=0) == 1.0
+
+
+def test_no_barrier_never_slower_than_barrier() -> None:
+    for n in (2, 8, 64, 256):
+        r = simulate(n, _model(0.5, samples=500))
+        assert r.ring_no_barrier_s is not None and r.ring_no_barrier_s < r.ring_s
+        assert r.tree_no_barrier_s < r.tree_s
+
+
+def test_monte_carlo_is_deterministic_with_a_seed() -> None:
+    a = sweep([4, 64, 256], _model(0.5, samples=300, seed=7))
+    b = sweep([4, 64, 256], _model(0.5, samples=300, seed=7))
+    assert a == b
+    c = sweep([256], _model(0.5, samples=300, seed=8))
+    assert c[0] != a[-1]
+    # One N's figures do not depend on which other N are in the sweep.
+    assert sweep([256], _model(0.5, samples=300, seed=7))[0] == a[-1]
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"sigma": -0.1}, "sigma"), ({"group_size": 1}, "group size"), ({"samples": 0}, "samples"),
+    ({"latency_s": -1.0}, "latency"), ({"bandwidth_bps": 0.0}, "bandwidth"), ({"model_bytes": 0.0}, "model size"),
+])  # fmt: skip
+def test_model_rejects_bad_inputs(kwargs: dict, needle: str) -> None:
+    base = dict(model_bytes=M, bandwidth_bps=B, latency_s=L)
+    with pytest.raises(ValueError, match=needle):
+        SyncModel(**{**base, **kwargs})
+    with pytest.raises(ValueError, match=r"\[2, "):
+        simulate(1, _model(0.0))
+
+
+def test_parsers() -> None:
+    assert parse_duration("50ms") == pytest.approx(0.05) and parse_duration("0.05") == 0.05
+    assert parse_duration("500us") == pytest.approx(5e-4)
+    assert parse_size("4MiB") == 4 * 2**20 and parse_size("4MB") == 4_000_000 and parse_size("4096") == 4096
+    assert parse_count("125M") == 125e6 and parse_count("1.3B") == 1.3e9 and parse_count("125e6") == 125e6
+    for fn, bad in ((parse_duration, "5 parsecs"), (parse_size, "lots"), (parse_count, "big")):
+        with pytest.raises(ValueError, match="cannot parse"):
+            fn(bad)
+
+
+# ---------------------------------------------------------------- the command
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--bandwidth", "fast"], "cannot parse bandwidth 'fast'"),
+    (["--replicas", "1"], r"--replicas: 1 is out of range; each must be in \[2, "),
+    (["--replicas", "8,x"], "not an integer"),
+    (["--max-replicas", "1"], "--max-replicas must be in"),
+    (["--sigma", "-0.5"], "sigma .* must be >= 0"),
+    (["--latency", "soon"], "cannot parse latency"),
+    (["--group-size", "1"], "group size n must be an integer >= 2"),
+    (["--measure-size", "3"], "multiple of 4"),
+    (["--measure-nodes", "1"], r"--measure-nodes: 1 is out of range"),
+    (["--measure-bandwidth", "1000parsec"], "cannot parse bandwidth"),
+])  # fmt: skip
+def test_cli_bad_input_is_a_clear_error(argv: list[str], needle: str, tmp_path: Path, capsys) -> None:
+    rc = cli_main(["simulate", "--out", str(tmp_path / "out"), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "lowband simulate: error:" in err
+    assert re.search(needle, err), err
+    assert not (tmp_path / "out").exists()  # validated before anything runs
+
+
+def test_cli_writes_table_plot_and_json_without_measuring(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "sim"
+    rc = cli_main(["simulate", "--no-measure", "--out", str(out), "--max-replicas", "64", "--replicas", "100",
+                   "--samples", "200"])  # fmt: skip
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "MODELLED" in text and "MEASURED" not in text
+    assert "HEADLINE (MODELLED) at N = 256" in text
+    png = out / "simulate.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((out / "simulate.json").read_text())
+    assert [r["num_replicas"] for r in data["model"]["rows"]] == [2, 4, 8, 16, 32, 64, 100]
+    assert data["model"]["headline"]["num_replicas"] == 256
+    assert data["measurement"] is None and data["error"] is None
+
+
+# ---------------------------------------------------------------- the measurement
+
+
+def _worker_on_rank(rank: int) -> dict:
+    from lowband.simulate.worker import measure
+
+    return measure(size_bytes=4096, reps=2, group_size=2, seed=0, probes=3)
+
+
+def test_worker_times_both_operations_through_the_link() -> None:
+    """The worker's code on 4 forked gloo ranks (loopback, unshaped): structure and byte counts."""
+    from lowband.testing import run_ranks
+
+    records = run_ranks(_worker_on_rank, world_size=4, ranks_per_node=1, timeout_s=60)
+    for r in records:
+        assert r["all_reduce_bytes"] == 4096 and r["exchange_bytes"] == 8192  # NoLoCo sends φ and θ−φ
+        assert len(r["all_reduce_s"]) == len(r["exchange_s"]) == len(r["exchange_receive_first_s"]) == 2
+        assert all(t > 0 for t in r["all_reduce_s"] + r["exchange_s"])
+        assert r["link_bytes_sent"] == {"all_reduce": 2 * 3 * 4096 // 4, "exchange": 8192}
+        assert all(len(p) == 1 for p in r["exchange_peers"])
+    # Pairs are symmetric: my peer's peer is me, in every repetition.
+    for rep in range(2):
+        peer_of = {r["rank"]: r["exchange_peers"][rep][0] for r in records}
+        assert all(peer_of[peer_of[i]] == i for i in peer_of)
+
+
+def _netns() -> tuple[bool, str]:
+    from lowband.cluster import netns_available
+
+    return netns_available("lbsim")
+
+
+@pytest.mark.timeout(150)
+def test_measured_run_at_four_replicas(tmp_path: Path, capsys) -> None:
+    ok, reason = _netns()
+    if not ok:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    out = tmp_path / "sim"
+    rc = cli_main(["simulate", "--out", str(out), "--max-replicas", "8", "--samples", "100",
+                   "--measure-nodes", "4", "--measure-size", "256KiB", "--measure-reps", "1"])  # fmt: skip
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "MEASURED on this machine vs MODELLED" in text and "network namespaces" in text
+    data = json.loads((out / "simulate.json").read_text())
+    meas = data["measurement"]
+    assert meas["mode"] == "netns"
+    (cmp,) = meas["comparisons"]
+    assert cmp["num_nodes"] == 4
+    rows = {r["quantity"]: r for r in cmp["rows"]}
+    ar = rows["all-reduce of M (gloo ring, via Link)"]
+    assert ar["measured"] > 0 and ar["modelled"] > 0 and ar["error"] is not None
+    for q in ("NoLoCo exchange of 2M (Link.exchange)", "NoLoCo exchange, receives posted first"):
+        assert rows[q]["measured"] > 0 and rows[q]["modelled"] > 0
+    (summary,) = meas["summaries"]
+    assert summary["all_reduce_bytes"] == 256 * 1024 and summary["exchange_bytes"] == 512 * 1024
+    assert (out / "simulate.png").stat().st_size > 0
