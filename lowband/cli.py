@@ -9,23 +9,27 @@ import sys
 
 __all__ = ["main", "build_parser"]
 
-# command -> (module with add_arguments/main, help); modules are imported only when used.
+# command -> (module, its add-arguments function, its main function, help); imported only when used.
 COMMANDS = {
-    "train": ("lowband.train.cli", "train on this rank (launch with torchrun on real clusters)"),
-    "bench": ("lowband.bench", "methods × links on emulated nodes: tables, results.json and plots"),
-    "report": ("lowband.bench.report_cli", "re-render report.md and plots of a bench run directory"),
-    "simulate": ("lowband.simulate", "model DiLoCo's all-reduce against NoLoCo's gossip for 2..1024 replicas"),
+    "train": ("lowband.train.cli", "add_arguments", "main",
+              "train on this rank (launch with torchrun on real clusters)"),
+    "bench": ("lowband.bench", "add_arguments", "main",
+              "methods × links on emulated nodes: tables, results.json and plots"),
+    "report": ("lowband.bench", "add_report_arguments", "report_main",
+               "re-render report.md and plots of a bench run directory"),
+    "simulate": ("lowband.simulate", "add_arguments", "main",
+                 "model DiLoCo's all-reduce against NoLoCo's gossip for 2..1024 replicas, check it on emulated links"),
 }
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowband", description="Training across nodes joined by slow links.")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (module, add_fn, _, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if command in (None, name):
             try:
-                importlib.import_module(module).add_arguments(p)
+                getattr(importlib.import_module(module), add_fn)(p)
             except ModuleNotFoundError as e:
                 if command == name:
                     raise
@@ -41,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    module = importlib.import_module(COMMANDS[args.command][0])
+    module, _, main_fn, _ = COMMANDS[args.command]
     try:
-        return int(module.main(args) or 0)
+        return int(getattr(importlib.import_module(module), main_fn)(args) or 0)
     except (ValueError, FileNotFoundError) as e:
         print(f"lowband {args.command}: error: {e}", file=sys.stderr)
         return 2
