@@ -1,0 +1,245 @@
+"""``lowband bench`` and ``lowband report``: methods × links experiments on emulated nodes.
+
+``lowband bench`` trains the same model on the same data with every method, on 2 emulated
+nodes × 2 ranks joined by a rate-limited link, and writes a run directory with
+``results.json`` (schema: :mod:`lowband.bench.results`), ``report.md`` (the FlexDeMo paper's
+Table 1 and Table 2 layouts, :mod:`lowband.bench.report`) and PNG plots
+(:mod:`lowband.bench.plots`). ``lowband report RUN_DIR`` re-renders the report and plots from
+``results.json``.
+
+For ``lowband/cli.py``::
+
+    from lowband import bench
+    p = sub.add_parser("bench", help=..., description=bench.DESCRIPTION)
+    bench.add_arguments(p); p.set_defaults(func=bench.main)
+    r = sub.add_parser("report", help=..., description=bench.REPORT_DESCRIPTION)
+    bench.add_report_arguments(r); r.set_defaults(func=bench.report_main)
+
+Both ``main`` functions return the process exit status: 0 ok, 1 some run failed, 2 bad input
+(nothing started), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from lowband.bench.config import (
+    DEFAULT_BANDWIDTHS,
+    DEFAULT_ENTRY,
+    DEFAULT_METHODS,
+    DEFAULT_MODEL,
+    DEFAULT_NODES,
+    DEFAULT_RANKS_PER_NODE,
+    DEFAULT_RUN_TIMEOUT_S,
+    DEFAULT_SEED,
+    DEFAULT_STEPS,
+    EMULATION_MODES,
+    BenchConfig,
+    RunPlan,
+    make_config,
+    plan_runs,
+)
+from lowband.bench.methods import METHODS, BenchMethod, accepted_params, parse_method_list, parse_method_spec
+
+__all__ = [
+    "DESCRIPTION",
+    "METHODS",
+    "REPORT_DESCRIPTION",
+    "BenchConfig",
+    "BenchMethod",
+    "RunPlan",
+    "add_arguments",
+    "add_report_arguments",
+    "config_from_args",
+    "main",
+    "make_config",
+    "parse_method_list",
+    "parse_method_spec",
+    "plan_runs",
+    "report_main",
+]
+
+log = logging.getLogger(__name__)
+
+DESCRIPTION = (
+    "Train the same model with each method on emulated nodes joined by a slow link, and report "
+    "seconds per step (compute and communication), inter-node bytes, validation loss and memory. "
+    "As root with `ip netns` and tbf, each node gets its own network namespace and a rate-limited "
+    "veth link; otherwise each rank shapes its own traffic in-process."
+)
+REPORT_DESCRIPTION = "Re-render report.md and the plots of a bench run directory from its results.json."
+
+
+def _method_help() -> str:
+    return "; ".join(f"{name}: {', '.join(accepted_params(name))}" for name in METHODS)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``lowband bench`` options to ``parser``."""
+    parser.add_argument(
+        "--methods", nargs="+", metavar="SPEC", default=None,
+        help=f"method specs NAME[:key=value,...], space- or comma-separated "
+             f"(default: {' '.join(DEFAULT_METHODS)}). Methods and their hyper-parameters: {_method_help()}",
+    )  # fmt: skip
+    parser.add_argument(
+        "--bandwidth", default=",".join(DEFAULT_BANDWIDTHS), metavar="LIST",
+        help="link rate(s) per node, comma-separated, e.g. 100mbit,500mbit,1gbit: every method runs at "
+             "each (Table 1's rows). Default: %(default)s",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shards", default=None, metavar="LIST",
+        help="shard counts for FlexDeMo-family methods (deto-full, demo, flexdemo), e.g. 1,2: each runs "
+             "at every count (Table 2's rows; shards=1 is DeMo). Default: each method's own "
+             "(DeMo 1, others ranks per node)",
+    )  # fmt: skip
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps per run (default: %(default)s)")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL,
+        help="model size (see `lowband train --help`) or a local model directory (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--data", default=None, help="data file (.jsonl, .json, .csv, .tsv, .txt); default: the embedded corpus")
+    parser.add_argument(
+        "--emulation", choices=EMULATION_MODES, default="auto",
+        help="netns: network namespaces with tbf-limited veth links (root); shaped: in-process shaping by "
+             "each rank's link; auto: netns where possible (default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--latency", default="0", metavar="DURATION",
+        help="per-message latency added in-process, e.g. 20ms (shaped mode; tbf adds none). Default: 0",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=None, metavar="DIR",
+                        help="run directory (default: a new runs/bench-YYYYmmdd-HHMMSS/)")  # fmt: skip
+    parser.add_argument("--nodes", type=int, default=DEFAULT_NODES, help="emulated nodes (default: %(default)s)")
+    parser.add_argument("--ranks-per-node", type=int, default=DEFAULT_RANKS_PER_NODE,
+                        help="ranks per node (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of every run (default: %(default)s)")
+    parser.add_argument("--run-timeout", type=float, default=DEFAULT_RUN_TIMEOUT_S, metavar="SECONDS",
+                        help="wall-clock limit of one run; it is then recorded as failed (default: %(default)g)")  # fmt: skip
+    parser.add_argument(
+        "--train-args", default="", metavar="ARGS",
+        help='extra `lowband train` arguments for every run, e.g. --train-args="--batch-size 4"',
+    )  # fmt: skip
+    parser.add_argument(
+        "--entry", default=DEFAULT_ENTRY, metavar="MODULE|SCRIPT.py",
+        help="what each node runs with `train ...` arguments (default: %(default)s, i.e. "
+             "`python -m lowband train`); for tests and custom trainers",
+    )  # fmt: skip
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``lowband report`` options to ``parser``."""
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a bench run directory (holding results.json)")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """Build and validate the bench configuration from parsed ``lowband bench`` options."""
+    return make_config(
+        methods=args.methods if args.methods is not None else DEFAULT_METHODS,
+        bandwidths=args.bandwidth,
+        shards=args.shards,
+        steps=args.steps,
+        model=args.model,
+        data=args.data,
+        emulation=args.emulation,
+        latency=args.latency,
+        nodes=args.nodes,
+        ranks_per_node=args.ranks_per_node,
+        seed=args.seed,
+        run_timeout_s=args.run_timeout,
+        entry=args.entry,
+        train_args=args.train_args,
+    )
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit(143) while the bench runs, so that the launcher's cleanup runs.
+
+    Nodes run in sessions of their own: killed by the default SIGTERM action, the bench would
+    leave them running.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def _raise(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``lowband bench``: validate everything, run every method, write results, report and plots.
+
+    Returns 0 when every run succeeded, 1 when some failed, 2 on bad input (nothing was
+    started), 130 when interrupted (what was done is written).
+    """
+    from lowband.bench.report import console_summary, write_report
+    from lowband.bench.results import load_results
+    from lowband.bench.runner import (
+        check_out_dir,
+        choose_emulation,
+        default_out_dir,
+        prepare_out_dir,
+        run_bench,
+    )
+
+    try:
+        config = config_from_args(args)
+        out_dir = check_out_dir(args.out if args.out is not None else default_out_dir())
+        mode, reason = choose_emulation(config.emulation)
+    except ValueError as exc:
+        print(f"lowband bench: error: {exc}", file=sys.stderr)
+        return 2
+    plans = plan_runs(config)
+    prepare_out_dir(out_dir)
+    print(
+        f"lowband bench: {len(plans)} run(s), emulation {mode}, writing {out_dir}",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
+    try:
+        with _sigterm_as_exit():
+            results = run_bench(
+                config, out_dir, mode=mode, reason=reason, command=list(sys.argv), progress=not args.no_progress
+            )
+    except (KeyboardInterrupt, SystemExit) as exc:
+        try:
+            write_report(out_dir, load_results(out_dir))
+        except Exception:  # noqa: BLE001 - best effort while stopping
+            log.exception("could not write the report of the interrupted bench")
+        print(f"lowband bench: interrupted; partial results in {out_dir}", file=sys.stderr)
+        if isinstance(exc, SystemExit) and exc.code not in (None, 0, 130):
+            raise
+        return 130
+    report = write_report(out_dir, results)
+    print(console_summary(results))
+    print(f"\nResults: {out_dir / 'results.json'}\nReport:  {report}")
+    return 0 if all(r["status"] == "ok" for r in results["runs"]) else 1
+
+
+def report_main(args: argparse.Namespace) -> int:
+    """``lowband report RUN_DIR``: re-render report.md and the plots from results.json."""
+    from lowband.bench.report import console_summary, write_report
+    from lowband.bench.results import load_results
+
+    try:
+        results = load_results(args.run_dir)
+    except ValueError as exc:
+        print(f"lowband report: error: {exc}", file=sys.stderr)
+        return 2
+    report = write_report(args.run_dir, results)
+    print(console_summary(results))
+    print(f"\nReport: {report}")
+    return 0

@@ -1,0 +1,394 @@
+"""What a bench runs: the defaults of ``lowband bench``, the validated configuration, and the plan.
+
+Everything a user can get wrong is checked in :func:`make_config`, before any process starts:
+method specs, bandwidths, shard counts, the model name, the data file, steps, latency.
+:func:`plan_runs` then expands the configuration into one :class:`RunPlan` per training run
+(every method at every bandwidth; FlexDeMo-family methods at every ``--shards`` value).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowband.bench.methods import (
+    METHODS,
+    SHARD_SWEEP,
+    BenchMethod,
+    canonical_method,
+    format_value,
+    method_label,
+    parse_method_list,
+    run_params,
+    train_hp_args,
+)
+from lowband.link import parse_bandwidth
+
+__all__ = [
+    "DEFAULT_BANDWIDTHS",
+    "DEFAULT_ENTRY",
+    "DEFAULT_METHODS",
+    "DEFAULT_MODEL",
+    "DEFAULT_NODES",
+    "DEFAULT_RANKS_PER_NODE",
+    "DEFAULT_RUN_TIMEOUT_S",
+    "DEFAULT_SEED",
+    "DEFAULT_STEPS",
+    "DEFAULT_TRAIN_ARGS",
+    "EMULATION_MODES",
+    "BenchConfig",
+    "RunPlan",
+    "format_bandwidth",
+    "make_config",
+    "parse_duration",
+    "plan_runs",
+]
+
+# ------------------------------------------------------------------------------------------------
+# The default bench: what `lowband bench` runs with no arguments. One place to tune it. It must
+# finish within 10 minutes on a 2-core machine, and the model must be large enough that AdamW's
+# full gradient all-reduce makes it communication-bound on the default link.
+
+#: Methods of the default bench (the FlexDeMo paper's Table 1 columns that fit the time budget).
+DEFAULT_METHODS: tuple[str, ...] = ("adamw", "deto-full", "demo", "flexdemo:topk=1", "flexdemo:topk=8")
+#: Link rates of the default bench (one row of Table 1).
+DEFAULT_BANDWIDTHS: tuple[str, ...] = ("100mbit",)
+#: Model of every run (a name in lowband.train.models.MODEL_SIZES, or a local model directory).
+DEFAULT_MODEL = "t5-mini"
+#: Training steps of every run.
+DEFAULT_STEPS = 30
+#: Emulated nodes and ranks per node (the paper: 2 nodes × 2 GPUs).
+DEFAULT_NODES = 2
+DEFAULT_RANKS_PER_NODE = 2
+#: Seed of model initialisation and data order, the same for every run.
+DEFAULT_SEED = 0
+#: Wall-clock limit of one run (all its nodes); a run that takes longer is recorded as failed.
+DEFAULT_RUN_TIMEOUT_S = 600.0
+#: Extra `lowband train` arguments of every run (batch size, validation interval, ...).
+DEFAULT_TRAIN_ARGS: tuple[str, ...] = ()
+#: What each node runs: `python -m lowband train ...`. A module name or a path to a .py script.
+DEFAULT_ENTRY = "lowband"
+# ------------------------------------------------------------------------------------------------
+
+EMULATION_MODES: tuple[str, ...] = ("auto", "netns", "shaped")
+
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Parse ``"20ms"``, ``"0.02"``, ``"0.02s"``, ``"500us"`` into seconds (>= 0)."""
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        s = text.strip().lower()
+        m = re.fullmatch(r"([0-9.eE+-]+)\s*(s|ms|us)?", s)
+        if m is None:
+            raise ValueError(
+                f"cannot parse duration {text!r}: give seconds or a number with a unit, e.g. 0.02, 20ms, 500us"
+            )
+        try:
+            value = float(m.group(1)) * _DURATION_UNITS[m.group(2) or ""]
+        except ValueError:
+            raise ValueError(f"cannot parse duration {text!r}: {m.group(1)!r} is not a number") from None
+    if not value >= 0:
+        raise ValueError(f"a latency must be >= 0 s, got {text!r}")
+    return value
+
+
+def format_bandwidth(bandwidth_bps: float) -> str:
+    """``1e8`` -> ``"100 Mbit/s"``, ``1e9`` -> ``"1 Gbit/s"``, ``2.5e9`` -> ``"2.5 Gbit/s"``."""
+    for scale, unit in ((1e9, "Gbit/s"), (1e6, "Mbit/s"), (1e3, "kbit/s")):
+        if bandwidth_bps >= scale:
+            return f"{bandwidth_bps / scale:.4g} {unit}"
+    return f"{bandwidth_bps:.4g} bit/s"
+
+
+def _bandwidth_slug(bandwidth_bps: float) -> str:
+    return format_bandwidth(bandwidth_bps).replace("/s", "").replace(" ", "").lower()
+
+
+def _split_list(value: str | Sequence[str]) -> list[str]:
+    items = [value] if isinstance(value, str) else list(value)
+    return [piece.strip() for item in items for piece in str(item).split(",") if piece.strip()]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """A validated bench configuration (build it with :func:`make_config`).
+
+    Args:
+        methods: the method specs, in the order given.
+        bandwidths_bps: link rates, one Table 1 row each.
+        shards: shard counts for FlexDeMo-family methods (Table 2's rows), or None for each
+            method's own (DeMo 1, the others ranks per node).
+        steps: training steps of every run.
+        model: model name or local model directory (absolute path).
+        data: data file (absolute path), or None for the embedded default corpus.
+        emulation: ``auto``, ``netns`` or ``shaped``.
+        latency_s: per-message latency added in-process (shaped mode).
+        nodes: emulated nodes.
+        ranks_per_node: ranks (processes) per node.
+        seed: seed of every run.
+        run_timeout_s: wall-clock limit of one run.
+        entry: module (``python -m ENTRY train ...``) or ``.py`` script each node runs.
+        train_args: extra ``lowband train`` arguments for every run.
+    """
+
+    methods: tuple[BenchMethod, ...]
+    bandwidths_bps: tuple[float, ...]
+    shards: tuple[int, ...] | None
+    steps: int
+    model: str
+    data: str | None
+    emulation: str
+    latency_s: float
+    nodes: int
+    ranks_per_node: int
+    seed: int
+    run_timeout_s: float
+    entry: str
+    train_args: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form, as stored under ``config`` in results.json."""
+        return {
+            "methods": [str(m) for m in self.methods],
+            "bandwidths_bps": list(self.bandwidths_bps),
+            "shards": list(self.shards) if self.shards is not None else None,
+            "steps": self.steps,
+            "model": self.model,
+            "data": self.data,
+            "emulation": self.emulation,
+            "latency_s": self.latency_s,
+            "nodes": self.nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "seed": self.seed,
+            "run_timeout_s": self.run_timeout_s,
+            "entry": self.entry,
+            "train_args": list(self.train_args),
+        }
+
+
+def _check_model(model: str) -> None:
+    from lowband.train.models import MODEL_SIZES
+
+    if model in MODEL_SIZES:
+        return
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return
+    if path.is_dir():
+        raise ValueError(
+            f"model directory {model} has no config.json; known model sizes: {', '.join(MODEL_SIZES)}"
+        )
+    raise ValueError(
+        f"unknown model {model!r}; known sizes: {', '.join(MODEL_SIZES)} "
+        "(or a local model directory holding a config.json)"
+    )
+
+
+def _check_data(data: str, model: str) -> None:
+    from lowband.train.data import ACCEPTED_EXTENSIONS
+    from lowband.train.models import MODEL_SIZES
+
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"data file not found: {data}; give an existing file ({', '.join(ACCEPTED_EXTENSIONS)}), "
+            "or leave --data out for the embedded default corpus"
+        )
+    if not path.is_file():
+        raise ValueError(f"data path {data} is not a file; give one file ({', '.join(ACCEPTED_EXTENSIONS)})")
+    ext = path.suffix.lower()
+    if ext not in ACCEPTED_EXTENSIONS:
+        raise ValueError(
+            f"data file {data} has extension {ext or '(none)'!r}; accepted: {', '.join(ACCEPTED_EXTENSIONS)}"
+        )
+    size = MODEL_SIZES.get(model)
+    if ext == ".txt" and size is not None and size.kind == "seq2seq":
+        raise ValueError(
+            f"{data} is plain text (one text per line) and suits a causal model, but {model} is seq2seq; "
+            f"use a causal model ({', '.join(n for n, s in MODEL_SIZES.items() if s.kind == 'causal')}) "
+            "or a .jsonl/.csv file with source and target columns"
+        )
+
+
+def make_config(
+    *,
+    methods: str | Sequence[str] = DEFAULT_METHODS,
+    bandwidths: str | Sequence[str] = DEFAULT_BANDWIDTHS,
+    shards: str | Sequence[str] | None = None,
+    steps: int = DEFAULT_STEPS,
+    model: str = DEFAULT_MODEL,
+    data: str | None = None,
+    emulation: str = "auto",
+    latency: str | float = 0.0,
+    nodes: int = DEFAULT_NODES,
+    ranks_per_node: int = DEFAULT_RANKS_PER_NODE,
+    seed: int = DEFAULT_SEED,
+    run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
+    entry: str = DEFAULT_ENTRY,
+    train_args: str | Sequence[str] = DEFAULT_TRAIN_ARGS,
+) -> BenchConfig:
+    """Check everything a user gave and build a :class:`BenchConfig`.
+
+    Lists may be given as comma-separated strings (as on the command line) or as sequences.
+
+    Raises:
+        ValueError: naming the bad value and listing what is accepted.
+    """
+    from lowband.topology import Topology
+
+    if emulation not in EMULATION_MODES:
+        raise ValueError(f"unknown emulation {emulation!r}; accepted: {', '.join(EMULATION_MODES)}")
+    if nodes < 2:
+        raise ValueError(f"nodes={nodes}: a bench needs at least 2 nodes to have a link between them")
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node}: give at least 1 rank per node")
+    if steps < 1:
+        raise ValueError(f"steps={steps}: give at least 1 training step")
+    if not run_timeout_s > 0:
+        raise ValueError(f"run timeout {run_timeout_s} s: give a positive number of seconds")
+    specs = tuple(parse_method_list(methods))
+    bw_items = _split_list(bandwidths)
+    if not bw_items:
+        raise ValueError("no bandwidth given; e.g. --bandwidth 100mbit,500mbit,1gbit")
+    bandwidths_bps = tuple(dict.fromkeys(parse_bandwidth(b) for b in bw_items))
+    shard_values: tuple[int, ...] | None = None
+    if shards is not None:
+        items = _split_list(shards)
+        if not items:
+            raise ValueError("--shards is empty; e.g. --shards 1,2")
+        values = []
+        for item in items:
+            try:
+                values.append(int(item))
+            except ValueError:
+                raise ValueError(f"--shards: {item!r} is not an integer; e.g. --shards 1,2") from None
+        shard_values = tuple(dict.fromkeys(values))
+    divisors = [d for d in range(1, ranks_per_node + 1) if ranks_per_node % d == 0]
+    for s in [*(shard_values or ()), *(spec.get("shards") for spec in specs if spec.get("shards") is not None)]:
+        try:
+            Topology(num_nodes=nodes, ranks_per_node=ranks_per_node, shards=s)
+        except ValueError as exc:
+            raise ValueError(f"shards={s}: {exc} (accepted: {', '.join(map(str, divisors))})") from None
+    _check_model(model)
+    if data is not None:
+        _check_data(data, model)
+        data = str(Path(data).expanduser().resolve())  # the nodes may not share this working directory
+    if Path(model).expanduser().is_dir():
+        model = str(Path(model).expanduser().resolve())
+    latency_s = parse_duration(latency)
+    entry_args = tuple(shlex.split(train_args)) if isinstance(train_args, str) else tuple(train_args)
+    if entry.endswith(".py") and not Path(entry).is_file():
+        raise ValueError(f"entry script {entry} does not exist; give a module name or an existing .py file")
+    return BenchConfig(
+        methods=specs,
+        bandwidths_bps=bandwidths_bps,
+        shards=shard_values,
+        steps=steps,
+        model=model,
+        data=data,
+        emulation=emulation,
+        latency_s=latency_s,
+        nodes=nodes,
+        ranks_per_node=ranks_per_node,
+        seed=seed,
+        run_timeout_s=run_timeout_s,
+        entry=entry,
+        train_args=entry_args,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    """One training run of the bench: a method with its hyper-parameters at one bandwidth.
+
+    ``params`` holds every hyper-parameter passed to the trainer: the spec's, the method's
+    run-defining defaults (FlexDeMo's topk and chunk, from the trainer's registry) and ``shards``.
+    """
+
+    index: int
+    id: str
+    method: str
+    spec: str
+    label: str
+    params: dict[str, Any] = field(default_factory=dict)
+    bandwidth_bps: float
+    latency_s: float
+    nodes: int
+    ranks_per_node: int
+
+    @property
+    def shards(self) -> int:
+        return int(self.params["shards"])
+
+    @property
+    def topk(self) -> int | None:
+        return self.params.get("topk")
+
+    @property
+    def chunk(self) -> int | None:
+        return self.params.get("chunk")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def train_args(self, config: BenchConfig, out_dir: Path) -> list[str]:
+        """Arguments after the entry module: ``train --method M ... --out OUT_DIR``."""
+        argv = ["train", "--method", self.method, *train_hp_args(self.params)]
+        argv += ["--model", config.model, "--steps", str(config.steps), "--seed", str(config.seed)]
+        if config.data is not None:
+            argv += ["--data", config.data]
+        argv += ["--out", str(out_dir), *config.train_args]
+        return argv
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def plan_runs(config: BenchConfig) -> list[RunPlan]:
+    """Every run of the bench, grouped by bandwidth (one emulated network each), duplicates removed.
+
+    A FlexDeMo-family method (deto-full, demo, flexdemo) runs at every ``config.shards`` value
+    unless its spec sets ``shards``; FlexDeMo at shards=1 is recorded as DeMo and DeMo at
+    shards>1 as FlexDeMo, so ``demo`` and ``flexdemo:topk=1`` with ``--shards 1,2`` give two runs,
+    not four.
+    """
+    plans: list[RunPlan] = []
+    seen: set[tuple] = set()
+    for bw in config.bandwidths_bps:
+        for spec in config.methods:
+            given = dict(spec.params)
+            if "shards" in given:
+                shard_values: Sequence[int] = [given.pop("shards")]
+            elif config.shards is not None and spec.name in SHARD_SWEEP:
+                shard_values = config.shards
+            elif METHODS[spec.name].shards_per_node == 1:
+                shard_values = [1]
+            else:
+                shard_values = [config.ranks_per_node]
+            for s in shard_values:
+                name = canonical_method(spec.name, s)
+                params = run_params(name, given, s)
+                key = (name, tuple(sorted((k, format_value(v)) for k, v in params.items())), bw)
+                if key in seen:
+                    continue
+                seen.add(key)
+                label = method_label(name, params)
+                index = len(plans)
+                run_id = f"{index:02d}-{_slug(label)}-s{s}-{_bandwidth_slug(bw)}"
+                plans.append(
+                    RunPlan(
+                        index=index, id=run_id, method=name, spec=str(spec), label=label, params=params,
+                        bandwidth_bps=bw, latency_s=config.latency_s, nodes=config.nodes,
+                        ranks_per_node=config.ranks_per_node,
+                    )  # fmt: skip
+                )
+    return plans

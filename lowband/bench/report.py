@@ -1,0 +1,317 @@
+"""Tables from ``results.json``: the console table, and ``report.md`` in the FlexDeMo paper's layouts.
+
+- Table 1 (paper's Table 1): rows = link bandwidth, columns = methods, cells = seconds per step.
+- Table 2 (paper's Table 2), one per bandwidth: rows = DeMo (shards = 1) and FlexDeMo
+  (shards > 1), columns = Deto-Full, Top1, Top8, ...; cells = seconds per step.
+- The per-run table: step time with its compute / communication split, inter-node MB per step
+  per node, final validation loss, peak memory per rank, status.
+
+Everything here is a pure function of the results dictionary, so ``lowband report RUN_DIR``
+re-renders a report from ``results.json`` alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lowband.bench.config import format_bandwidth
+from lowband.bench.methods import DISPLAY_NAMES, SHARD_SWEEP
+
+__all__ = [
+    "REPORT_FILE",
+    "column_labels",
+    "console_summary",
+    "error_headline",
+    "markdown_table",
+    "render_markdown",
+    "run_rows",
+    "table1",
+    "table2",
+    "text_table",
+    "write_report",
+]
+
+log = logging.getLogger(__name__)
+
+REPORT_FILE = "report.md"
+MISSING = "-"
+Run = Mapping[str, Any]
+
+
+# ------------------------------------------------------------------------------------- formatting
+
+
+def _num(value: Any, fmt: str, scale: float = 1.0) -> str:
+    if value is None:
+        return MISSING
+    try:
+        return format(float(value) / scale, fmt)
+    except (TypeError, ValueError):
+        return MISSING
+
+
+def _is_numeric(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Plain aligned columns (numbers right-aligned) with a dashed rule under the header."""
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(headers)]
+    numeric = [bool(rows) and all(_is_numeric(str(r[i])) or r[i] == MISSING for r in rows) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [str(c).rjust(w) if num else str(c).ljust(w) for c, w, num in zip(cells, widths, numeric, strict=True)]
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub-flavoured markdown table; numeric columns right-aligned."""
+    numeric = [bool(rows) and all(_is_numeric(str(r[i])) or r[i] == MISSING for r in rows) for i in range(len(headers))]
+
+    def esc(cell: Any) -> str:
+        return str(cell).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(esc(h) for h in headers) + " |"]
+    lines.append("|" + "|".join("---:" if num else "---" for num in numeric) + "|")
+    lines += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- tables
+
+
+def column_labels(runs: Sequence[Run]) -> list[str]:
+    """Each run's method column: its label, plus ``S=<shards>`` where a label ran at several shard counts."""
+    shards_of: dict[str, set] = {}
+    for r in runs:
+        shards_of.setdefault(r["label"], set()).add(r.get("shards"))
+    return [r["label"] + (f" S={r.get('shards')}" if len(shards_of[r["label"]]) > 1 else "") for r in runs]
+
+
+def _step_cell(run: Run | None) -> str:
+    if run is None:
+        return MISSING
+    if run.get("status") != "ok":
+        return "failed"
+    return _num(run.get("step_time_s"), ".3f")
+
+
+def table1(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Table 1 layout: rows = bandwidth, columns = methods, cells = seconds per step."""
+    runs = results["runs"]
+    labels = column_labels(runs)
+    columns = list(dict.fromkeys(labels))
+    cells: dict[tuple[float, str], Run] = {}
+    for run, label in zip(runs, labels, strict=True):
+        cells[(run["bandwidth_bps"], label)] = run
+    rows = []
+    for bw in sorted({r["bandwidth_bps"] for r in runs}):
+        rows.append([format_bandwidth(bw), *(_step_cell(cells.get((bw, c))) for c in columns)])
+    return ["Link", *columns], rows
+
+
+def _table2_column(run: Run) -> tuple[tuple, str]:
+    """(sort key, column name) of a FlexDeMo-family run in Table 2."""
+    label = run["label"]
+    if run["method"] in ("demo", "flexdemo"):
+        name = label.removeprefix(DISPLAY_NAMES[run["method"]]).strip()
+        return (1, run.get("topk") or 0, run.get("chunk") or 0, name), name
+    return (0, 0, 0, label), label
+
+
+def table2(results: Mapping[str, Any]) -> list[tuple[float, list[str], list[list[str]]]]:
+    """Table 2 layout, one table per bandwidth with FlexDeMo-family runs.
+
+    Returns:
+        ``[(bandwidth_bps, headers, rows), ...]``; rows = shard counts (``DeMo`` for 1,
+        ``FlexDeMo`` above), columns = Deto-Full, Top1, Top8, ...
+    """
+    family = [r for r in results["runs"] if r["method"] in SHARD_SWEEP]
+    tables = []
+    for bw in sorted({r["bandwidth_bps"] for r in family}):
+        runs = [r for r in family if r["bandwidth_bps"] == bw]
+        columns = sorted({_table2_column(r) for r in runs})
+        names = [name for _, name in columns]
+        cells = {(r["shards"], _table2_column(r)[1]): r for r in runs}
+        rows = []
+        for s in sorted({r["shards"] for r in runs}):
+            rows.append(["DeMo" if s == 1 else "FlexDeMo", str(s), *(_step_cell(cells.get((s, n))) for n in names)])
+        tables.append((bw, ["", "Shards", *names], rows))
+    return tables
+
+
+def run_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The per-run table: split step time, bytes, loss, memory and status."""
+    runs = results["runs"]
+    wire = any(r.get("measured_wire_bytes_per_step") is not None for r in runs)
+    sync = any(r.get("sync_time_s") is not None for r in runs)
+    headers = ["Run", "Method", "TopK", "Shards", "Link", "s/step", "compute s", "comm s"]
+    headers += ["sync s"] if sync else []
+    headers += ["MB/step/node"] + (["wire MB/step/node"] if wire else [])
+    headers += ["val loss", "peak MB/rank", "run s", "status"]
+    rows = []
+    for r, label in zip(runs, column_labels(runs), strict=True):
+        row = [
+            label,
+            r["method"],
+            MISSING if r.get("topk") is None else str(r["topk"]),
+            MISSING if r.get("shards") is None else str(r["shards"]),
+            format_bandwidth(r["bandwidth_bps"]),
+            _num(r.get("step_time_s"), ".3f"),
+            _num(r.get("compute_time_s"), ".3f"),
+            _num(r.get("comm_time_s"), ".3f"),
+        ]
+        row += [_num(r.get("sync_time_s"), ".3f")] if sync else []
+        row += [_num(r.get("inter_node_bytes_per_step"), ".3f", 1e6)]
+        row += [_num(r.get("measured_wire_bytes_per_step"), ".3f", 1e6)] if wire else []
+        row += [_num(r.get("val_loss"), ".4f"), _num(r.get("peak_rss_mb"), ".0f"), _num(r.get("wall_time_s"), ".0f"),
+                r.get("status") or MISSING]  # fmt: skip
+        rows.append(row)
+    return headers, rows
+
+
+def _link_ops_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    rows = []
+    for r, label in zip(results["runs"], column_labels(results["runs"]), strict=True):
+        for kind, ops in (r.get("link_ops") or {}).items():
+            rows.append([
+                label, format_bandwidth(r["bandwidth_bps"]), kind, str(ops.get("count", 0)),
+                _num(ops.get("bytes"), ".3f", 1e6), _num(ops.get("inter_node_bytes"), ".3f", 1e6),
+                str(ops.get("largest_group", 0)),
+            ])  # fmt: skip
+    return ["Run", "Link", "Operation", "Count", "MB sent", "MB inter-node", "Largest group"], rows
+
+
+# ------------------------------------------------------------------------------------- text
+
+
+def emulation_lines(results: Mapping[str, Any]) -> list[str]:
+    """How the links were emulated and what was measured, one line per fact."""
+    emu = results.get("emulation") or {}
+    mode = emu.get("mode", "?")
+    nodes, per_node = emu.get("nodes"), emu.get("ranks_per_node")
+    if mode == "netns":
+        how = "netns: one network namespace per node, veth links limited by tbf"
+    else:
+        how = "shaped: traffic shaped in-process by each rank's link (LOWBAND_BANDWIDTH_BPS)"
+    lines = [f"Emulation: {how}; {nodes} nodes × {per_node} ranks. {emu.get('reason', '')}".rstrip()]
+    latency = emu.get("latency_s") or 0.0
+    if latency:
+        lines.append(f"In-process latency: {latency * 1e3:g} ms per message.")
+    for link in emu.get("links") or []:
+        measured = link.get("measured_throughput_bps")
+        what = (
+            f"measured {measured / 1e6:.1f} Mbit/s TCP throughput between the nodes"
+            if measured is not None
+            else link.get("note") or "not measured"
+        )
+        lines.append(f"Link {format_bandwidth(link['bandwidth_bps'])}: {what}.")
+    return lines
+
+
+_ERROR_LINE = re.compile(r"Error|Exception|error:|Killed|timed out")
+
+
+def error_headline(error: str | None) -> str:
+    """One line of a run's error for the console: the last line that names an error, else the first."""
+    lines = [line.strip() for line in (error or "").splitlines() if line.strip()]
+    if not lines:
+        return "no error recorded"
+    named = [line for line in lines if _ERROR_LINE.search(line) and not line.startswith("torchrun:")]
+    return named[-1] if named else lines[0]
+
+
+def console_summary(results: Mapping[str, Any]) -> str:
+    """What ``lowband bench`` prints at the end: emulation, the per-run table, failures."""
+    headers, rows = run_rows(results)
+    parts = [*emulation_lines(results), "", text_table(headers, rows)]
+    failed = [r for r in results["runs"] if r.get("status") != "ok"]
+    for r in failed:
+        parts.append(f"{r['id']} failed: {error_headline(r.get('error'))} (details in report.md)")
+    if results.get("interrupted"):
+        parts.append("Interrupted: not every run was done.")
+    return "\n".join(parts)
+
+
+def render_markdown(results: Mapping[str, Any], plots: Sequence[str] = ()) -> str:
+    """``report.md``: set-up, Table 1, Table 2, the per-run table, link operations, failures, plots."""
+    cfg = results.get("config") or {}
+    host = results.get("host") or {}
+    runs = results["runs"]
+    out = [f"# lowband bench, {results.get('created', '')}", ""]
+    data = cfg.get("data") or "the embedded default corpus"
+    out.append(
+        f"Model {cfg.get('model')}, {cfg.get('steps')} steps, seed {cfg.get('seed')}, data {data}. "
+        f"Host {host.get('hostname')} ({host.get('cpu_count')} CPUs), Python {host.get('python')}, "
+        f"torch {host.get('torch')}, lowband {host.get('lowband')}."
+    )
+    out += ["", *emulation_lines(results), ""]
+    if results.get("interrupted"):
+        out += ["**Interrupted**: the bench was stopped before every run was done.", ""]
+    if not runs:
+        out += ["No run was recorded.", ""]
+        return "\n".join(out)
+
+    out += ["## Table 1: seconds per step by link bandwidth", "",
+            "Median seconds per training step (warm-up excluded), as in the FlexDeMo paper's Table 1.", ""]  # fmt: skip
+    out += [markdown_table(*table1(results)), ""]
+    for bw, headers, rows in table2(results):
+        out += [f"## Table 2: seconds per step by shard count at {format_bandwidth(bw)}", "",
+                "DeMo is FlexDeMo with shards = 1 (no sharding inside a node), as in the paper's Table 2.", "",
+                markdown_table(headers, rows), ""]  # fmt: skip
+    out += ["## Runs", "",
+            "s/step = compute s + comm s (plus waiting). run s: wall time of the whole run, start-up and "
+            "validation included. MB/step/node: bytes a node sends to other nodes per "
+            "step, counted by the link (MB = 10^6 bytes)."]  # fmt: skip
+    if any(r.get("measured_wire_bytes_per_step") is not None for r in runs):
+        out[-1] += (
+            " wire MB/step/node: the node's interface counter over the whole launch divided by the steps; "
+            "it includes set-up traffic (rendezvous, connection set-up, validation) and packet headers."
+        )
+    out += ["", markdown_table(*run_rows(results)), ""]
+    headers, rows = _link_ops_rows(results)
+    if rows:
+        out += ["## Link operations", "", "Totals over the run and over all ranks.", "", markdown_table(headers, rows), ""]
+    failed = [r for r in runs if r.get("status") != "ok"]
+    if failed:
+        out += ["## Failed runs", ""]
+        for r in failed:
+            out += [f"### {r['id']}", "", "```", (r.get("error") or "no error recorded").rstrip(), "```", ""]
+    if plots:
+        out += ["## Plots", ""]
+        out += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+        out += [""]
+    return "\n".join(out)
+
+
+def write_report(
+    out_dir: Path,
+    results: Mapping[str, Any],
+    *,
+    plot_writer: Callable[[Mapping[str, Any], Path], list[Path]] | None = None,
+) -> Path:
+    """Write the plots and ``report.md`` into ``out_dir``; returns the report's path.
+
+    A plot that cannot be drawn is logged and left out; the report is written regardless.
+    """
+    out_dir = Path(out_dir)
+    if plot_writer is None:
+        from lowband.bench.plots import write_plots as plot_writer
+    try:
+        plots = plot_writer(results, out_dir)
+    except Exception:  # noqa: BLE001 - a broken plot must not lose the tables
+        log.exception("writing the plots failed; report.md is written without them")
+        plots = []
+    path = out_dir / REPORT_FILE
+    path.write_text(render_markdown(results, [p.name for p in plots]))
+    return path

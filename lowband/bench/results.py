@@ -1,0 +1,354 @@
+"""``results.json``: what a bench measured, in a stable, documented schema (version 1).
+
+A bench's run directory holds::
+
+    results.json                 this file's schema, below
+    report.md                    the tables (lowband.bench.report)
+    *.png                        the plots (lowband.bench.plots)
+    runs/<run id>/               one directory per run: the trainer's metrics.jsonl and
+                                 summary_rank<R>.json, and logs/node<i>.log
+
+Schema, version 1. Sizes are in bytes, times in seconds, rates in bit/s, memory in MB (10^6
+bytes); a value that does not apply or was not measured is ``null``. Every key is present in
+every record. New keys may be added within a version; a key is never renamed or removed
+without raising ``schema_version``.
+
+Top level::
+
+    schema_version  1
+    created         ISO 8601 local time with offset, when the bench started
+    finished        ISO 8601, when it ended (null while running)
+    interrupted     true when stopped by Ctrl-C / SIGTERM before every run was done
+    command         the command line (list of strings), or null
+    host            {"hostname", "platform", "python", "torch", "lowband", "cpu_count"}
+    config          the bench configuration: {"methods" (specs as given), "bandwidths_bps",
+                    "shards" (list or null), "steps", "model", "data", "emulation" (as asked:
+                    auto|netns|shaped), "latency_s", "nodes", "ranks_per_node", "seed",
+                    "run_timeout_s", "entry", "train_args"}
+    emulation       {"mode": "netns" | "shaped",
+                     "reason": why this mode was used,
+                     "nodes", "ranks_per_node",
+                     "latency_s": per-message latency applied in-process (0 in netns mode),
+                     "links": [{"bandwidth_bps",
+                                "measured_throughput_bps": TCP goodput between the nodes'
+                                    namespaces (lowband.cluster.measure_throughput); null in
+                                    shaped mode,
+                                "note": how the rate is enforced / why it was not measured}]}
+    runs            list of run records, in the order they ran
+
+A run record::
+
+    id              unique name, also its directory under runs/
+    label           table label, e.g. "FlexDeMo Top8"
+    method          adamw | deto-full | demo | flexdemo | diloco | noloco (FlexDeMo with
+                    shards=1 is recorded as demo)
+    spec            the method spec it came from, e.g. "flexdemo:topk=8"
+    params          every hyper-parameter passed to the trainer, e.g. {"topk": 8, "chunk": 128,
+                    "shards": 2}
+    hyperparameters all of the method's hyper-parameters as the trainer used them (its defaults
+                    included; from the trainer's summary, null if it did not say)
+    batch_size      examples per rank per step (from the trainer)
+    topk, chunk     FlexDeMo/DeMo's top-k and DCT chunk; null for other methods
+    shards          ranks of a node sharding one model copy (S)
+    nodes           emulated nodes; ranks_per_node; replicas (model copies R = W / S)
+    model, steps, seed, data
+    num_params      model parameters (from the trainer)
+    bandwidth_bps   the link rate of the run; latency_s: in-process latency applied
+    emulation       "netns" | "shaped"
+    status          "ok" | "failed"
+    error           why it failed: the launcher's account with the tail of each failing
+                    node's log, or what was missing from its output; null when ok
+    wall_time_s     wall time of the whole launch (start-up, training, validation, exit)
+    step_time_s     median seconds per training step (warm-up excluded), mean over ranks
+    compute_time_s  its compute part (forward, backward, optimizer math), mean over ranks
+    comm_time_s     its inter-node communication part (through the link), mean over ranks
+    sync_time_s     diloco/noloco: median seconds of an outer synchronisation; else null
+    outer_steps     diloco/noloco: outer steps taken; else null
+    inter_node_bytes_per_step
+                    bytes a node sends to other nodes per step (the link's count: a model of
+                    the collective, ring order), summed over the node's ranks, mean over nodes
+    inter_node_bytes_per_step_by_node   the same, one entry per node
+    measured_wire_bytes_per_step
+                    netns mode only: the node's veth tx_bytes over the whole launch divided by
+                    the steps, mean over nodes. It INCLUDES set-up traffic (rendezvous, gloo
+                    connection set-up, validation, shutdown) and Ethernet/IP/TCP headers, so it
+                    exceeds inter_node_bytes_per_step, most for short runs; null in shaped mode
+    measured_wire_bytes_per_step_by_node   the same, one entry per node
+    link_effective_bps
+                    inter_node_bytes_per_step · 8 / comm_time_s: the rate the run's
+                    communication achieved (includes waiting for peers); null when not defined
+    val_loss        final validation loss (rank 0's model copy)
+    train_loss      final training loss (rank 0)
+    peak_rss_mb     peak resident memory of the largest rank; peak_rss_mb_by_rank: every rank
+    link_ops        per operation kind ("all_reduce", "all_gather", "exchange", ...):
+                    {"count": operations, "bytes": bytes sent (ring model, intra-node hops
+                    included), "inter_node_bytes": the part that crossed nodes,
+                    "largest_group": the largest group size}; count and bytes are totals over
+                    the run and over all ranks
+    val_history     [[step, wall_s, val_loss], ...] of rank 0 (wall_s since training started)
+    run_dir         the run's directory, relative to the bench directory
+    logs            node log files, relative to the bench directory
+    command         the arguments after the entry module (["train", "--method", ...])
+
+The trainer's per-rank ``summary_rank<R>.json`` files are the source of every training field;
+:func:`aggregate_run` turns them into the fields above.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "RESULTS_FILE",
+    "SCHEMA_VERSION",
+    "aggregate_run",
+    "host_info",
+    "load_results",
+    "new_run_record",
+    "now_iso",
+    "read_summaries",
+    "write_results",
+]
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+RESULTS_FILE = "results.json"
+_MAX_ERROR_CHARS = 6000
+
+#: Keys of a run record, in the order they are written.
+RUN_KEYS: tuple[str, ...] = (
+    "id", "label", "method", "spec", "params", "hyperparameters", "batch_size", "topk", "chunk", "shards", "nodes", "ranks_per_node",
+    "replicas", "model", "steps", "seed", "data", "num_params", "bandwidth_bps", "latency_s", "emulation",
+    "status", "error", "wall_time_s", "step_time_s", "compute_time_s", "comm_time_s", "sync_time_s",
+    "outer_steps", "inter_node_bytes_per_step", "inter_node_bytes_per_step_by_node",
+    "measured_wire_bytes_per_step", "measured_wire_bytes_per_step_by_node", "link_effective_bps",
+    "val_loss", "train_loss", "peak_rss_mb", "peak_rss_mb_by_rank", "link_ops", "val_history", "run_dir",
+    "logs", "command",
+)  # fmt: skip
+
+
+def now_iso() -> str:
+    """The local time as ISO 8601 with its UTC offset, to the second."""
+    return datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def host_info() -> dict[str, Any]:
+    """Where the bench ran: host name, platform, Python, torch and lowband versions, CPU count."""
+    import torch
+
+    import lowband
+
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "lowband": lowband.__version__,
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def new_run_record(**fields: Any) -> dict[str, Any]:
+    """A run record with every schema key (``null`` unless given). Unknown keys raise KeyError."""
+    unknown = set(fields) - set(RUN_KEYS)
+    if unknown:
+        raise KeyError(f"not run-record keys: {sorted(unknown)}")
+    return {key: fields.get(key) for key in RUN_KEYS}
+
+
+def _finite(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _mean(values: Sequence[Any]) -> float | None:
+    nums = [v for v in (_finite(x) for x in values) if v is not None]
+    return statistics.fmean(nums) if nums else None
+
+
+def read_summaries(run_dir: Path, world_size: int) -> list[dict[str, Any]]:
+    """Read ``summary_rank{R}.json`` for every rank, in rank order.
+
+    Raises:
+        ValueError: a summary is missing, unreadable, not an object, or not ``status: ok``
+            (the message names the file).
+    """
+    summaries = []
+    missing = []
+    for rank in range(world_size):
+        path = run_dir / f"summary_rank{rank}.json"
+        if not path.is_file():
+            missing.append(path.name)
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read {path}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} does not hold a JSON object")
+        if data.get("status", "ok") != "ok":
+            raise ValueError(f"{path} reports status {data.get('status')!r}: {data.get('error', '')}")
+        summaries.append(data)
+    if missing:
+        raise ValueError(
+            f"the trainer exited successfully but wrote no {', '.join(missing)} in {run_dir} "
+            f"(expected one summary per rank, {world_size} ranks)"
+        )
+    return summaries
+
+
+def _val_history_from_metrics(path: Path) -> list[list[float]]:
+    history = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and rec.get("type") == "val" and _finite(rec.get("val_loss")) is not None:
+            history.append([rec.get("step"), rec.get("wall_s"), rec["val_loss"]])
+    return history
+
+
+def _merge_link_ops(summaries: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    merged: dict[str, dict[str, int]] = {}
+    for s in summaries:
+        for kind, ops in (s.get("link_ops") or {}).items():
+            d = merged.setdefault(kind, {"count": 0, "bytes": 0, "inter_node_bytes": 0, "largest_group": 0})
+            d["count"] += int(ops.get("count", 0))
+            d["bytes"] += int(ops.get("bytes", 0))
+            d["inter_node_bytes"] += int(ops.get("inter_node_bytes", 0))
+            d["largest_group"] = max(d["largest_group"], int(ops.get("largest_group", 0)))
+    return dict(sorted(merged.items()))
+
+
+def aggregate_run(
+    record: dict[str, Any],
+    summaries: Sequence[Mapping[str, Any]],
+    *,
+    run_dir: Path | None = None,
+    wire_bytes_by_node: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Fill a run record's training fields from the per-rank summaries (in rank order).
+
+    Args:
+        record: a record from :func:`new_run_record` with ``nodes`` and ``ranks_per_node`` set;
+            updated in place and returned.
+        summaries: one ``summary_rank{R}.json`` object per rank, rank 0 first.
+        run_dir: the run's directory; rank 0's ``metrics.jsonl`` there supplies ``val_history``
+            when the summary lacks it.
+        wire_bytes_by_node: netns mode: bytes each node's interface sent during the launch.
+    """
+    nodes, per_node = int(record["nodes"]), int(record["ranks_per_node"])
+    if len(summaries) != nodes * per_node:
+        raise ValueError(f"expected {nodes * per_node} rank summaries ({nodes} nodes × {per_node}), got {len(summaries)}")
+    first = summaries[0]
+    steps = int(first.get("steps") or record.get("steps") or 0)
+    by_node = [0.0] * nodes
+    for rank, s in enumerate(summaries):
+        node = int(s.get("node", rank // per_node))
+        if not 0 <= node < nodes:
+            raise ValueError(f"summary of rank {rank} names node {node}, but there are {nodes} nodes")
+        by_node[node] += float(_finite(s.get("inter_node_bytes_per_step")) or 0.0)
+    record["inter_node_bytes_per_step_by_node"] = by_node
+    record["inter_node_bytes_per_step"] = statistics.fmean(by_node)
+    for key in ("step_time_s", "compute_time_s", "comm_time_s", "sync_time_s"):
+        record[key] = _mean([s.get(key) for s in summaries])
+    record["outer_steps"] = first.get("outer_steps")
+    for key in ("topk", "chunk", "shards", "replicas", "num_params", "model", "batch_size"):
+        if first.get(key) is not None:
+            record[key] = first[key]
+    if isinstance(first.get("hp"), Mapping):
+        record["hyperparameters"] = dict(first["hp"])
+    if record["method"] not in ("demo", "flexdemo"):
+        record["topk"] = record["chunk"] = None
+    record["val_loss"] = _finite(first.get("val_loss"))
+    record["train_loss"] = _finite(first.get("train_loss"))
+    rss = [_finite(s.get("peak_rss_mb")) for s in summaries]
+    record["peak_rss_mb_by_rank"] = rss
+    record["peak_rss_mb"] = max((r for r in rss if r is not None), default=None)
+    record["link_ops"] = _merge_link_ops(summaries)
+    history = first.get("val_history")
+    if not history and run_dir is not None:
+        history = _val_history_from_metrics(run_dir / "metrics.jsonl")
+    record["val_history"] = [list(h) for h in (history or [])]
+    if wire_bytes_by_node is not None and steps > 0:
+        wire = [b / steps for b in wire_bytes_by_node]
+        record["measured_wire_bytes_per_step_by_node"] = wire
+        record["measured_wire_bytes_per_step"] = statistics.fmean(wire)
+    comm = record["comm_time_s"]
+    if comm and comm > 0 and record["inter_node_bytes_per_step"]:
+        record["link_effective_bps"] = record["inter_node_bytes_per_step"] * 8.0 / comm
+    record["status"] = "ok"
+    record["error"] = None
+    return record
+
+
+def truncate_error(text: str) -> str:
+    """Keep the end of a long error (the tail of the logs is where the cause is)."""
+    if len(text) <= _MAX_ERROR_CHARS:
+        return text
+    return "[...]\n" + text[-_MAX_ERROR_CHARS:]
+
+
+def _strict_json(value: Any) -> Any:
+    """NaN and infinities (a diverged loss) become null: results.json is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict_json(v) for v in value]
+    return value
+
+
+def write_results(out_dir: Path, results: Mapping[str, Any]) -> Path:
+    """Write ``results.json`` atomically (a crash never leaves half a file); NaN becomes null."""
+    path = Path(out_dir) / RESULTS_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_strict_json(results), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    """Read a bench's ``results.json`` (or the directory holding it) and check its schema version.
+
+    Raises:
+        ValueError: no such file, not JSON, or a schema version this lowband cannot read.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / RESULTS_FILE
+    if not path.is_file():
+        raise ValueError(f"{path} not found: give a bench run directory (one holding {RESULTS_FILE})")
+    try:
+        results = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    version = results.get("schema_version") if isinstance(results, dict) else None
+    if version != SCHEMA_VERSION:
+        raise ValueError(f"{path} has schema_version {version!r}; this lowband reads version {SCHEMA_VERSION}")
+    if not isinstance(results.get("runs"), list):
+        raise ValueError(f"{path} has no list of runs")
+    return results

@@ -1,0 +1,349 @@
+"""Run a bench: every planned run on emulated nodes, one results record each.
+
+For each bandwidth the runner builds the emulated link once and runs every method on it:
+
+- ``netns`` (root, ``ip netns`` and ``tc`` tbf available): an
+  :class:`~lowband.cluster.EmulatedNetwork` of one namespace per node joined by tbf-limited veth
+  links; the link's TCP throughput is measured once (:func:`~lowband.cluster.measure_throughput`)
+  and each run's interface byte counters are read before and after it;
+- ``shaped`` (anywhere): all nodes on loopback, and every rank's link shapes its own traffic
+  from ``LOWBAND_BANDWIDTH_BPS`` / ``LOWBAND_LATENCY_S`` (:meth:`lowband.link.Link.from_env`).
+
+Each run is ``python -m lowband train ...`` on every node through
+:func:`~lowband.cluster.launch_nodes` (one torchrun per node). A run that crashes or times out is
+recorded as failed with the tail of its node logs, and the next one starts. ``results.json`` is
+rewritten before and after every run, so a crash of the bench itself keeps what was measured (the
+run it was in is recorded as failed). On Ctrl-C or
+SIGTERM the launcher stops every process and the network is torn down (``with`` block) before
+the interrupt propagates; namespaces left by an earlier crash are removed at start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from lowband.bench.config import BenchConfig, RunPlan, format_bandwidth, plan_runs
+from lowband.bench.report import error_headline
+from lowband.bench.results import (
+    SCHEMA_VERSION,
+    aggregate_run,
+    host_info,
+    new_run_record,
+    now_iso,
+    read_summaries,
+    truncate_error,
+    write_results,
+)
+from lowband.cluster import (
+    EmulatedNetwork,
+    cleanup_leftovers,
+    launch_nodes,
+    measure_throughput,
+    netns_available,
+)
+
+__all__ = ["check_out_dir", "choose_emulation", "default_out_dir", "prepare_out_dir", "run_bench"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds of the TCP throughput probe per bandwidth (netns mode).
+THROUGHPUT_PROBE_S = 1.5
+NOT_MEASURED = "shaped in-process, not measured"
+STOPPED_DURING_RUN = "the bench stopped before this run finished"
+INTERRUPTED = "interrupted (Ctrl-C or SIGTERM) during this run"
+
+
+def default_out_dir(root: Path = Path("runs")) -> Path:
+    """A new directory name ``runs/bench-YYYYmmdd-HHMMSS`` (with a suffix if it exists)."""
+    base = root / time.strftime("bench-%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def check_out_dir(out_dir: Path) -> Path:
+    """ValueError unless ``out_dir`` can receive a new bench (absent, or a directory without one)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} exists and is not a directory; give a new directory")
+    if (out_dir / "results.json").exists() or (out_dir / "runs").exists():
+        raise ValueError(f"--out {out_dir} already holds a bench; give a new directory (or leave --out out)")
+    return out_dir
+
+
+def prepare_out_dir(out_dir: Path) -> Path:
+    """Create ``out_dir`` after :func:`check_out_dir`."""
+    out_dir = check_out_dir(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
+def choose_emulation(requested: str, *, prefix: str = "lb") -> tuple[str, str]:
+    """Decide between ``netns`` and ``shaped``: returns (mode, reason).
+
+    Raises:
+        ValueError: ``netns`` was asked for but cannot be built here (the reason says why).
+    """
+    if requested == "shaped":
+        return "shaped", "Chosen with --emulation shaped."
+    ok, why = netns_available(prefix)
+    if ok:
+        return "netns", "Network namespaces with tbf are available (root)."
+    if requested == "netns":
+        raise ValueError(f"--emulation netns is not possible here: {why}")
+    return "shaped", f"Network namespaces unavailable ({why}); shaping in-process instead."
+
+
+def _remove_leftovers(prefix: str) -> None:
+    """Remove namespaces (and processes inside them) left by an earlier bench that crashed."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return
+    try:
+        removed = cleanup_leftovers(prefix)
+    except (RuntimeError, OSError) as exc:
+        log.warning("could not look for namespaces left by an earlier run: %s", exc)
+        return
+    if removed:
+        log.warning("removed network namespaces left by an earlier crash: %s", ", ".join(removed))
+
+
+# torchrun's agent reports a failed worker with a long traceback of its own after the worker's
+# output; what the worker printed (the actual error) comes before the first such line.
+_AGENT_REPORT = re.compile(r"^[EW]\d{4} .*torch/distributed/elastic/.*failed \(exitcode")
+_AGENT_FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*$|^\s*exitcode\s*:\s*(-?\d+)")
+_EXCERPT_LINES = 40
+
+
+def log_excerpt(path: Path, *, max_lines: int = _EXCERPT_LINES) -> str:
+    """The end of what a node's workers printed, without torchrun's own failure report.
+
+    torchrun appends a ChildFailedError traceback and a summary block after its workers' output;
+    this keeps the workers' last ``max_lines`` lines and condenses the summary to
+    ``torchrun: rank R exitcode C`` lines.
+    """
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return f"(log unreadable: {exc})"
+    worker = lines
+    for i, line in enumerate(lines):
+        if _AGENT_REPORT.match(line):
+            worker = lines[:i]
+            break
+    summary, rank = [], None
+    for line in lines[len(worker):]:
+        m = _AGENT_FAILURE.match(line)
+        if m and m.group(1) is not None:
+            rank = m.group(1)
+        elif m and rank is not None:
+            summary.append(f"torchrun: rank {rank} exitcode {m.group(2)}")
+            rank = None
+    return "\n".join([*worker[-max_lines:], *dict.fromkeys(summary)])
+
+
+def failure_text(launch: Any) -> str:
+    """Why a launch failed, node by node, with the end of each failing node's worker output."""
+    parts = []
+    if getattr(launch, "timed_out", False):
+        parts.append(f"the run timed out after {launch.wall_time_s:.0f} s (raise --run-timeout if it is slow)")
+    killed = getattr(launch, "killed", None) or [False] * len(launch.returncodes)
+    for i, rc in enumerate(launch.returncodes):
+        if rc == 0:
+            continue
+        why = "stopped by the launcher" if killed[i] else f"exit status {rc}"
+        excerpt = log_excerpt(launch.log_paths[i]).strip() or "(no output)"
+        parts.append(f"node {i}: {why}; log {launch.log_paths[i]}; last lines:\n{excerpt}")
+    return "\n".join(parts) if parts else launch.failure_message()
+
+
+def _entry_kwargs(entry: str) -> dict[str, Any]:
+    if entry.endswith(".py"):
+        return {"script": Path(entry).resolve()}
+    return {"module": entry}
+
+
+def _new_record(plan: RunPlan, config: BenchConfig, *, out_dir: Path, mode: str) -> dict[str, Any]:
+    """The run's record before it runs: failed, until :func:`_run_one` says otherwise."""
+    run_dir = out_dir / "runs" / plan.id
+    return new_run_record(
+        id=plan.id, label=plan.label, method=plan.method, spec=plan.spec, params=dict(plan.params),
+        topk=plan.topk, chunk=plan.chunk, shards=plan.shards, nodes=plan.nodes, ranks_per_node=plan.ranks_per_node,
+        replicas=plan.world_size // plan.shards, model=config.model, steps=config.steps, seed=config.seed,
+        data=config.data, bandwidth_bps=plan.bandwidth_bps,
+        latency_s=plan.latency_s if mode == "shaped" else 0.0, emulation=mode, status="failed",
+        run_dir=str(run_dir.relative_to(out_dir)),
+        logs=[str((run_dir / "logs" / f"node{i}.log").relative_to(out_dir)) for i in range(plan.nodes)],
+        command=plan.train_args(config, run_dir.resolve()), error=STOPPED_DURING_RUN,
+    )  # fmt: skip
+
+
+def _run_one(
+    plan: RunPlan,
+    config: BenchConfig,
+    record: dict[str, Any],
+    *,
+    out_dir: Path,
+    mode: str,
+    net: EmulatedNetwork | None,
+    launcher: Callable[..., Any],
+) -> dict[str, Any]:
+    """Launch one run on every node and fill its record (from :func:`_new_record`) from its output."""
+    run_dir = out_dir / "runs" / plan.id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    argv = record["command"]
+    env: dict[str, str] = {}
+    if mode == "shaped":
+        env["LOWBAND_BANDWIDTH_BPS"] = f"{plan.bandwidth_bps:.0f}"
+        env["LOWBAND_LATENCY_S"] = f"{plan.latency_s:g}"
+    tx_before = [net.tx_bytes(i) for i in range(plan.nodes)] if net is not None else None
+    try:
+        launch = launcher(
+            num_nodes=plan.nodes, ranks_per_node=plan.ranks_per_node, module_args=argv, env=env, net=net,
+            timeout_s=config.run_timeout_s, log_dir=run_dir / "logs", **_entry_kwargs(config.entry),
+        )  # fmt: skip
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the bench
+        log.exception("run %s could not be launched", plan.id)
+        record["error"] = f"the launch failed: {type(exc).__name__}: {exc}"
+        return record
+    record["wall_time_s"] = launch.wall_time_s
+    if not launch.ok:
+        record["error"] = truncate_error(failure_text(launch))
+        return record
+    wire = None
+    if net is not None and tx_before is not None:
+        wire = [net.tx_bytes(i) - before for i, before in enumerate(tx_before)]
+    try:
+        summaries = read_summaries(run_dir, plan.world_size)
+        aggregate_run(record, summaries, run_dir=run_dir, wire_bytes_by_node=wire)
+    except (ValueError, KeyError, TypeError) as exc:
+        record["status"] = "failed"
+        record["error"] = f"the run's output is unusable: {exc}"
+    return record
+
+
+def _link_info(bandwidth_bps: float, net: EmulatedNetwork | None) -> dict[str, Any]:
+    if net is None:
+        return {"bandwidth_bps": bandwidth_bps, "measured_throughput_bps": None, "note": NOT_MEASURED}
+    try:
+        measured = measure_throughput(net, 0, 1, THROUGHPUT_PROBE_S)
+        note = f"veth + tbf at {format_bandwidth(bandwidth_bps)}; TCP payload rate from node 0 to node 1"
+    except (RuntimeError, OSError, ValueError) as exc:
+        log.warning("measuring the link at %s failed: %s", format_bandwidth(bandwidth_bps), exc)
+        measured, note = None, f"measurement failed: {exc}"
+    return {"bandwidth_bps": bandwidth_bps, "measured_throughput_bps": measured, "note": note}
+
+
+def run_bench(
+    config: BenchConfig,
+    out_dir: Path,
+    *,
+    mode: str | None = None,
+    reason: str = "",
+    command: list[str] | None = None,
+    progress: bool = True,
+    launcher: Callable[..., Any] | None = None,
+    on_run: Callable[[Mapping[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run every planned run of ``config``; write and return the results (see lowband.bench.results).
+
+    Args:
+        config: a validated configuration (:func:`lowband.bench.config.make_config`).
+        out_dir: the bench directory (created by :func:`prepare_out_dir`).
+        mode: ``netns`` or ``shaped``; None decides with :func:`choose_emulation`.
+        reason: why ``mode`` was chosen (recorded).
+        command: the command line, recorded in results.json.
+        progress: show a tqdm progress bar on stderr.
+        launcher: a stand-in for :func:`lowband.cluster.launch_nodes` (same signature); None for it.
+        on_run: called with each finished run record.
+
+    Ctrl-C / SIGTERM: processes and namespaces are cleaned up, results.json is written with
+    ``interrupted: true``, and the interrupt propagates.
+    """
+    if mode is None:
+        mode, reason = choose_emulation(config.emulation)
+    launcher = launch_nodes if launcher is None else launcher
+    plans = plan_runs(config)
+    if mode == "netns" and config.latency_s > 0:
+        log.warning("--latency is applied in-process only (shaped mode); tbf adds none: ignored in netns mode")
+    latency = config.latency_s if mode == "shaped" else 0.0
+    results: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "created": now_iso(),
+        "finished": None,
+        "interrupted": False,
+        "command": command,
+        "host": host_info(),
+        "config": config.as_dict(),
+        "emulation": {"mode": mode, "reason": reason, "nodes": config.nodes,
+                      "ranks_per_node": config.ranks_per_node, "latency_s": latency, "links": []},  # fmt: skip
+        "runs": [],
+    }
+    _remove_leftovers("lb")
+    write_results(out_dir, results)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(plans), unit="run", desc="bench", dynamic_ncols=True)
+    try:
+        for bw in dict.fromkeys(p.bandwidth_bps for p in plans):
+            group = [p for p in plans if p.bandwidth_bps == bw]
+            with ExitStack() as stack:
+                net: EmulatedNetwork | None = None
+                if mode == "netns":
+                    try:
+                        net = stack.enter_context(EmulatedNetwork(config.nodes, bw))
+                    except (RuntimeError, OSError) as exc:
+                        # A network that cannot be built fails its runs; other bandwidths still run.
+                        log.error("could not build the emulated network at %s: %s", format_bandwidth(bw), exc)
+                        for plan in group:
+                            record = _new_record(plan, config, out_dir=out_dir, mode=mode)
+                            record["error"] = f"could not build the emulated network: {exc}"
+                            results["runs"].append(record)
+                            if bar is not None:
+                                bar.update(1)
+                        write_results(out_dir, results)
+                        continue
+                results["emulation"]["links"].append(_link_info(bw, net))
+                write_results(out_dir, results)
+                for plan in group:
+                    if bar is not None:
+                        bar.set_description(f"{plan.label} S={plan.shards} @ {format_bandwidth(bw)}")
+                    record = _new_record(plan, config, out_dir=out_dir, mode=mode)
+                    results["runs"].append(record)
+                    write_results(out_dir, results)
+                    try:
+                        _run_one(plan, config, record, out_dir=out_dir, mode=mode, net=net, launcher=launcher)
+                    except (KeyboardInterrupt, SystemExit):
+                        record["error"] = INTERRUPTED
+                        raise
+                    write_results(out_dir, results)
+                    if record["status"] == "ok":
+                        log.info("run %s: %.3f s/step", plan.id, record["step_time_s"] or float("nan"))
+                    else:
+                        log.warning("run %s failed: %s", plan.id, error_headline(record["error"]))
+                    if on_run is not None:
+                        on_run(record)
+                    if bar is not None:
+                        bar.update(1)
+    except (KeyboardInterrupt, SystemExit):
+        results["interrupted"] = True
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        results["finished"] = now_iso()
+        write_results(out_dir, results)
+    return results

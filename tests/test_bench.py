@@ -1,0 +1,432 @@
+"""``lowband bench`` / ``lowband report`` without real training.
+
+A fake trainer (a script that writes the files ``lowband train`` writes: per-rank summaries and
+rank 0's metrics.jsonl) stands in for the training entry point, so that planning, launching,
+aggregation, failure handling, tables and plots are tested on their own. Most tests call the
+fake in-process through a stand-in launcher; one runs it under real torchrun (loopback), and one
+in network namespaces where they can be built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import lowband.bench as bench
+import lowband.bench.runner as runner
+from lowband.bench.config import make_config, plan_runs
+from lowband.bench.methods import METHODS, parse_method_list, parse_method_spec
+from lowband.bench.plots import PLOT_FILES
+from lowband.bench.report import table1, table2
+from lowband.bench.results import SCHEMA_VERSION, aggregate_run, load_results, new_run_record
+from lowband.cluster import list_namespaces, netns_available
+
+pytestmark = pytest.mark.timeout(120)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# The fake trainer. It reads only what the bench passes and writes what the contract promises.
+# Bytes per step and step time follow the method, so tables have distinct, checkable numbers.
+FAKE_TRAINER = textwrap.dedent(
+    """
+    import json, os, sys
+    from pathlib import Path
+
+    def main(args, env):
+        assert args[0] == "train", args
+        def opt(name, default=None):
+            return args[args.index(name) + 1] if name in args else default
+        method, out, steps = opt("--method"), Path(opt("--out")), int(opt("--steps"))
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        per_node = int(env["LOCAL_WORLD_SIZE"])
+        if method in env.get("FAKE_FAIL_METHODS", "").split(","):
+            print(f"RuntimeError: fake trainer: {method} blew up on purpose", file=sys.stderr, flush=True)
+            return 1
+        if method in env.get("FAKE_HANG_METHODS", "").split(","):
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"started-{rank}").touch()
+            __import__("time").sleep(300)
+        shards = int(opt("--shards"))
+        topk = int(opt("--topk")) if opt("--topk") else None
+        chunk = int(opt("--chunk")) if opt("--chunk") else None
+        bw = float(env.get("LOWBAND_BANDWIDTH_BPS") or 1e8)
+        per_rank = {"adamw": 1e6, "deto-full": 1e6}.get(method, 3.0 * (topk or 1) * 1e6 / 128)
+        per_rank = per_rank * 2 / shards  # smaller shards: more of them cross per node
+        comm = per_rank * per_node * 8 / bw
+        node = rank // per_node
+        history = [[s, 0.5 * s, 5.0 - s / steps] for s in range(0, steps + 1, max(1, steps // 3))]
+        summary = {
+            "rank": rank, "node": node, "method": method, "topk": topk, "chunk": chunk, "shards": shards,
+            "nodes": world // per_node, "ranks_per_node": per_node, "replicas": world // shards,
+            "steps": steps, "model": opt("--model"), "num_params": 1234, "status": "ok", "batch_size": 8,
+            "hp": {"lr": 0.001, "topk": topk, "chunk": chunk},
+            "step_time_s": 0.1 + comm, "compute_time_s": 0.1, "comm_time_s": comm,
+            "inter_node_bytes_per_step": per_rank, "node_inter_node_bytes_per_step": per_rank * per_node,
+            "link_ops": {"all_gather": {"count": steps, "bytes": int(per_rank * steps),
+                                        "inter_node_bytes": int(per_rank * steps), "largest_group": world // shards}},
+            "peak_rss_mb": 100.0 + rank, "val_loss": history[-1][2], "val_history": history,
+            "train_loss": 4.0, "shaping": {"bandwidth_bps": bw, "latency_s": 0.0},
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"summary_rank{rank}.json").write_text(json.dumps(summary))
+        if rank == 0:
+            with open(out / "metrics.jsonl", "w") as f:
+                for s, wall, loss in history:
+                    f.write(json.dumps({"type": "val", "step": s, "epoch": 0, "val_loss": loss, "wall_s": wall}) + "\\n")
+        return 0
+
+    if __name__ == "__main__":
+        sys.exit(main(sys.argv[1:], os.environ))
+    """
+)
+
+
+@pytest.fixture()
+def fake_trainer(tmp_path: Path) -> Path:
+    path = tmp_path / "fake_trainer.py"
+    path.write_text(FAKE_TRAINER)
+    return path
+
+
+def _load_fake(path: Path):
+    namespace: dict = {"__name__": "fake_trainer"}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    return namespace["main"]
+
+
+def in_process_launcher(fake_main, calls: list):
+    """A stand-in for launch_nodes: runs the fake trainer's main for every rank, in this process."""
+
+    def launch(*, num_nodes, ranks_per_node, module_args, env, net, timeout_s, log_dir, **entry):
+        calls.append(list(module_args))
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        world = num_nodes * ranks_per_node
+        rcs = []
+        for node in range(num_nodes):
+            rc = 0
+            for local in range(ranks_per_node):
+                rank_env = {**os.environ, **env, "RANK": str(node * ranks_per_node + local),
+                            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(ranks_per_node)}  # fmt: skip
+                rc = rc or fake_main(list(module_args), rank_env)
+            rcs.append(rc)
+        logs = [Path(log_dir) / f"node{i}.log" for i in range(num_nodes)]
+        for p in logs:
+            p.write_text("fake log\n")
+        ok = all(rc == 0 for rc in rcs)
+        return SimpleNamespace(
+            ok=ok, wall_time_s=0.01, returncodes=rcs, log_paths=logs, timed_out=False, killed=[False] * num_nodes,
+            failure_message=lambda: "" if ok else f"node 0: exit status 1; last lines:\nfake failure {rcs}",
+        )  # fmt: skip
+
+    return launch
+
+
+def _bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+# ------------------------------------------------------------------------------------ method specs
+
+
+def test_method_spec_parsing() -> None:
+    spec = parse_method_spec("flexdemo:topk=8,chunk=64")
+    assert spec.name == "flexdemo" and dict(spec.params) == {"topk": 8, "chunk": 64}
+    assert str(spec) == "flexdemo:topk=8,chunk=64"
+    assert parse_method_spec(" AdamW ").name == "adamw"
+    noloco = parse_method_spec("noloco:H=10,n=2,alpha=0.5")
+    assert dict(noloco.params) == {"H": 10, "n": 2, "alpha": 0.5}
+    assert dict(parse_method_spec("deto-full:sign=false").params) == {"sign": False}
+    # Commas separate specs and a spec's keys alike: key=value pieces belong to the spec before them.
+    specs = parse_method_list("adamw,flexdemo:topk=8,chunk=64,demo")
+    assert [str(s) for s in specs] == ["adamw", "flexdemo:topk=8,chunk=64", "demo"]
+    assert [str(s) for s in parse_method_list(["adamw", "noloco:H=10,n=2"])] == ["adamw", "noloco:H=10,n=2"]
+    for bad, words in [
+        ("flexdemo:topk=eight", ["topk", "integer"]),
+        ("flexdemo:topk=256", ["topk=256", "chunk=128"]),
+        ("flexdemo:topk=8,topk=1", ["twice"]),
+        ("flexdemo:topk", ["key=value", "chunk"]),
+        ("flexdemo:values=int4", ["bf16", "fp32", "sign"]),
+        ("demo:shards=2", ["shards", "flexdemo:shards"]),
+        ("diloco:lr=0", ["lr", "> 0"]),
+    ]:
+        with pytest.raises(ValueError) as err:
+            parse_method_spec(bad)
+        assert all(w in str(err.value) for w in words), (bad, str(err.value))
+
+
+def test_plan_expands_bandwidths_and_shards() -> None:
+    config = make_config(
+        methods="adamw,deto-full,demo,flexdemo:topk=1,flexdemo:topk=8", bandwidths="1gbit,100mbit", shards="1,2",
+        steps=3, model="t5-tiny",
+    )  # fmt: skip
+    plans = plan_runs(config)
+    first = [(p.method, p.topk, p.shards) for p in plans if p.bandwidth_bps == 1e9]
+    # demo at shards=2 is flexdemo:topk=1 at shards=2: run once.
+    assert first == [
+        ("adamw", None, 2), ("deto-full", None, 1), ("deto-full", None, 2), ("demo", 1, 1), ("flexdemo", 1, 2),
+        ("demo", 8, 1), ("flexdemo", 8, 2),
+    ]  # fmt: skip
+    assert len(plans) == 14 and len({p.id for p in plans}) == 14
+    argv = next(p for p in plans if p.method == "flexdemo" and p.topk == 8).train_args(config, Path("/x"))
+    assert argv[:3] == ["train", "--method", "flexdemo"]
+    assert argv[argv.index("--topk") + 1] == "8" and argv[argv.index("--chunk") + 1] == "128"
+    assert argv[argv.index("--shards") + 1] == "2" and argv[argv.index("--out") + 1] == "/x"
+    # Without --shards every method keeps its own: DeMo 1, the rest ranks per node.
+    plans = plan_runs(make_config(methods="demo,flexdemo,noloco:H=10,n=2", steps=3, model="t5-tiny"))
+    assert [(p.method, p.shards) for p in plans] == [("demo", 1), ("flexdemo", 2), ("noloco", 2)]
+    assert plans[2].train_args(make_config(steps=3, model="t5-tiny"), Path("/x"))[3:7] == [
+        "--sync-every", "10", "--group-size", "2"]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--methods", "adamw,sgd"], ["'sgd'", "adamw", "deto-full", "demo", "flexdemo", "diloco", "noloco"]),
+        (["--methods", "flexdemo:topk=8,rank=3"], ["'rank'", "topk", "chunk", "decay"]),
+        (["--bandwidth", "100mbit,fast"], ["'fast'", "mbit", "gbit"]),
+        (["--model", "t5-huge"], ["'t5-huge'", "t5-tiny", "t5-small", "gpt-small"]),
+        (["--data", "/nonexistent/train.jsonl"], ["/nonexistent/train.jsonl", ".jsonl", ".csv"]),
+        (["--shards", "3"], ["shards=3", "accepted: 1, 2"]),
+        (["--latency", "soon"], ["'soon'", "20ms"]),
+        (["--steps", "0"], ["steps=0"]),
+    ],
+)
+def test_bad_input_is_named_before_anything_starts(
+    argv: list[str], words: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a process or network was started despite bad input")
+
+    monkeypatch.setattr(runner, "launch_nodes", forbidden)
+    monkeypatch.setattr(runner, "EmulatedNetwork", forbidden)
+    monkeypatch.setattr(runner, "netns_available", forbidden)
+    monkeypatch.setattr(subprocess, "Popen", forbidden)
+    out = tmp_path / "bench"
+    rc = bench.main(_bench_args(*argv, "--out", str(out), "--emulation", "auto"))
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert all(w in err for w in words), err
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------ aggregation
+
+
+def test_aggregation_of_rank_summaries(tmp_path: Path, fake_trainer: Path) -> None:
+    fake = _load_fake(fake_trainer)
+    for rank in range(4):
+        env = {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "LOWBAND_BANDWIDTH_BPS": "1e8"}
+        argv = ["train", "--method", "flexdemo", "--topk", "8", "--chunk", "128", "--shards", "2",
+                "--model", "m", "--steps", "6", "--out", str(tmp_path)]  # fmt: skip
+        assert fake(argv, env) == 0
+    summaries = [json.loads((tmp_path / f"summary_rank{r}.json").read_text()) for r in range(4)]
+    summaries[3]["inter_node_bytes_per_step"] = 500.0  # node 1's ranks differ: per-node sums
+    summaries[2]["inter_node_bytes_per_step"] = 100.0
+    summaries[1]["step_time_s"] = summaries[0]["step_time_s"] + 0.2
+    record = new_run_record(method="flexdemo", nodes=2, ranks_per_node=2, steps=6, status="failed")
+    aggregate_run(record, summaries, run_dir=tmp_path, wire_bytes_by_node=[6000, 12000])
+    per_rank = summaries[0]["inter_node_bytes_per_step"]
+    assert record["inter_node_bytes_per_step_by_node"] == [2 * per_rank, 600.0]
+    assert record["inter_node_bytes_per_step"] == pytest.approx((2 * per_rank + 600.0) / 2)
+    assert record["step_time_s"] == pytest.approx(summaries[0]["step_time_s"] + 0.05)
+    assert record["measured_wire_bytes_per_step_by_node"] == [1000.0, 2000.0]
+    assert record["measured_wire_bytes_per_step"] == 1500.0
+    assert record["peak_rss_mb"] == 103.0 and record["peak_rss_mb_by_rank"] == [100.0, 101.0, 102.0, 103.0]
+    assert record["link_ops"]["all_gather"]["count"] == 4 * 6
+    assert record["link_ops"]["all_gather"]["largest_group"] == 2
+    assert record["topk"] == 8 and record["chunk"] == 128 and record["shards"] == 2 and record["replicas"] == 2
+    assert record["hyperparameters"] == {"lr": 0.001, "topk": 8, "chunk": 128} and record["batch_size"] == 8
+    assert record["val_loss"] == summaries[0]["val_loss"] and record["val_history"] == summaries[0]["val_history"]
+    assert record["status"] == "ok" and record["error"] is None
+    assert record["link_effective_bps"] == pytest.approx(
+        record["inter_node_bytes_per_step"] * 8 / record["comm_time_s"]
+    )
+    # val_history falls back to rank 0's metrics.jsonl.
+    del summaries[0]["val_history"]
+    record = aggregate_run(new_run_record(method="adamw", nodes=2, ranks_per_node=2), summaries, run_dir=tmp_path)
+    assert [h[0] for h in record["val_history"]] == [0, 2, 4, 6]
+    assert record["topk"] is None and record["chunk"] is None
+
+
+# ------------------------------------------------------------------------------------ report and plots
+
+
+def test_report_tables_and_plots(tmp_path: Path, fake_trainer: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    calls: list = []
+    monkeypatch.setattr(runner, "launch_nodes", in_process_launcher(_load_fake(fake_trainer), calls))
+    out = tmp_path / "bench"
+    argv = ["--methods", "adamw", "deto-full", "flexdemo:topk=1", "flexdemo:topk=8", "--bandwidth", "100mbit,1gbit",
+            "--shards", "1,2", "--steps", "6", "--model", "t5-tiny", "--emulation", "shaped", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+    assert bench.main(_bench_args(*argv)) == 0
+    stdout = capsys.readouterr().out
+    assert "shaped in-process, not measured" in stdout and "FlexDeMo Top8" in stdout
+    assert len(calls) == 14
+    results = load_results(out)
+    assert results["schema_version"] == SCHEMA_VERSION and results["emulation"]["mode"] == "shaped"
+    assert {k for k in ("created", "finished", "host", "config", "emulation", "runs")} <= set(results)
+    assert [link["measured_throughput_bps"] for link in results["emulation"]["links"]] == [None, None]
+    run = next(r for r in results["runs"] if r["method"] == "flexdemo" and r["topk"] == 8 and r["bandwidth_bps"] == 1e8)
+    for key in ("method", "topk", "chunk", "shards", "nodes", "bandwidth_bps", "emulation", "status", "step_time_s",
+                "compute_time_s", "comm_time_s", "inter_node_bytes_per_step", "measured_wire_bytes_per_step",
+                "val_loss", "peak_rss_mb", "link_ops", "val_history", "error"):  # fmt: skip
+        assert key in run, key
+    assert run["emulation"] == "shaped" and run["measured_wire_bytes_per_step"] is None
+    assert run["inter_node_bytes_per_step"] == pytest.approx(2 * 3.0 * 8 * 1e6 / 128)
+
+    headers, rows = table1(results)
+    assert headers[0] == "Link" and [r[0] for r in rows] == ["100 Mbit/s", "1 Gbit/s"]
+    assert {"AdamW", "Deto-Full S=1", "Deto-Full S=2", "DeMo Top1", "FlexDeMo Top1", "DeMo Top8",
+            "FlexDeMo Top8"} == set(headers[1:])  # fmt: skip
+    tables = table2(results)
+    assert [bw for bw, _, _ in tables] == [1e8, 1e9]
+    _, headers2, rows2 = tables[0]
+    assert headers2 == ["", "Shards", "Deto-Full", "Top1", "Top8"]
+    assert [r[:2] for r in rows2] == [["DeMo", "1"], ["FlexDeMo", "2"]]
+    assert all(cell != "-" for r in rows2 for cell in r)
+
+    report = (out / "report.md").read_text()
+    assert "## Table 1" in report and "## Table 2" in report
+    assert "| Link | " in report and "| 100 Mbit/s |" in report and "| 1 Gbit/s |" in report
+    assert "|  | Shards | Deto-Full | Top1 | Top8 |" in report
+    assert "| DeMo | 1 |" in report and "| FlexDeMo | 2 |" in report
+    for name in PLOT_FILES:
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC, name
+        assert f"]({name})" in report
+    import matplotlib.image
+
+    assert matplotlib.image.imread(out / PLOT_FILES[2]).ndim == 3
+
+    # `lowband report` re-renders from results.json alone.
+    (out / "report.md").unlink()
+    for name in PLOT_FILES:
+        (out / name).unlink()
+    parser = argparse.ArgumentParser()
+    bench.add_report_arguments(parser)
+    assert bench.report_main(parser.parse_args([str(out)])) == 0
+    assert (out / "report.md").read_text().split("\n", 1)[1] == report.split("\n", 1)[1]
+    assert all((out / name).read_bytes()[:8] == PNG_MAGIC for name in PLOT_FILES)
+    assert bench.report_main(parser.parse_args([str(tmp_path / "nowhere")])) == 2
+
+
+# ------------------------------------------------------------------------------------ real launches
+
+
+def test_failed_run_is_recorded_and_the_others_run(
+    tmp_path: Path, fake_trainer: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Under real torchrun (loopback, shaped): adamw's trainer exits 1, FlexDeMo succeeds."""
+    monkeypatch.setenv("FAKE_FAIL_METHODS", "adamw")
+    out = tmp_path / "bench"
+    argv = ["--methods", "adamw,flexdemo:topk=8", "--steps", "4", "--model", "t5-tiny", "--emulation", "shaped",
+            "--entry", str(fake_trainer), "--out", str(out), "--no-progress", "--latency", "5ms"]  # fmt: skip
+    assert bench.main(_bench_args(*argv)) == 1
+    assert "00-adamw-s2-100mbit failed: RuntimeError: fake trainer: adamw blew up on purpose" in capsys.readouterr().out
+    results = load_results(out)
+    failed, ok = results["runs"]
+    assert failed["method"] == "adamw" and failed["status"] == "failed"
+    assert "blew up on purpose" in failed["error"] and "node 0: exit status 1" in failed["error"]
+    assert "ChildFailedError" not in failed["error"]  # torchrun's own report is condensed
+    assert failed["step_time_s"] is None
+    assert ok["method"] == "flexdemo" and ok["status"] == "ok" and ok["error"] is None
+    assert ok["step_time_s"] > 0 and ok["val_loss"] is not None and ok["latency_s"] == 0.005
+    assert (out / ok["logs"][0]).is_file()
+    report = (out / "report.md").read_text()
+    assert "## Failed runs" in report and "blew up on purpose" in report
+
+
+NETNS_OK, NETNS_REASON = netns_available("lbtest")
+
+
+@pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces unavailable: {NETNS_REASON}")
+def test_netns_mode_measures_the_link(tmp_path: Path, fake_trainer: Path) -> None:
+    out = tmp_path / "bench"
+    argv = ["--methods", "flexdemo:topk=8", "--steps", "4", "--model", "t5-tiny", "--emulation", "netns",
+            "--bandwidth", "100mbit", "--entry", str(fake_trainer), "--out", str(out), "--no-progress"]  # fmt: skip
+    assert bench.main(_bench_args(*argv)) == 0
+    results = load_results(out)
+    assert results["emulation"]["mode"] == "netns"
+    (link,) = results["emulation"]["links"]
+    assert 80e6 < link["measured_throughput_bps"] < 101e6
+    (run,) = results["runs"]
+    assert run["emulation"] == "netns" and run["status"] == "ok"
+    # The rendezvous alone crosses the link: the wire counter sees it.
+    assert run["measured_wire_bytes_per_step"] > 0 and len(run["measured_wire_bytes_per_step_by_node"]) == 2
+    assert "measured" in (out / "report.md").read_text()
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmdline:
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.parametrize(
+    "mode, signum",
+    [
+        pytest.param("netns", signal.SIGINT, marks=pytest.mark.skipif(not NETNS_OK, reason=f"no netns: {NETNS_REASON}")),
+        ("shaped", signal.SIGTERM),
+    ],
+)
+def test_interrupt_leaves_nothing_behind(tmp_path: Path, fake_trainer: Path, mode: str, signum: int) -> None:
+    """Ctrl-C (netns) or SIGTERM (shaped) while a run hangs: no namespace or process is left behind,
+    results.json says interrupted, and the report is written."""
+    out = tmp_path / "bench"
+    env = {**os.environ, "FAKE_HANG_METHODS": "flexdemo"}
+    argv = [sys.executable, "-m", "lowband", "bench", "--methods", "flexdemo,adamw", "--steps", "3", "--model",
+            "t5-tiny", "--emulation", mode, "--entry", str(fake_trainer), "--out", str(out), "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        started = out / "runs" / "00-flexdemo-top1-s2-100mbit" / "started-3"
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert proc.poll() is None, proc.communicate()[0].decode()
+            assert time.monotonic() < deadline, "the hanging run never started"
+            time.sleep(0.1)
+        proc.send_signal(signum)
+        output = proc.communicate(timeout=60)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == (130 if signum == signal.SIGINT else 128 + signum), output
+    assert not [n for n in list_namespaces() if n.startswith(f"lb-{proc.pid}-")]
+    deadline = time.monotonic() + 10
+    while _processes_mentioning(str(fake_trainer)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_mentioning(str(fake_trainer)) == []
+    results = load_results(out)
+    assert results["interrupted"] is True and results["finished"] is not None
+    (run,) = results["runs"]  # adamw never started
+    assert run["method"] == "flexdemo" and run["status"] == "failed" and "interrupted" in run["error"]
+    assert (out / "report.md").is_file()
+
+
+def test_methods_registry_is_listed_in_help() -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    text = parser.format_help()
+    assert all(name in text for name in METHODS)
