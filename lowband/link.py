@@ -143,7 +143,9 @@ class Link:
         topology: the job's topology; the link uses its replicate group.
         bandwidth_bps: if set, shape traffic in-process: a node's uplink carries this many bit/s,
             shared by the node's ranks. None: no shaping (a real limit, or none, is in place).
-        latency_s: added per sequential message when shaping.
+        latency_s: per sequential message of an operation that crosses nodes. With
+            ``bandwidth_bps`` it is part of the modelled link time; without (a real rate limit such
+            as tbf, which has no delay) it is slept on top of the measured transfer.
         timeout_s: how long point-to-point exchanges wait for a peer before raising
             :class:`PeerTimeoutError`.
     """
@@ -233,12 +235,19 @@ class Link:
 
     def _finish(self, rec_kwargs: dict, start: float) -> OpRecord:
         modelled = 0.0
+        crosses = rec_kwargs["inter_node_bytes_sent"] > 0 or rec_kwargs["inter_node_bytes_recv"] > 0 or (
+            rec_kwargs["node_inter_node_bytes_sent"] > 0)
+        latency = self.latency_s * rec_kwargs["messages"] if crosses else 0.0
         if self.shaping:
-            modelled = rec_kwargs["node_inter_node_bytes_sent"] * 8.0 / self.bandwidth_bps
-            modelled += self.latency_s * rec_kwargs["messages"]
+            # The whole link is emulated: the operation takes at least what the link would take.
+            modelled = rec_kwargs["node_inter_node_bytes_sent"] * 8.0 / self.bandwidth_bps + latency
             remaining = modelled - (time.perf_counter() - start)
             if remaining > 0:
                 time.sleep(remaining)
+        elif latency > 0:
+            # A real (rate-limited) link without propagation delay: add the delay on top.
+            modelled = latency
+            time.sleep(latency)
         rec = OpRecord(**rec_kwargs, time_s=time.perf_counter() - start, modelled_link_time_s=modelled)
         self._current.ops.append(rec)
         return rec

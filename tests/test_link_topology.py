@@ -53,7 +53,12 @@ def _shaped(rank: int) -> dict:
     peer = topo.replicate_group_ranks(rank)
     recv = link.exchange(torch.full((5,), float(rank)), [p for p in peer if p != rank])
     ex = link.current.ops[-1]
-    return {"ar": (ar.node_inter_node_bytes_sent, ar.modelled_link_time_s, ar.time_s, x[0].item()),
+    # A real rate limit (no bandwidth shaping) with latency: the delay is added on top.
+    delayed = Link(topo, latency_s=0.05)
+    delayed.all_gather(torch.zeros(4))
+    lat = delayed.current.ops[-1]
+    return {"lat": (lat.modelled_link_time_s, lat.time_s),
+            "ar": (ar.node_inter_node_bytes_sent, ar.modelled_link_time_s, ar.time_s, x[0].item()),
             "ag": (ag.node_inter_node_bytes_sent, ag.modelled_link_time_s, ag.time_s, y[:, 0].tolist()),
             "ex": (ex.group_size, ex.inter_node_bytes_sent, recv[0][0].item())}
 
@@ -69,6 +74,8 @@ def test_shaping_makes_operations_take_the_link_time():
         node_bytes, modelled, took, gathered = r["ag"]
         assert node_bytes == 80_000 and modelled == pytest.approx(0.08 + 0.05) and took >= modelled
         assert gathered == [float(p) for p in [rank % 2, rank % 2 + 2]]
+        modelled, took = r["lat"]
+        assert modelled == pytest.approx(0.05) and took >= 0.05
         group, inter, peer_value = r["ex"]
         assert group == 2 and inter == 20 and peer_value == float((rank + 2) % 4)
 

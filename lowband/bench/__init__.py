@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--latency", default="0", metavar="DURATION",
-        help="per-message latency added in-process, e.g. 20ms (shaped mode; tbf adds none). Default: 0",
+        help="per-message latency of operations that cross nodes, added in-process by the link in both emulation modes (tbf has no delay), e.g. 20ms. Default: 0",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, metavar="DIR",
                         help="run directory (default: a new runs/bench-YYYYmmdd-HHMMSS/)")  # fmt: skip

@@ -129,7 +129,7 @@ class BenchConfig:
         model: model name or local model directory (absolute path).
         data: data file (absolute path), or None for the embedded default corpus.
         emulation: ``auto``, ``netns`` or ``shaped``.
-        latency_s: per-message latency added in-process (shaped mode).
+        latency_s: per-message latency added in-process by the link (both emulation modes).
         nodes: emulated nodes.
         ranks_per_node: ranks (processes) per node.
         seed: seed of every run.

@@ -28,7 +28,7 @@ Top level::
     emulation       {"mode": "netns" | "shaped",
                      "reason": why this mode was used,
                      "nodes", "ranks_per_node",
-                     "latency_s": per-message latency applied in-process (0 in netns mode),
+                     "latency_s": per-message latency added in-process by the link (both modes),
                      "links": [{"bandwidth_bps",
                                 "measured_throughput_bps": TCP goodput between the nodes'
                                     namespaces (lowband.cluster.measure_throughput); null in

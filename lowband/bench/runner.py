@@ -180,7 +180,7 @@ def _new_record(plan: RunPlan, config: BenchConfig, *, out_dir: Path, mode: str)
         topk=plan.topk, chunk=plan.chunk, shards=plan.shards, nodes=plan.nodes, ranks_per_node=plan.ranks_per_node,
         replicas=plan.world_size // plan.shards, model=config.model, steps=config.steps, seed=config.seed,
         data=config.data, bandwidth_bps=plan.bandwidth_bps,
-        latency_s=plan.latency_s if mode == "shaped" else 0.0, emulation=mode, status="failed",
+        latency_s=plan.latency_s, emulation=mode, status="failed",
         run_dir=str(run_dir.relative_to(out_dir)),
         logs=[str((run_dir / "logs" / f"node{i}.log").relative_to(out_dir)) for i in range(plan.nodes)],
         command=plan.train_args(config, run_dir.resolve()), error=STOPPED_DURING_RUN,
@@ -204,7 +204,8 @@ def _run_one(
     env: dict[str, str] = {}
     if mode == "shaped":
         env["LOWBAND_BANDWIDTH_BPS"] = f"{plan.bandwidth_bps:.0f}"
-        env["LOWBAND_LATENCY_S"] = f"{plan.latency_s:g}"
+    # tbf has no delay: the link adds the per-message latency in-process in both modes.
+    env["LOWBAND_LATENCY_S"] = f"{plan.latency_s:g}"
     tx_before = [net.tx_bytes(i) for i in range(plan.nodes)] if net is not None else None
     try:
         launch = launcher(
@@ -275,9 +276,7 @@ def run_bench(
         mode, reason = choose_emulation(config.emulation)
     launcher = launch_nodes if launcher is None else launcher
     plans = plan_runs(config)
-    if mode == "netns" and config.latency_s > 0:
-        log.warning("--latency is applied in-process only (shaped mode); tbf adds none: ignored in netns mode")
-    latency = config.latency_s if mode == "shaped" else 0.0
+    latency = config.latency_s  # added in-process by the link in both modes (tbf has no delay)
     results: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "created": now_iso(),
