@@ -69,7 +69,7 @@ DEFAULT_SEED = 0
 #: Wall-clock limit of one run (all its nodes); a run that takes longer is recorded as failed.
 DEFAULT_RUN_TIMEOUT_S = 600.0
 #: Extra `lowband train` arguments of every run (batch size, validation interval, ...).
-DEFAULT_TRAIN_ARGS: tuple[str, ...] = ()
+DEFAULT_TRAIN_ARGS: tuple[str, ...] = ("--val-every", "10")
 #: What each node runs: `python -m lowband train ...`. A module name or a path to a .py script.
 DEFAULT_ENTRY = "lowband"
 # ------------------------------------------------------------------------------------------------
