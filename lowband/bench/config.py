@@ -53,14 +53,16 @@ __all__ = [
 # finish within 10 minutes on a 2-core machine, and the model must be large enough that AdamW's
 # full gradient all-reduce makes it communication-bound on the default link.
 
-#: Methods of the default bench (the FlexDeMo paper's Table 1 columns that fit the time budget).
-DEFAULT_METHODS: tuple[str, ...] = ("adamw", "deto-full", "demo", "flexdemo:topk=1", "flexdemo:topk=8")
+#: Methods of the default bench: the FlexDeMo paper's Table 1 columns, then DiLoCo and NoLoCo (H = 10).
+DEFAULT_METHODS: tuple[str, ...] = (
+    "adamw", "deto-full", "demo", "flexdemo:topk=1", "flexdemo:topk=8", "diloco:H=10", "noloco:H=10",
+)
 #: Link rates of the default bench (one row of Table 1).
 DEFAULT_BANDWIDTHS: tuple[str, ...] = ("100mbit",)
 #: Model of every run (a name in lowband.train.models.MODEL_SIZES, or a local model directory).
 DEFAULT_MODEL = "t5-mini"
 #: Training steps of every run.
-DEFAULT_STEPS = 30
+DEFAULT_STEPS = 40
 #: Emulated nodes and ranks per node (the paper: 2 nodes × 2 GPUs).
 DEFAULT_NODES = 2
 DEFAULT_RANKS_PER_NODE = 2
@@ -68,7 +70,7 @@ DEFAULT_RANKS_PER_NODE = 2
 DEFAULT_SEED = 0
 #: Wall-clock limit of one run (all its nodes); a run that takes longer is recorded as failed.
 DEFAULT_RUN_TIMEOUT_S = 600.0
-#: Extra `lowband train` arguments of every run (batch size, validation interval, ...).
+#: `lowband train` arguments of every run, before the user's --train-args (which win).
 DEFAULT_TRAIN_ARGS: tuple[str, ...] = ("--val-every", "10")
 #: What each node runs: `python -m lowband train ...`. A module name or a path to a .py script.
 DEFAULT_ENTRY = "lowband"
@@ -232,7 +234,7 @@ def make_config(
     seed: int = DEFAULT_SEED,
     run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
     entry: str = DEFAULT_ENTRY,
-    train_args: str | Sequence[str] = DEFAULT_TRAIN_ARGS,
+    train_args: str | Sequence[str] = (),
 ) -> BenchConfig:
     """Check everything a user gave and build a :class:`BenchConfig`.
 
@@ -283,7 +285,9 @@ def make_config(
     if Path(model).expanduser().is_dir():
         model = str(Path(model).expanduser().resolve())
     latency_s = parse_duration(latency)
-    entry_args = tuple(shlex.split(train_args)) if isinstance(train_args, str) else tuple(train_args)
+    # The bench's own defaults first: the user's arguments come later and win.
+    entry_args = DEFAULT_TRAIN_ARGS + (
+        tuple(shlex.split(train_args)) if isinstance(train_args, str) else tuple(train_args))
     if entry.endswith(".py") and not Path(entry).is_file():
         raise ValueError(f"entry script {entry} does not exist; give a module name or an existing .py file")
     return BenchConfig(
