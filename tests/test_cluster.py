@@ -7,6 +7,7 @@ Every namespace here uses the prefix ``lbtest`` so that other runs on the machin
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,7 +61,9 @@ JOB = textwrap.dedent(
     t = torch.full((4096,), float(rank + 1))
     dist.all_reduce(t)
     assert torch.all(t == 10.0), t[:4]
-    print(f"JOB-OK rank={rank} node={os.environ['GROUP_RANK']} if={os.environ['GLOO_SOCKET_IFNAME']}", flush=True)
+    # One write per line: the ranks of a node share the log file.
+    sys.stdout.write(f"JOB-OK rank={rank} node={os.environ['GROUP_RANK']} if={os.environ['GLOO_SOCKET_IFNAME']}\\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
     """
 )
@@ -161,7 +164,7 @@ def test_loopback_fallback_runs_the_job(tmp_path: Path) -> None:
     assert result.ok, result.failure_message()
     assert result.master_addr == "127.0.0.1"
     logs = "".join(p.read_text() for p in result.log_paths)
-    assert sorted(line.split()[1] for line in logs.splitlines() if line.startswith("JOB-OK")) == [
+    assert sorted(re.findall(r"JOB-OK (rank=\d+)", logs)) == [
         "rank=0", "rank=1", "rank=2", "rank=3",
     ]  # fmt: skip
     assert "if=lo" in logs
@@ -222,7 +225,7 @@ def test_torchrun_across_two_emulated_nodes(tmp_path: Path) -> None:
     assert result.master_addr == "10.77.0.1"
     logs = [p.read_text() for p in result.log_paths]
     for node, text in enumerate(logs):
-        ok_lines = [line for line in text.splitlines() if line.startswith("JOB-OK")]
+        ok_lines = re.findall(r"JOB-OK rank=\d+ node=\d+ if=\w+", text)
         assert len(ok_lines) == 2 and all(f"node={node} if=lbv{node}" in line for line in ok_lines), text
     # The all_reduce of 4096 floats crossed the link both ways (gloo sends at least a share of it).
     assert all(s >= 4096 for s in sent), sent

@@ -220,7 +220,7 @@ def test_demo_counts_only_bytes_that_cross_nodes():
     per_node = {0: 0, 1: 0}
     for rank, r in enumerate(results):
         assert r["replicas"] == 4 and r["shards"] == 1 and r["equal"]
-        for inter, node_inter, total, kinds in r["traffic"]:
+        for inter, node_inter, _total, kinds in r["traffic"]:
             p = r["payload"]
             assert kinds["all_gather"]["bytes"] == 3 * p  # ring: (R−1)·payload, all hops
             # Ring 0→1→2→3→0: only ranks 1 and 3 send to the other node.
@@ -236,7 +236,7 @@ def test_single_node_sends_nothing_between_nodes():
     results = run_ranks(_demo_and_single_node, world_size=4, ranks_per_node=4, args=(None,), timeout_s=120)
     for r in results:
         assert r["replicas"] == 1 and r["shards"] == 4
-        for inter, node_inter, total, kinds in r["traffic"]:
+        for inter, node_inter, total, _kinds in r["traffic"]:
             assert inter == 0 and node_inter == 0 and total == 0
 
 
