@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["free_port", "full_params", "run_ranks", "tiny_batch", "tiny_loss", "tiny_model"]
 
 
 def free_port() -> int:
@@ -115,3 +115,42 @@ def run_ranks(
                 p.kill()
                 p.join(timeout=5)
     return [results[r][1] for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------- a tiny model for tests
+def tiny_model(seed: int = 0):
+    """Linear+tanh blocks of odd sizes (13 → 37 → 29 → 3): FSDP2 shards are uneven and not
+    multiples of any chunk size. ``model[0]`` and ``model[1]`` are the blocks to shard."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, d_in: int, d_out: int) -> None:
+            super().__init__()
+            self.lin = nn.Linear(d_in, d_out)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x))
+
+    torch.manual_seed(seed)
+    return nn.Sequential(Block(13, 37), Block(37, 29), nn.Linear(29, 3))
+
+
+def tiny_batch(rank: int, step: int):
+    """Rank ``rank``'s (inputs, targets) at ``step`` for :func:`tiny_model`: a pure function."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 13, generator=g), torch.randn(8, 3, generator=g)
+
+
+def tiny_loss(model, rank: int, step: int):
+    """Mean squared error of ``model`` on :func:`tiny_batch`."""
+    x, y = tiny_batch(rank, step)
+    return ((model(x) - y) ** 2).mean()
+
+
+def full_params(model) -> list:
+    """Every parameter as a full tensor (gathered from FSDP2 shards), detached copies."""
+    return [p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+            for p in model.parameters()]

@@ -20,45 +20,21 @@ from lowband.link import Link, PeerTimeoutError
 from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError, noloco_groups, warmup_cosine
 from lowband.optim._common import state_view
 from lowband.sharding import shard_model
-from lowband.testing import run_ranks
+from lowband.testing import full_params, run_ranks, tiny_batch, tiny_loss, tiny_model
 from lowband.topology import Topology
 
 INNER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
 
 
-class Block(nn.Module):
-    def __init__(self, d_in: int, d_out: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(d_in, d_out)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
-
-
-def make_model(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    # Odd sizes: FSDP2 shards are uneven.
-    return nn.Sequential(Block(13, 37), Block(37, 29), nn.Linear(29, 3))
-
-
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 13, generator=g), torch.randn(8, 3, generator=g)
-
-
-def loss_of(model, rank, step):
-    x, y = batch(rank, step)
-    return ((model(x) - y) ** 2).mean()
+make_model = tiny_model
+batch = tiny_batch
+loss_of = tiny_loss
 
 
 def sharded(topo: Topology, seed: int = 0):
     model = make_model(seed)
     return shard_model(model, topo, blocks=[model[0], model[1]])
 
-
-def full_params(model) -> list[torch.Tensor]:
-    return [p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
-            for p in model.parameters()]
 
 
 def maxdiff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

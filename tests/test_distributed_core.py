@@ -11,53 +11,26 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from lowband.compress import WireFormat, num_chunks
 from lowband.link import Link
 from lowband.optim import AdamWFullSync, DetoFull, FlexDeMo, NonFiniteGradientError
 from lowband.sharding import shard_model
-from lowband.testing import run_ranks
+from lowband.testing import full_params, run_ranks, tiny_batch, tiny_loss, tiny_model
 from lowband.topology import Topology
 
 LR = 0.05
 
 
-class Block(nn.Module):
-    def __init__(self, d_in: int, d_out: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(d_in, d_out)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
-
-
-def make_model(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    # Odd sizes: shards are uneven and not multiples of the chunk (padding is exercised).
-    return nn.Sequential(Block(13, 37), Block(37, 29), nn.Linear(29, 3))
-
-
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 13, generator=g), torch.randn(8, 3, generator=g)
-
-
-def loss_of(model, rank, step):
-    x, y = batch(rank, step)
-    return ((model(x) - y) ** 2).mean()
+make_model = tiny_model
+batch = tiny_batch
+loss_of = tiny_loss
 
 
 def sharded(topo: Topology, seed: int = 0):
     model = make_model(seed)
     return shard_model(model, topo, blocks=[model[0], model[1]])
 
-
-def full_params(model) -> list[torch.Tensor]:
-    out = []
-    for p in model.parameters():
-        out.append(p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone())
-    return out
 
 
 def replicas_equal(model, topo: Topology) -> bool:

@@ -194,22 +194,13 @@ def _check_model(model: str) -> None:
 
 
 def _check_data(data: str, model: str) -> None:
-    from lowband.train.data import ACCEPTED_EXTENSIONS
+    from lowband.train.data import check_data_file
     from lowband.train.models import MODEL_SIZES
 
-    path = Path(data).expanduser()
-    if not path.exists():
-        raise ValueError(
-            f"data file not found: {data}; give an existing file ({', '.join(ACCEPTED_EXTENSIONS)}), "
-            "or leave --data out for the embedded default corpus"
-        )
-    if not path.is_file():
-        raise ValueError(f"data path {data} is not a file; give one file ({', '.join(ACCEPTED_EXTENSIONS)})")
-    ext = path.suffix.lower()
-    if ext not in ACCEPTED_EXTENSIONS:
-        raise ValueError(
-            f"data file {data} has extension {ext or '(none)'!r}; accepted: {', '.join(ACCEPTED_EXTENSIONS)}"
-        )
+    try:
+        ext = check_data_file(data).suffix.lower()
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from e
     size = MODEL_SIZES.get(model)
     if ext == ".txt" and size is not None and size.kind == "seq2seq":
         raise ValueError(

@@ -239,19 +239,33 @@ def default_corpus_texts() -> list[str]:
     return [t for t in extracts if t] + [t for t in descriptions if t]
 
 
-def _load_file(path: str, cfg: DataConfig) -> tuple[list[str], list[str] | None]:
-    """Read a user's data file into (sources, targets) with ``datasets``."""
+def check_data_file(path: str | os.PathLike[str]) -> Path:
+    """The data file at ``path``, checked: it exists, is a file and has an accepted extension.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        ValueError: not a file, or an extension not in :data:`ACCEPTED_EXTENSIONS`.
+    """
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"data file not found: {path} (give an existing .jsonl, .csv or .txt file)")
+        raise FileNotFoundError(
+            f"data file not found: {path}; give an existing file ({', '.join(ACCEPTED_EXTENSIONS)}), "
+            "or leave --data out for the embedded default corpus"
+        )
     if not p.is_file():
         raise ValueError(f"data path {path} is not a file; give one file ({', '.join(ACCEPTED_EXTENSIONS)})")
     ext = p.suffix.lower()
     if ext not in _BUILDERS:
         raise ValueError(
-            f"unsupported data file extension {ext or '(none)'!r} for {path}; accepted: "
-            f"{', '.join(ACCEPTED_EXTENSIONS)}"
+            f"data file {path} has extension {ext or '(none)'!r}; accepted: {', '.join(ACCEPTED_EXTENSIONS)}"
         )
+    return p
+
+
+def _load_file(path: str, cfg: DataConfig) -> tuple[list[str], list[str] | None]:
+    """Read a user's data file into (sources, targets) with ``datasets``."""
+    p = check_data_file(path)
+    ext = p.suffix.lower()
     builder = _BUILDERS[ext]
     if builder == "text" and cfg.kind == "seq2seq":
         raise ValueError(
