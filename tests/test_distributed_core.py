@@ -380,3 +380,23 @@ def test_single_process_flexdemo_is_sharded_sign_sgd_without_traffic():
             o.step()
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("values", ["bf16", "sign"])
+def test_blockwise_transform_equals_one_block(monkeypatch, values):
+    # Shards are transformed in blocks of chunks to bound temporaries: the result must not depend on it.
+    import lowband.optim.flexdemo as fd
+
+    def run(block_elements):
+        monkeypatch.setattr(fd, "_BLOCK_ELEMENTS", block_elements)
+        model = make_model()
+        opt = FlexDeMo(model.parameters(), lr=LR, topk=2, chunk=8, values=values)
+        for step in range(3):
+            opt.zero_grad()
+            loss_of(model, 0, step).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()] + [opt.state[p]["delta"] for p in model.parameters()]
+
+    one_block, many_blocks = run(1 << 20), run(16)  # 481-element weight: 31 blocks of 2 chunks + a tail
+    for a, b in zip(one_block, many_blocks, strict=True):
+        assert torch.equal(a, b)

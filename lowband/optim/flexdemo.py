@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.optim import Optimizer
 
-from lowband.compress import WireFormat, dct, from_chunks, idct, scatter_chunks, to_chunks, topk_per_chunk
+from lowband.compress import WireFormat, dct, idct, scatter_chunks, to_chunks, topk_per_chunk
 from lowband.link import Link
 from lowband.optim._common import (
     NONFINITE_POLICIES,
@@ -27,6 +27,36 @@ from lowband.optim._common import (
 __all__ = ["FlexDeMo"]
 
 log = logging.getLogger(__name__)
+
+
+# Chunks are transformed in blocks of about this many elements, so the DCT's temporaries stay small.
+_BLOCK_ELEMENTS = 1 << 20
+
+
+def _blocks(flat: torch.Tensor, chunk: int):
+    """(block, rows) over a flat tensor: views of whole chunks, then the zero-padded partial chunk.
+
+    A block of whole chunks is a (rows, chunk) view into ``flat`` (writes go through); the last,
+    partial chunk is a view of ``flat``'s tail, returned flat, with ``rows`` = 1 (pad it to use it
+    as a chunk).
+    """
+    n = flat.numel()
+    full = n // chunk
+    per_block = max(1, _BLOCK_ELEMENTS // chunk)
+    body = flat[: full * chunk].view(full, chunk)
+    for r0 in range(0, full, per_block):
+        blk = body[r0:r0 + per_block]
+        yield blk, blk.shape[0]
+    if full * chunk < n:
+        yield flat[full * chunk:], 1
+
+
+def _block_rows(flat: torch.Tensor, chunk: int):
+    """:func:`_blocks` with each block's first chunk row: ((block, rows), first row)."""
+    r0 = 0
+    for blk, rows in _blocks(flat, chunk):
+        yield (blk, rows), r0
+        r0 += rows
 
 
 class FlexDeMo(Optimizer):
@@ -155,7 +185,7 @@ class FlexDeMo(Optimizer):
 
         # Phase 1: momentum, compression, error feedback; one payload per parameter.
         payloads: list[torch.Tensor] = []
-        meta = []  # (x shard, numel, n_chunks, wire, group)
+        meta = []  # (x shard, n_chunks, wire, group)
         for (group, p), g in zip(work, grads, strict=True):
             state = self.state[p]
             if len(state) == 0:
@@ -168,14 +198,19 @@ class FlexDeMo(Optimizer):
 
             delta.mul_(group["decay"]).add_(g, alpha=lr)
             flat = delta.reshape(-1)
-            chunks = to_chunks(flat.float(), chunk)
-            idx, vals = topk_per_chunk(dct(chunks), topk)
-            payload = wire.pack(idx, vals)
-            _, sent_vals = wire.unpack(payload, chunks.shape[0])  # exactly what peers will see
-            q = from_chunks(idct(scatter_chunks(idx, sent_vals, chunk)), flat.numel())
-            flat.sub_(q.to(flat.dtype))
+            # Blocks of chunks keep the transform's temporaries small (a few MB, not 5x the shard).
+            picks = [topk_per_chunk(dct(to_chunks(blk.float(), chunk)), topk) for blk, _ in _blocks(flat, chunk)]
+            if not picks:  # an empty shard (FSDP2 gives the last ranks nothing of a tiny parameter)
+                picks = [(torch.empty(0, topk, dtype=torch.long, device=flat.device),
+                          torch.empty(0, topk, device=flat.device))]
+            idx = torch.cat([i for i, _ in picks])
+            payload = wire.pack(idx, torch.cat([v for _, v in picks]))
+            _, sent_vals = wire.unpack(payload, idx.shape[0])  # exactly what peers will see
+            for (blk, rows), r0 in _block_rows(flat, chunk):
+                q = idct(scatter_chunks(idx[r0:r0 + rows], sent_vals[r0:r0 + rows], chunk))
+                blk.sub_(q.view(-1)[:blk.numel()].view_as(blk).to(blk.dtype))
             payloads.append(payload)
-            meta.append((local(p), flat.numel(), chunks.shape[0], wire, group))
+            meta.append((local(p), idx.shape[0], wire, group))
 
         # Phase 2: one all-gather of all payloads over the replicate group.
         message = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8)
@@ -187,16 +222,17 @@ class FlexDeMo(Optimizer):
 
         # Phase 3: decode the mean over replicas and step.
         offset = 0
-        for x, numel, n_chunks, wire, group in meta:
+        for x, n_chunks, wire, group in meta:
             nbytes = wire.payload_nbytes(n_chunks)
             idx, vals = wire.unpack(gathered[:, offset:offset + nbytes], n_chunks)
             offset += nbytes
-            coeffs = scatter_chunks(idx, vals, wire.chunk).div_(replicas)
-            update = from_chunks(idct(coeffs), numel).view_as(x).to(x.dtype)
-            if group["sign"]:
-                update.sign_()
             lr = group["lr"]
-            x.add_(update, alpha=-lr)
+            for (blk, rows), r0 in _block_rows(x.reshape(-1), wire.chunk):
+                coeffs = scatter_chunks(idx[:, r0:r0 + rows], vals[:, r0:r0 + rows], wire.chunk).div_(replicas)
+                update = idct(coeffs).view(-1)[:blk.numel()].view_as(blk).to(blk.dtype)
+                if group["sign"]:
+                    update.sign_()
+                blk.add_(update, alpha=-lr)
             if group["weight_decay"] > 0:
                 x.mul_(1.0 - lr * group["weight_decay"])
         return loss
