@@ -304,7 +304,7 @@ def _load_file(path: str, cfg: DataConfig) -> tuple[list[str], list[str] | None]
         if col not in columns:
             raise ValueError(
                 f"{path} has no {role} column {col!r}; columns present: {', '.join(columns) or '(none)'}. "
-                f"Name the right one with the {role}_column setting"
+                f"Name the right one with --{role}-column (DataConfig.{role}_column)"
             )
     wanted = [col for _, col in roles]
 
