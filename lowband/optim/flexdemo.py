@@ -197,7 +197,7 @@ class FlexDeMo(Optimizer):
             wire = WireFormat(chunk, topk, group["values"])
 
             delta.mul_(group["decay"]).add_(g, alpha=lr)
-            flat = delta.reshape(-1)
+            flat = delta.view(-1)  # a view: the error feedback below writes through it
             # Blocks of chunks keep the transform's temporaries small (a few MB, not 5x the shard).
             picks = [topk_per_chunk(dct(to_chunks(blk.float(), chunk)), topk) for blk, _ in _blocks(flat, chunk)]
             if not picks:  # an empty shard (FSDP2 gives the last ranks nothing of a tiny parameter)
@@ -227,7 +227,7 @@ class FlexDeMo(Optimizer):
             idx, vals = wire.unpack(gathered[:, offset:offset + nbytes], n_chunks)
             offset += nbytes
             lr = group["lr"]
-            for (blk, rows), r0 in _block_rows(x.reshape(-1), wire.chunk):
+            for (blk, rows), r0 in _block_rows(x.view(-1), wire.chunk):  # in place: x must be contiguous
                 coeffs = scatter_chunks(idx[:, r0:r0 + rows], vals[:, r0:r0 + rows], wire.chunk).div_(replicas)
                 update = idct(coeffs).view(-1)[:blk.numel()].view_as(blk).to(blk.dtype)
                 if group["sign"]:
