@@ -51,6 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"lowband {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        # A lost peer or a timeout carries its own explanation; anything else keeps its traceback.
+        from lowband.link import PeerLostError, PeerTimeoutError
+
+        if isinstance(e, PeerLostError | PeerTimeoutError):
+            print(f"lowband {args.command}: error: {e}", file=sys.stderr)
+            return 1
+        raise
+    except FloatingPointError as e:  # NonFiniteGradientError, or a non-finite training loss
+        print(f"lowband {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"lowband {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -20,6 +20,7 @@ cluster) the bench compares them with the interface's byte counters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from lowband.topology import Topology
 
-__all__ = ["Link", "OpRecord", "StepTraffic", "PeerTimeoutError", "parse_bandwidth"]
+__all__ = ["Link", "OpRecord", "PeerLostError", "PeerTimeoutError", "StepTraffic", "parse_bandwidth"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,10 @@ def parse_bandwidth(text: str | float | int) -> float:
 
 class PeerTimeoutError(RuntimeError):
     """A peer did not answer within the link's timeout."""
+
+
+class PeerLostError(RuntimeError):
+    """A collective between nodes failed: a peer vanished or the link dropped."""
 
 
 @dataclass(slots=True)
@@ -253,6 +258,19 @@ class Link:
         return rec
 
     # ---------------------------------------------------------------- collectives
+    @contextlib.contextmanager
+    def _peers_guard(self, kind: str):
+        """Turn a collective's transport error into one that names the group and the way out."""
+        try:
+            yield
+        except RuntimeError as e:
+            nodes = sorted({self.topology.node_of(r) for r in self._group_ranks} - {self.topology.node_of(self.rank)})
+            raise PeerLostError(
+                f"rank {self.rank}: {kind} over ranks {self._group_ranks} failed: a peer on node(s) {nodes} "
+                "vanished or the link between nodes dropped. Restart the job; with checkpoints "
+                f"(--ckpt-every), `--resume auto` continues from the last one. Underlying error: {e}"
+            ) from e
+
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "avg") -> torch.Tensor:
         """In-place all-reduce (``avg``, ``sum`` or ``max``) of ``tensor`` over the replicate group."""
         if op not in ("avg", "sum", "max"):
@@ -265,11 +283,13 @@ class Link:
                 raise ValueError("avg all-reduce needs a floating-point tensor")
             if op == "avg" and dist.get_backend(self._group) == "gloo":
                 # gloo lacks ReduceOp.AVG: sum, then divide.
-                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group)
+                with self._peers_guard("all_reduce"):
+                    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group)
                 tensor.div_(g)
             else:
                 rop = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-                dist.all_reduce(tensor, op=rop, group=self._group)
+                with self._peers_guard("all_reduce"):
+                    dist.all_reduce(tensor, op=rop, group=self._group)
         sent = (2 * (g - 1) * payload) // g if g > 1 else 0
         inter_sent, inter_recv, node_sent = self._ring_record("all_reduce", payload, sent, 2 * (g - 1))
         self._finish(
@@ -287,7 +307,8 @@ class Link:
         payload = _nbytes(tensor)
         if g > 1:
             out = torch.empty((g, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-            dist.all_gather_into_tensor(out.view(-1), tensor.contiguous().view(-1), group=self._group)
+            with self._peers_guard("all_gather"):
+                dist.all_gather_into_tensor(out.view(-1), tensor.contiguous().view(-1), group=self._group)
         else:
             out = tensor.unsqueeze(0).clone()
         sent = (g - 1) * payload

@@ -85,3 +85,25 @@ def test_link_rejects_bad_settings():
     for kwargs in (dict(bandwidth_bps=0), dict(latency_s=-1), dict(timeout_s=0)):
         with pytest.raises(ValueError):
             Link(t, **kwargs)
+
+
+def _vanishing_peer(rank: int) -> str:
+    from lowband.link import PeerLostError
+
+    topo = Topology.from_env()
+    link = Link(topo)
+    if rank == 3:
+        return "left"  # leaves the job: its process exits and its connections close
+    if rank != 1:
+        return "unaffected"  # ranks 0 and 2 form the other replicate group
+    try:
+        link.all_gather(torch.ones(1000))
+    except PeerLostError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_vanished_peer_is_a_clear_error_naming_the_group():
+    results = run_ranks(_vanishing_peer, world_size=4, ranks_per_node=2, timeout_s=120)
+    msg = results[1]
+    assert "all_gather over ranks [1, 3] failed" in msg and "node(s) [1]" in msg and "--resume auto" in msg
