@@ -220,7 +220,7 @@ class Link:
         return done
 
     # ---------------------------------------------------------------- accounting
-    def _ring_record(self, kind: str, payload: int, sent_per_rank: int, rounds: int) -> tuple[int, int, int]:
+    def _ring_record(self, sent_per_rank: int) -> tuple[int, int, int]:
         """Inter-node bytes (sent, received) for this rank and for its node, ring order = group order."""
         ranks = self._group_ranks
         g = len(ranks)
@@ -291,7 +291,7 @@ class Link:
                 with self._peers_guard("all_reduce"):
                     dist.all_reduce(tensor, op=rop, group=self._group)
         sent = (2 * (g - 1) * payload) // g if g > 1 else 0
-        inter_sent, inter_recv, node_sent = self._ring_record("all_reduce", payload, sent, 2 * (g - 1))
+        inter_sent, inter_recv, node_sent = self._ring_record(sent)
         self._finish(
             dict(kind="all_reduce", group_size=g, payload_bytes=payload, bytes_sent=sent, bytes_recv=sent,
                  inter_node_bytes_sent=inter_sent, inter_node_bytes_recv=inter_recv,
@@ -312,7 +312,7 @@ class Link:
         else:
             out = tensor.unsqueeze(0).clone()
         sent = (g - 1) * payload
-        inter_sent, inter_recv, node_sent = self._ring_record("all_gather", payload, sent, g - 1)
+        inter_sent, inter_recv, node_sent = self._ring_record(sent)
         self._finish(
             dict(kind="all_gather", group_size=g, payload_bytes=payload, bytes_sent=sent, bytes_recv=sent,
                  inter_node_bytes_sent=inter_sent, inter_node_bytes_recv=inter_recv,

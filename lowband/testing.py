@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["free_port", "full_params", "run_ranks", "tiny_batch", "tiny_loss", "tiny_model"]
+__all__ = ["free_port", "full_params", "run_ranks", "tiny_batch", "tiny_loss", "tiny_model", "tiny_sharded"]
 
 
 def free_port() -> int:
@@ -134,6 +134,14 @@ def tiny_model(seed: int = 0):
 
     torch.manual_seed(seed)
     return nn.Sequential(Block(13, 37), Block(37, 29), nn.Linear(29, 3))
+
+
+def tiny_sharded(topology, seed: int = 0):
+    """:func:`tiny_model` sharded with FSDP2 over the node's ranks (its two blocks, then the root)."""
+    from lowband.sharding import shard_model
+
+    model = tiny_model(seed)
+    return shard_model(model, topology, blocks=[model[0], model[1]])
 
 
 def tiny_batch(rank: int, step: int):

@@ -19,8 +19,7 @@ from torch import nn
 from lowband.link import Link, PeerTimeoutError
 from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError, noloco_groups, warmup_cosine
 from lowband.optim._common import state_view
-from lowband.sharding import shard_model
-from lowband.testing import full_params, run_ranks, tiny_batch, tiny_loss, tiny_model
+from lowband.testing import full_params, run_ranks, tiny_batch, tiny_loss, tiny_model, tiny_sharded
 from lowband.topology import Topology
 
 INNER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
@@ -31,9 +30,7 @@ batch = tiny_batch
 loss_of = tiny_loss
 
 
-def sharded(topo: Topology, seed: int = 0):
-    model = make_model(seed)
-    return shard_model(model, topo, blocks=[model[0], model[1]])
+sharded = tiny_sharded
 
 
 

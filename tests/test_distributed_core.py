@@ -15,8 +15,7 @@ import torch.distributed as dist
 from lowband.compress import WireFormat, num_chunks
 from lowband.link import Link
 from lowband.optim import AdamWFullSync, DetoFull, FlexDeMo, NonFiniteGradientError
-from lowband.sharding import shard_model
-from lowband.testing import full_params, run_ranks, tiny_batch, tiny_loss, tiny_model
+from lowband.testing import full_params, run_ranks, tiny_batch, tiny_loss, tiny_model, tiny_sharded
 from lowband.topology import Topology
 
 LR = 0.05
@@ -27,9 +26,7 @@ batch = tiny_batch
 loss_of = tiny_loss
 
 
-def sharded(topo: Topology, seed: int = 0):
-    model = make_model(seed)
-    return shard_model(model, topo, blocks=[model[0], model[1]])
+sharded = tiny_sharded
 
 
 
