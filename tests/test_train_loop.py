@@ -37,10 +37,20 @@ def test_training_writes_its_outputs_and_resumes_exactly(tmp_path, tmp_path_fact
         assert c["val_loss"] == s["val_loss"], (s["val_loss"], c["val_loss"])
         assert c["train_loss"] == s["train_loss"]
         assert s["inter_node_bytes_per_step"] > 0
+        # The training clock and the token count go on across the resume.
+        assert c["tokens"] == s["tokens"] > 0
+        assert 0 < s["train_time_s"] < s["wall_time_s"]
+        assert c["val_history"][-1]["tokens"] == s["val_history"][-1]["tokens"]
         assert (tmp_path / "straight" / f"summary_rank{rank}.json").exists()
     lines = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if x["type"] == "train"] == [1, 2, 3, 4, 5]
-    assert [x["step"] for x in lines if x["type"] == "val"] == [0, 2, 4, 5]
+    vals = [x for x in lines if x["type"] == "val"]
+    assert [x["step"] for x in vals] == [0, 2, 4, 5]
+    assert vals[0]["tokens"] == 0 and vals[0]["train_time_s"] == 0
+    assert all(a["tokens"] < b["tokens"] and a["train_time_s"] < b["train_time_s"] for a, b in zip(vals, vals[1:]))
+    # Validation is left out of the training clock: it is the sum of the steps' clock.
+    train = [x for x in lines if x["type"] == "train"]
+    assert train[-1]["train_time_s"] == vals[-1]["train_time_s"] < vals[-1]["wall_s"]
     resumed_lines = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in resumed_lines if x["type"] == "train"] == [1, 2, 3, 4, 5]
     straight_losses = [x["loss"] for x in lines if x["type"] == "train"]

@@ -7,10 +7,18 @@ record of the step. Rank 0 writes ``metrics.jsonl``; every rank writes ``summary
 Outputs in ``--out`` (schema used by `lowband bench`):
 
 - ``metrics.jsonl`` (rank 0): ``{"type": "train", "step", "epoch", "loss", "step_time_s",
-  "compute_time_s", "comm_time_s", "inter_node_bytes_sent", "wall_s", "lr"}`` per step and
-  ``{"type": "val", "step", "epoch", "val_loss", "wall_s"}`` per validation.
+  "compute_time_s", "comm_time_s", "inter_node_bytes_sent", "tokens", "train_time_s", "wall_s",
+  "lr"}`` per step and ``{"type": "val", "step", "epoch", "tokens", "train_time_s", "wall_s",
+  "val_loss"}`` per validation.
 - ``summary_rank{R}.json``: medians of the step timings (warm-up steps excluded), bytes per step,
   the link's operations by kind, peak memory, the final validation loss and its history.
+
+Clocks. ``train_time_s`` is the training clock: the time spent in training steps (batch, forward,
+backward, optimizer step with its communication) since step 0, summed over the steps; start-up,
+validation and checkpoints are left out, as the FlexDeMo paper's "minutes of training". It goes on
+across a resume (restored from the checkpoint). ``wall_s`` is the wall time since this process
+started its loop, everything included. ``tokens`` counts the non-padding tokens this rank has
+trained on (source and target); the bench sums it over ranks.
 - ``checkpoints/step_NNNNNN/`` (DCP) every ``--ckpt-every`` steps and at the end.
 """
 
@@ -251,6 +259,7 @@ def run_training(cfg: TrainConfig) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
     start_step = 0
+    resumed: dict[str, Any] = {}
     if cfg.resume:
         from lowband.checkpoint import latest_checkpoint, load_checkpoint
 
@@ -260,6 +269,7 @@ def run_training(cfg: TrainConfig) -> dict:
                                     "drop --resume to start afresh")
         extra = load_checkpoint(path, model=model, optimizer=optimizer)
         start_step = int(extra["step"])
+        resumed = extra
         scheduler.load_state_dict(extra["scheduler"])
         link.end_step()  # loading may run a zero-lr step (DCP initialises optimizer state): not traffic
         link.history.clear()
@@ -276,29 +286,35 @@ def run_training(cfg: TrainConfig) -> dict:
 
     step_times, compute_times, comm_times, sent, node_sent, sync_times = [], [], [], [], [], []
     ops_total: dict[str, dict[str, int]] = {}
-    val_history: list[list[float]] = []
+    val_history: list[dict[str, float]] = []
     train_loss = float("nan")
     wall0 = time.perf_counter()
+    # The training clock and token count (see the module docstring); a resumed run goes on from
+    # the checkpoint's, so its curves continue the interrupted run's.
+    clock = {"train_time_s": float(resumed.get("train_time_s", 0.0)), "tokens": int(resumed.get("tokens", 0))}
 
     def validate(step: int) -> float:
         v = evaluate(model, data, batch_size=cfg.batch_size, max_batches=cfg.val_batches, device=device)
-        wall = time.perf_counter() - wall0
-        val_history.append([step, wall, v])
-        metrics.write({"type": "val", "step": step, "epoch": epoch_of(step, data=data, world_size=world,
-                                                                      batch_size=cfg.batch_size),
-                       "val_loss": v, "wall_s": wall})
+        point = {"step": step, "epoch": epoch_of(max(step - 1, 0), data=data, world_size=world,
+                                                 batch_size=cfg.batch_size),
+                 "tokens": clock["tokens"], "train_time_s": clock["train_time_s"],
+                 "wall_s": time.perf_counter() - wall0, "val_loss": v}  # fmt: skip
+        val_history.append(point)
+        metrics.write({"type": "val", **point})
         return v
 
     if start_step == 0:
         validate(0)
     try:
         for step in range(start_step, cfg.steps):
+            t_batch = time.perf_counter()
             batch = {k: v.to(device) for k, v in
                      train_batch(data, step=step, rank=rank, world_size=world, batch_size=cfg.batch_size,
                                  seed=cfg.seed).items()}
             # Dropout masks as a function of (seed, step, rank): a resumed run repeats them exactly.
             torch.manual_seed((cfg.seed * 1_000_003 + step) * world + rank)
             t0 = time.perf_counter()
+            clock["tokens"] += _batch_tokens(batch, seq2seq=spec.kind == "seq2seq")
             optimizer.zero_grad(set_to_none=True)
             loss = compute_loss(model, batch)
             loss.backward()
@@ -307,6 +323,7 @@ def run_training(cfg: TrainConfig) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - t0
+            clock["train_time_s"] += time.perf_counter() - t_batch
             traffic = link.end_step()
             link.history.clear()
             train_loss = loss.item()
@@ -330,21 +347,22 @@ def run_training(cfg: TrainConfig) -> dict:
             epoch = epoch_of(step, data=data, world_size=world, batch_size=cfg.batch_size)
             metrics.write({"type": "train", "step": step + 1, "epoch": epoch, "loss": train_loss,
                            "step_time_s": step_time, "compute_time_s": step_time - comm, "comm_time_s": comm,
-                           "inter_node_bytes_sent": traffic.inter_node_bytes_sent,
-                           "wall_s": time.perf_counter() - wall0, "lr": scheduler.get_last_lr()[0]})
+                           "inter_node_bytes_sent": traffic.inter_node_bytes_sent, "tokens": clock["tokens"],
+                           "train_time_s": clock["train_time_s"], "wall_s": time.perf_counter() - wall0,
+                           "lr": scheduler.get_last_lr()[0]})
             done = step + 1
             end_of_epoch = done % spe == 0
             if done < cfg.steps and ((cfg.val_every and done % cfg.val_every == 0) or end_of_epoch):
                 validate(done)
             if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < cfg.steps:
-                _save(out, done, model, optimizer, scheduler)
+                _save(out, done, model, optimizer, scheduler, clock)
             if bar is not None:
                 bar.set_postfix(loss=f"{train_loss:.3f}", s_step=f"{step_time:.3f}",
                                 comm=f"{comm:.3f}", refresh=False)
                 bar.update(1)
         final_val = validate(cfg.steps)
         if cfg.ckpt_at_end or cfg.ckpt_every:
-            _save(out, cfg.steps, model, optimizer, scheduler)
+            _save(out, cfg.steps, model, optimizer, scheduler, clock)
     finally:
         if bar is not None:
             bar.close()
@@ -363,7 +381,8 @@ def run_training(cfg: TrainConfig) -> dict:
         "inter_node_bytes_per_step": sum(sent) / max(len(sent), 1),
         "node_inter_node_bytes_per_step": sum(node_sent) / max(len(node_sent), 1),
         "link_ops": ops_total, "peak_rss_mb": _peak_rss_mb(), "val_loss": final_val,
-        "val_history": val_history, "train_loss": train_loss,
+        "val_history": val_history, "train_loss": train_loss, "train_time_s": clock["train_time_s"],
+        "tokens": clock["tokens"],
         "shaping": {"bandwidth_bps": link.bandwidth_bps, "latency_s": link.latency_s} if link.shaping else None,
         "wall_time_s": time.perf_counter() - t_start, "data": data.name, "config": asdict(cfg),
     }
@@ -376,8 +395,16 @@ def run_training(cfg: TrainConfig) -> dict:
     return summary
 
 
-def _save(out: Path, step: int, model, optimizer, scheduler) -> None:
+def _batch_tokens(batch: dict[str, torch.Tensor], *, seq2seq: bool) -> int:
+    """Non-padding tokens of a batch: the input tokens, plus the target tokens of a seq2seq model."""
+    n = int(batch["attention_mask"].sum())
+    if seq2seq:
+        n += int((batch["labels"] != -100).sum())
+    return n
+
+
+def _save(out: Path, step: int, model, optimizer, scheduler, clock: dict[str, float]) -> None:
     from lowband.checkpoint import save_checkpoint
 
     save_checkpoint(out / "checkpoints" / f"step_{step:06d}", model=model, optimizer=optimizer,
-                    extra={"step": step, "scheduler": scheduler.state_dict()})
+                    extra={"step": step, "scheduler": scheduler.state_dict(), **clock})
