@@ -64,7 +64,10 @@ FAKE_TRAINER = textwrap.dedent(
         per_rank = per_rank * 2 / shards  # smaller shards: more of them cross per node
         comm = per_rank * per_node * 8 / bw
         node = rank // per_node
-        history = [[s, 0.5 * s, 5.0 - s / steps] for s in range(0, steps + 1, max(1, steps // 3))]
+        # Loss falls with the step, faster for FlexDeMo-family methods (so targets are reached at known steps).
+        rate = 1.5 if method in ("flexdemo", "demo") else 1.0
+        history = [{"step": s, "epoch": 0, "tokens": 100 * s, "train_time_s": (0.1 + comm) * s, "wall_s": 0.5 * s,
+                    "val_loss": 5.0 - rate * s / steps} for s in range(0, steps + 1, max(1, steps // 3))]
         summary = {
             "rank": rank, "node": node, "method": method, "topk": topk, "chunk": chunk, "shards": shards,
             "nodes": world // per_node, "ranks_per_node": per_node, "replicas": world // shards,
@@ -74,15 +77,16 @@ FAKE_TRAINER = textwrap.dedent(
             "inter_node_bytes_per_step": per_rank, "node_inter_node_bytes_per_step": per_rank * per_node,
             "link_ops": {"all_gather": {"count": steps, "bytes": int(per_rank * steps),
                                         "inter_node_bytes": int(per_rank * steps), "largest_group": world // shards}},
-            "peak_rss_mb": 100.0 + rank, "val_loss": history[-1][2], "val_history": history,
+            "peak_rss_mb": 100.0 + rank, "val_loss": history[-1]["val_loss"], "val_history": history,
+            "train_time_s": history[-1]["train_time_s"], "tokens": 100 * steps,
             "train_loss": 4.0, "shaping": {"bandwidth_bps": bw, "latency_s": 0.0},
         }
         out.mkdir(parents=True, exist_ok=True)
         (out / f"summary_rank{rank}.json").write_text(json.dumps(summary))
         if rank == 0:
             with open(out / "metrics.jsonl", "w") as f:
-                for s, wall, loss in history:
-                    f.write(json.dumps({"type": "val", "step": s, "epoch": 0, "val_loss": loss, "wall_s": wall}) + "\\n")
+                for point in history:
+                    f.write(json.dumps({"type": "val", **point}) + "\\n")
         return 0
 
     if __name__ == "__main__":
@@ -184,10 +188,10 @@ def test_plan_expands_bandwidths_and_shards() -> None:
     assert argv[argv.index("--topk") + 1] == "8" and argv[argv.index("--chunk") + 1] == "128"
     assert argv[argv.index("--shards") + 1] == "2" and argv[argv.index("--out") + 1] == "/x"
     # Without --shards every method keeps its own: DeMo 1, the rest ranks per node.
-    plans = plan_runs(make_config(methods="demo,flexdemo,noloco:H=10,n=2", steps=3, model="t5-tiny"))
+    plans = plan_runs(make_config(methods="demo,flexdemo,noloco:H=2,n=2", steps=3, model="t5-tiny"))
     assert [(p.method, p.shards) for p in plans] == [("demo", 1), ("flexdemo", 2), ("noloco", 2)]
-    assert plans[2].train_args(make_config(steps=3, model="t5-tiny"), Path("/x"))[3:7] == [
-        "--sync-every", "10", "--group-size", "2"]  # fmt: skip
+    assert plans[2].train_args(make_config(methods="adamw", steps=3, model="t5-tiny"), Path("/x"))[3:7] == [
+        "--sync-every", "2", "--group-size", "2"]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -251,7 +255,12 @@ def test_aggregation_of_rank_summaries(tmp_path: Path, fake_trainer: Path) -> No
     assert record["link_ops"]["all_gather"]["largest_group"] == 2
     assert record["topk"] == 8 and record["chunk"] == 128 and record["shards"] == 2 and record["replicas"] == 2
     assert record["hyperparameters"] == {"lr": 0.001, "topk": 8, "chunk": 128} and record["batch_size"] == 8
-    assert record["val_loss"] == summaries[0]["val_loss"] and record["val_history"] == summaries[0]["val_history"]
+    assert record["val_loss"] == summaries[0]["val_loss"]
+    assert [p["step"] for p in record["val_history"]] == [p["step"] for p in summaries[0]["val_history"]]
+    assert [p["val_loss"] for p in record["val_history"]] == [p["val_loss"] for p in summaries[0]["val_history"]]
+    # Tokens are every rank's: summed over the 4 ranks; the training clock is rank 0's.
+    assert [p["tokens"] for p in record["val_history"]] == [4 * p["tokens"] for p in summaries[0]["val_history"]]
+    assert record["tokens"] == 4 * summaries[0]["tokens"] and record["train_time_s"] == summaries[0]["train_time_s"]
     assert record["status"] == "ok" and record["error"] is None
     assert record["link_effective_bps"] == pytest.approx(
         record["inter_node_bytes_per_step"] * 8 / record["comm_time_s"]
@@ -259,7 +268,7 @@ def test_aggregation_of_rank_summaries(tmp_path: Path, fake_trainer: Path) -> No
     # val_history falls back to rank 0's metrics.jsonl.
     del summaries[0]["val_history"]
     record = aggregate_run(new_run_record(method="adamw", nodes=2, ranks_per_node=2), summaries, run_dir=tmp_path)
-    assert [h[0] for h in record["val_history"]] == [0, 2, 4, 6]
+    assert [h["step"] for h in record["val_history"]] == [0, 2, 4, 6]
     assert record["topk"] is None and record["chunk"] is None
 
 
@@ -337,7 +346,7 @@ def test_failed_run_is_recorded_and_the_others_run(
     argv = ["--methods", "adamw,flexdemo:topk=8", "--steps", "4", "--model", "t5-tiny", "--emulation", "shaped",
             "--entry", str(fake_trainer), "--out", str(out), "--no-progress", "--latency", "5ms"]  # fmt: skip
     assert bench.main(_bench_args(*argv)) == 1
-    assert "00-adamw-s2-100mbit failed: RuntimeError: fake trainer: adamw blew up on purpose" in capsys.readouterr().out
+    assert "00-adamw-s2-100mbit-seed0 failed: RuntimeError: fake trainer: adamw blew up on purpose" in capsys.readouterr().out
     results = load_results(out)
     failed, ok = results["runs"]
     assert failed["method"] == "adamw" and failed["status"] == "failed"
@@ -400,7 +409,7 @@ def test_interrupt_leaves_nothing_behind(tmp_path: Path, fake_trainer: Path, mod
             "t5-tiny", "--emulation", mode, "--entry", str(fake_trainer), "--out", str(out), "--no-progress"]  # fmt: skip
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        started = out / "runs" / "00-flexdemo-top1-s2-100mbit" / "started-3"
+        started = out / "runs" / "00-flexdemo-top1-s2-100mbit-seed0" / "started-3"
         deadline = time.monotonic() + 60
         while not started.exists():
             assert proc.poll() is None, proc.communicate()[0].decode()

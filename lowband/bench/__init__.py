@@ -41,6 +41,7 @@ from lowband.bench.config import (
     DEFAULT_SEED,
     DEFAULT_STEPS,
     EMULATION_MODES,
+    PRESETS,
     BenchConfig,
     RunPlan,
     make_config,
@@ -84,14 +85,19 @@ def _method_help() -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``lowband bench`` options to ``parser``."""
     parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None,
+        help="a named bench; options given beside it win. "
+             + "; ".join(f"{p.name}: {p.description}" for p in PRESETS.values()),
+    )  # fmt: skip
+    parser.add_argument(
         "--methods", nargs="+", metavar="SPEC", default=None,
         help=f"method specs NAME[:key=value,...], space- or comma-separated "
              f"(default: {' '.join(DEFAULT_METHODS)}). Methods and their hyper-parameters: {_method_help()}",
     )  # fmt: skip
     parser.add_argument(
-        "--bandwidth", default=",".join(DEFAULT_BANDWIDTHS), metavar="LIST",
+        "--bandwidth", default=None, metavar="LIST",
         help="link rate(s) per node, comma-separated, e.g. 100mbit,500mbit,1gbit: every method runs at "
-             "each (Table 1's rows). Default: %(default)s",
+             f"each (Table 1's rows). Default: {','.join(DEFAULT_BANDWIDTHS)}",
     )  # fmt: skip
     parser.add_argument(
         "--shards", default=None, metavar="LIST",
@@ -99,10 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "at every count (Table 2's rows; shards=1 is DeMo). Default: each method's own "
              "(DeMo 1, others ranks per node)",
     )  # fmt: skip
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps per run (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=None, help=f"training steps per run (default: {DEFAULT_STEPS})")
     parser.add_argument(
-        "--model", default=DEFAULT_MODEL,
-        help="model size (see `lowband train --help`) or a local model directory (default: %(default)s)",
+        "--model", default=None,
+        help=f"model size (see `lowband train --help`) or a local model directory (default: {DEFAULT_MODEL})",
     )  # fmt: skip
     parser.add_argument("--data", default=None, help="data file (.jsonl, .json, .csv, .tsv, .txt); default: the embedded corpus")
     parser.add_argument(
@@ -119,11 +125,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=DEFAULT_NODES, help="emulated nodes (default: %(default)s)")
     parser.add_argument("--ranks-per-node", type=int, default=DEFAULT_RANKS_PER_NODE,
                         help="ranks per node (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of every run (default: %(default)s)")
+    parser.add_argument(
+        "--seeds", "--seed", dest="seeds", default=None, metavar="LIST",
+        help="seeds, comma-separated: every method runs at each (model init, data order, dropout), and the "
+             f"report shows mean and min-max over them, e.g. --seeds 0,1,2. Default: {DEFAULT_SEED}",
+    )  # fmt: skip
+    parser.add_argument(
+        "--target-loss", type=float, default=None, metavar="LOSS",
+        help="validation loss to time every run to (default: AdamW's final validation loss in the bench)",
+    )  # fmt: skip
     parser.add_argument("--run-timeout", type=float, default=DEFAULT_RUN_TIMEOUT_S, metavar="SECONDS",
                         help="wall-clock limit of one run; it is then recorded as failed (default: %(default)g)")  # fmt: skip
     parser.add_argument(
-        "--train-args", default="", metavar="ARGS",
+        "--train-args", default=None, metavar="ARGS",
         help='extra `lowband train` arguments for every run, e.g. --train-args="--batch-size 4"',
     )  # fmt: skip
     parser.add_argument(
@@ -137,25 +151,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``lowband report`` options to ``parser``."""
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a bench run directory (holding results.json)")
+    parser.add_argument(
+        "--target-loss", type=float, default=None, metavar="LOSS",
+        help="time every run to this validation loss instead of the bench's target (results.json is not changed)",
+    )  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """Build and validate the bench configuration from parsed ``lowband bench`` options."""
+    """Build and validate the bench configuration from parsed ``lowband bench`` options.
+
+    A ``--preset`` supplies the settings it names; every option given on the command line wins
+    over it (``--train-args`` are appended after the preset's, so they win too).
+    """
+    import shlex
+
+    settings: dict = dict(
+        methods=DEFAULT_METHODS, bandwidths=DEFAULT_BANDWIDTHS, steps=DEFAULT_STEPS, model=DEFAULT_MODEL,
+        seeds=(DEFAULT_SEED,), train_args=(),
+    )  # fmt: skip
+    preset = getattr(args, "preset", None)
+    if preset is not None:
+        settings.update(PRESETS[preset].settings)
+    given = {"methods": args.methods, "bandwidths": args.bandwidth, "steps": args.steps, "model": args.model,
+             "seeds": args.seeds}  # fmt: skip
+    settings.update({k: v for k, v in given.items() if v is not None})
+    if args.train_args:
+        settings["train_args"] = (*settings["train_args"], *shlex.split(args.train_args))
     return make_config(
-        methods=args.methods if args.methods is not None else DEFAULT_METHODS,
-        bandwidths=args.bandwidth,
+        **settings,
         shards=args.shards,
-        steps=args.steps,
-        model=args.model,
         data=args.data,
         emulation=args.emulation,
         latency=args.latency,
         nodes=args.nodes,
         ranks_per_node=args.ranks_per_node,
-        seed=args.seed,
+        target_loss=args.target_loss,
+        preset=preset,
         run_timeout_s=args.run_timeout,
         entry=args.entry,
-        train_args=args.train_args,
     )
 
 
@@ -231,14 +264,18 @@ def main(args: argparse.Namespace) -> int:
 
 def report_main(args: argparse.Namespace) -> int:
     """``lowband report RUN_DIR``: re-render report.md and the plots from results.json."""
+    from lowband.bench.quality import annotate_time_to_target
     from lowband.bench.report import console_summary, write_report
     from lowband.bench.results import load_results
 
     try:
         results = load_results(args.run_dir)
+        if args.target_loss is not None and not args.target_loss > 0:
+            raise ValueError(f"--target-loss {args.target_loss}: give a positive validation loss")
     except ValueError as exc:
         print(f"lowband report: error: {exc}", file=sys.stderr)
         return 2
+    annotate_time_to_target(results, args.target_loss)
     report = write_report(args.run_dir, results)
     print(console_summary(results))
     print(f"\nReport: {report}")

@@ -8,6 +8,7 @@ method specs, bandwidths, shard counts, the model name, the data file, steps, la
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from collections.abc import Sequence
@@ -40,6 +41,9 @@ __all__ = [
     "DEFAULT_STEPS",
     "DEFAULT_TRAIN_ARGS",
     "EMULATION_MODES",
+    "PRESETS",
+    "QUALITY_PRESET",
+    "Preset",
     "BenchConfig",
     "RunPlan",
     "format_bandwidth",
@@ -77,6 +81,45 @@ DEFAULT_ENTRY = "lowband"
 # ------------------------------------------------------------------------------------------------
 
 EMULATION_MODES: tuple[str, ...] = ("auto", "netns", "shaped")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preset:
+    """A named bench: the :func:`make_config` arguments it sets (the user's own arguments win).
+
+    Args:
+        name: ``--preset NAME``.
+        description: one line for ``--help``.
+        settings: :func:`make_config` keyword arguments.
+        why: why these settings, for the report.
+    """
+
+    name: str
+    description: str
+    settings: dict[str, Any]
+    why: str = ""
+
+
+# ------------------------------------------------------------------------------------------------
+# The quality preset: does each method train as well as AdamW, and how much sooner does it get
+# there on a 100 Mbit/s link (the FlexDeMo paper's Figures 3-4)? It must finish on 2 cores in
+# about 45 minutes, and be long enough that the losses leave the unigram stage.
+QUALITY_PRESET = Preset(
+    name="quality",
+    description="every method at its best lr (and the paper's shared 1e-3) at 2 seeds, to AdamW's final loss",
+    settings=dict(
+        methods=("adamw:lr=0.003", "deto-full:lr=0.001", "demo:lr=0.003", "flexdemo:topk=1,lr=0.003",
+                 "flexdemo:topk=8,lr=0.003", "flexdemo:topk=1,values=sign,lr=0.003", "diloco:H=20,lr=0.003",
+                 "noloco:H=20,lr=0.003"),
+        bandwidths=("100mbit",),
+        steps=300,
+        seeds=(0, 1),
+        model="t5-mini",
+        train_args=("--val-every", "25"),
+    ),
+    why="provisional",
+)
+PRESETS: dict[str, Preset] = {p.name: p for p in (QUALITY_PRESET,)}
 
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
 
@@ -134,7 +177,10 @@ class BenchConfig:
         latency_s: per-message latency added in-process by the link (both emulation modes).
         nodes: emulated nodes.
         ranks_per_node: ranks (processes) per node.
-        seed: seed of every run.
+        seeds: the seeds every method runs at (model init, data order, dropout); several give
+            the seed spread.
+        target_loss: the loss to time every run to (None: AdamW's final validation loss).
+        preset: the preset this configuration started from, or None.
         run_timeout_s: wall-clock limit of one run.
         entry: module (``python -m ENTRY train ...``) or ``.py`` script each node runs.
         train_args: extra ``lowband train`` arguments for every run.
@@ -150,10 +196,17 @@ class BenchConfig:
     latency_s: float
     nodes: int
     ranks_per_node: int
-    seed: int
+    seeds: tuple[int, ...]
     run_timeout_s: float
     entry: str
     train_args: tuple[str, ...] = ()
+    target_loss: float | None = None
+    preset: str | None = None
+
+    @property
+    def seed(self) -> int:
+        """The first seed (single-seed benches)."""
+        return self.seeds[0]
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form, as stored under ``config`` in results.json."""
@@ -168,7 +221,9 @@ class BenchConfig:
             "latency_s": self.latency_s,
             "nodes": self.nodes,
             "ranks_per_node": self.ranks_per_node,
-            "seed": self.seed,
+            "seeds": list(self.seeds),
+            "target_loss": self.target_loss,
+            "preset": self.preset,
             "run_timeout_s": self.run_timeout_s,
             "entry": self.entry,
             "train_args": list(self.train_args),
@@ -210,6 +265,35 @@ def _check_data(data: str, model: str) -> None:
         )
 
 
+def _parse_seeds(seeds: int | str | Sequence[int | str]) -> tuple[int, ...]:
+    items = [str(seeds)] if isinstance(seeds, int) else _split_list(seeds)
+    values = []
+    for item in items:
+        try:
+            values.append(int(item))
+        except ValueError:
+            raise ValueError(f"--seeds: {item!r} is not an integer; e.g. --seeds 0,1,2") from None
+    if not values:
+        raise ValueError("--seeds is empty; e.g. --seeds 0,1,2")
+    if len(set(values)) != len(values):
+        raise ValueError(f"--seeds {','.join(map(str, values))} names a seed twice; give each seed once")
+    return tuple(values)
+
+
+def _check_meaningful(specs: Sequence[BenchMethod], steps: int) -> None:
+    """Refuse a configuration whose runs could not show what they claim (no outer step at all)."""
+    for spec in specs:
+        hp = METHODS[spec.name].hyperparameters
+        if "H" in hp:
+            h = int(spec.get("H", hp["H"]))
+            if h > steps:
+                raise ValueError(
+                    f"{spec}: H={h} inner steps per outer step with --steps {steps} means no outer step "
+                    f"ever happens (0 bytes sent, plain local AdamW); give {spec.name}:H=N with N <= {steps} "
+                    f"(e.g. {spec.name}:H={max(1, steps // 4)}) or raise --steps above {h}"
+                )
+
+
 def make_config(
     *,
     methods: str | Sequence[str] = DEFAULT_METHODS,
@@ -222,7 +306,9 @@ def make_config(
     latency: str | float = 0.0,
     nodes: int = DEFAULT_NODES,
     ranks_per_node: int = DEFAULT_RANKS_PER_NODE,
-    seed: int = DEFAULT_SEED,
+    seeds: int | str | Sequence[int | str] = (DEFAULT_SEED,),
+    target_loss: float | None = None,
+    preset: str | None = None,
     run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
     entry: str = DEFAULT_ENTRY,
     train_args: str | Sequence[str] = (),
@@ -276,6 +362,12 @@ def make_config(
     if Path(model).expanduser().is_dir():
         model = str(Path(model).expanduser().resolve())
     latency_s = parse_duration(latency)
+    seed_values = _parse_seeds(seeds)
+    if target_loss is not None and not (math.isfinite(target_loss) and target_loss > 0):
+        raise ValueError(f"--target-loss {target_loss}: give a positive validation loss, e.g. --target-loss 6.5")
+    _check_meaningful(specs, steps)
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
     # The bench's own defaults first: the user's arguments come later and win.
     entry_args = DEFAULT_TRAIN_ARGS + (
         tuple(shlex.split(train_args)) if isinstance(train_args, str) else tuple(train_args))
@@ -292,7 +384,9 @@ def make_config(
         latency_s=latency_s,
         nodes=nodes,
         ranks_per_node=ranks_per_node,
-        seed=seed,
+        seeds=seed_values,
+        target_loss=target_loss,
+        preset=preset,
         run_timeout_s=run_timeout_s,
         entry=entry,
         train_args=entry_args,
@@ -317,6 +411,7 @@ class RunPlan:
     latency_s: float
     nodes: int
     ranks_per_node: int
+    seed: int = DEFAULT_SEED
 
     @property
     def shards(self) -> int:
@@ -337,7 +432,7 @@ class RunPlan:
     def train_args(self, config: BenchConfig, out_dir: Path) -> list[str]:
         """Arguments after the entry module: ``train --method M ... --out OUT_DIR``."""
         argv = ["train", "--method", self.method, *train_hp_args(self.params)]
-        argv += ["--model", config.model, "--steps", str(config.steps), "--seed", str(config.seed)]
+        argv += ["--model", config.model, "--steps", str(config.steps), "--seed", str(self.seed)]
         if config.data is not None:
             argv += ["--data", config.data]
         argv += ["--out", str(out_dir), *config.train_args]
@@ -358,32 +453,33 @@ def plan_runs(config: BenchConfig) -> list[RunPlan]:
     """
     plans: list[RunPlan] = []
     seen: set[tuple] = set()
-    for bw in config.bandwidths_bps:
-        for spec in config.methods:
-            given = dict(spec.params)
-            if "shards" in given:
-                shard_values: Sequence[int] = [given.pop("shards")]
-            elif config.shards is not None and spec.name in SHARD_SWEEP:
-                shard_values = config.shards
-            elif METHODS[spec.name].shards_per_node == 1:
-                shard_values = [1]
-            else:
-                shard_values = [config.ranks_per_node]
-            for s in shard_values:
-                name = canonical_method(spec.name, s)
-                params = run_params(name, given, s)
-                key = (name, tuple(sorted((k, format_value(v)) for k, v in params.items())), bw)
-                if key in seen:
-                    continue
-                seen.add(key)
-                label = method_label(name, params)
-                index = len(plans)
-                run_id = f"{index:02d}-{_slug(label)}-s{s}-{_bandwidth_slug(bw)}"
-                plans.append(
-                    RunPlan(
-                        index=index, id=run_id, method=name, spec=str(spec), label=label, params=params,
-                        bandwidth_bps=bw, latency_s=config.latency_s, nodes=config.nodes,
-                        ranks_per_node=config.ranks_per_node,
-                    )  # fmt: skip
-                )
+    # Seed-major within a bandwidth: an interrupted bench still holds every method at the first seeds.
+    runs = ((bw, seed, spec) for bw in config.bandwidths_bps for seed in config.seeds for spec in config.methods)
+    for bw, seed, spec in runs:
+        given = dict(spec.params)
+        if "shards" in given:
+            shard_values: Sequence[int] = [given.pop("shards")]
+        elif config.shards is not None and spec.name in SHARD_SWEEP:
+            shard_values = config.shards
+        elif METHODS[spec.name].shards_per_node == 1:
+            shard_values = [1]
+        else:
+            shard_values = [config.ranks_per_node]
+        for s in shard_values:
+            name = canonical_method(spec.name, s)
+            params = run_params(name, given, s)
+            key = (name, tuple(sorted((k, format_value(v)) for k, v in params.items())), bw, seed)
+            if key in seen:
+                continue
+            seen.add(key)
+            label = method_label(name, params)
+            index = len(plans)
+            run_id = f"{index:02d}-{_slug(label)}-s{s}-{_bandwidth_slug(bw)}-seed{seed}"
+            plans.append(
+                RunPlan(
+                    index=index, id=run_id, method=name, spec=str(spec), label=label, params=params,
+                    bandwidth_bps=bw, latency_s=config.latency_s, nodes=config.nodes,
+                    ranks_per_node=config.ranks_per_node, seed=seed,
+                )  # fmt: skip
+            )
     return plans

@@ -38,6 +38,7 @@ __all__ = [
     "BenchMethod",
     "accepted_params",
     "canonical_method",
+    "column_labels",
     "format_value",
     "method_label",
     "parse_method_list",
@@ -257,3 +258,11 @@ def train_hp_args(params: Mapping[str, Any]) -> list[str]:
     if extra:
         argv += ["--hp", json.dumps(extra)]
     return argv
+
+
+def column_labels(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each run's method column: its label, plus ``S=<shards>`` where a label ran at several shard counts."""
+    shards_of: dict[str, set] = {}
+    for r in runs:
+        shards_of.setdefault(r["label"], set()).add(r.get("shards"))
+    return [r["label"] + (f" S={r.get('shards')}" if len(shards_of[r["label"]]) > 1 else "") for r in runs]

@@ -1,48 +1,51 @@
 """PNG plots of a bench (matplotlib's Agg canvas, without pyplot: no display needed).
 
-- ``val_loss_vs_step.png``: validation loss against training step, one line per run;
-- ``val_loss_vs_wall.png``: validation loss against wall time since training started;
-- ``step_time_vs_bandwidth.png``: seconds per step against link bandwidth, one line per method
-  (with a single bandwidth, one point per method).
+In the FlexDeMo paper's style, one line per variant (a method with its hyper-parameters; runs
+that differ only in their seed are one variant: the line is their mean, the shaded band their
+min-max):
 
-Failed runs and runs without validations are left out; a plot with nothing to show still gets
-written, saying so.
+- ``val_loss_vs_tokens.png`` (the paper's Fig. 3): validation loss against tokens trained on;
+- ``val_loss_vs_time.png`` (Fig. 4): validation loss against training minutes (the training
+  clock: start-up and validation excluded), one dash style per link;
+- ``time_to_target_modelled.png``: MODELLED training time to the target against compute time
+  per step (measured steps to target and bytes per step; see :mod:`lowband.bench.quality`);
+- ``step_time_vs_bandwidth.png``: seconds per step against link bandwidth.
+
+The loss axes are zoomed to where the curves differ (the first fifth of training, where every
+method falls fast from the same start, is above the top); the target is drawn as a horizontal
+line and each variant's mean curve gets a marker where it first reaches it. Failed runs and runs
+without validations are left out; a plot with nothing to show still gets written, saying so.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lowband.bench.config import format_bandwidth
-from lowband.bench.report import column_labels
+from lowband.bench.methods import column_labels
+from lowband.bench.quality import Variant, crossing, modelled_comm_s, variants
 
 __all__ = ["PLOT_FILES", "write_plots"]
 
-PLOT_FILES = ("val_loss_vs_step.png", "val_loss_vs_wall.png", "step_time_vs_bandwidth.png")
+PLOT_FILES = (
+    "val_loss_vs_tokens.png", "val_loss_vs_time.png", "time_to_target_modelled.png", "step_time_vs_bandwidth.png",
+)  # fmt: skip
 _DPI = 110
-
-
 _LINESTYLES = ("-", "--", ":", "-.")
+#: The share of training whose losses lie above the zoomed loss axis.
+_ZOOM_FROM = 0.2
 
 
-def _series(runs: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    """(legend label, line style) per run: one colour per method column, one dash per bandwidth."""
+def _colours(labels: Sequence[str]) -> dict[str, Any]:
     import matplotlib
 
-    labels = column_labels(runs)
-    methods = list(dict.fromkeys(labels))
-    bandwidths = sorted({r["bandwidth_bps"] for r in runs})
-    cmap = matplotlib.colormaps["tab10" if len(methods) <= 10 else "tab20"]
-    out = []
-    for label, run in zip(labels, runs, strict=True):
-        style = {"color": cmap(methods.index(label) % cmap.N),
-                 "linestyle": _LINESTYLES[bandwidths.index(run["bandwidth_bps"]) % len(_LINESTYLES)]}  # fmt: skip
-        if len(bandwidths) > 1:
-            label = f"{label} @ {format_bandwidth(run['bandwidth_bps'])}"
-        out.append((label, style))
-    return out
+    names = list(dict.fromkeys(labels))
+    cmap = matplotlib.colormaps["tab10" if len(names) <= 10 else "tab20"]
+    return {name: cmap(i % cmap.N) for i, name in enumerate(names)}
 
 
 def _legend(ax: Any, entries: int) -> None:
@@ -53,13 +56,10 @@ def _legend(ax: Any, entries: int) -> None:
 
 
 def _figure(entries: int = 0) -> tuple[Any, Any]:
-    """A figure on the Agg canvas, outside pyplot: no global backend switch, nothing to close.
-
-    With many legend entries the figure is wider and the legend goes to the right of the axes.
-    """
+    """A figure on the Agg canvas, outside pyplot: no global backend switch, nothing to close."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(9.5 if entries > 8 else 7, 4.5))
+    fig = Figure(figsize=(9.5 if entries > 8 else 7.5, 4.8))
     return fig, fig.add_subplot()
 
 
@@ -67,41 +67,135 @@ def _empty(ax: Any, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
-def _loss_plot(runs: Sequence[Mapping[str, Any]], *, x_index: int, xlabel: str, title: str, path: Path) -> None:
-    lines = []
-    for run, (label, style) in zip(runs, _series(runs), strict=True):
-        points = [(h[x_index], h[2]) for h in run.get("val_history") or [] if h[x_index] is not None and h[2] is not None]
-        if run.get("status") == "ok" and points:
-            lines.append((label, style, points))
-    fig, ax = _figure(len(lines))
-    for label, style, points in lines:
-        xs, ys = zip(*points, strict=True)
-        ax.plot(xs, ys, marker="o", markersize=3, label=label, **style)
-    drawn = len(lines)
+def _mean_curve(v: Variant, x_key: str, scale: float) -> list[tuple[float, float, float, float]]:
+    """(x, mean loss, min loss, max loss) per validation, over the variant's seeds (index-aligned)."""
+    histories = [[p for p in r.get("val_history") or [] if p.get("val_loss") is not None and p.get(x_key) is not None]
+                 for r in v.ok]  # fmt: skip
+    histories = [h for h in histories if h]
+    if not histories:
+        return []
+    n = min(len(h) for h in histories)
+    out = []
+    for i in range(n):
+        losses = [h[i]["val_loss"] for h in histories]
+        x = statistics.fmean(h[i][x_key] for h in histories) / scale
+        out.append((x, statistics.fmean(losses), min(losses), max(losses)))
+    return out
+
+
+def _zoom(ax: Any, curves: Sequence[list[tuple[float, float, float, float]]], target: float | None) -> bool:
+    """Zoom the loss axis to where the curves differ; True when it was zoomed."""
+    curves = [c for c in curves if len(c) >= 3]
+    if not curves:
+        return False
+    lows = [lo for c in curves for _, _, lo, _ in c]
+    tops = [c[min(len(c) - 1, max(1, math.ceil(_ZOOM_FROM * (len(c) - 1))))][3] for c in curves]
+    bottom, top = min(lows), max(tops)
+    if target is not None:
+        bottom, top = min(bottom, target), max(top, target)
+    span = max(top - bottom, 1e-3)
+    ax.set_ylim(bottom - 0.05 * span, top + 0.05 * span)
+    return True
+
+
+def _loss_plot(
+    vs: Sequence[Variant], *, x_key: str, scale: float, xlabel: str, title: str, target: float | None,
+    path: Path, dash_by_link: bool,
+) -> None:  # fmt: skip
+    colours = _colours([v.group for v in vs])
+    links = sorted({v.bandwidth_bps for v in vs})
+    fig, ax = _figure(len(vs))
+    curves, drawn = [], 0
+    for v in vs:
+        curve = _mean_curve(v, x_key, scale)
+        if not curve:
+            continue
+        xs, mean, lo, hi = zip(*curve, strict=True)
+        colour = colours[v.group]
+        style = _LINESTYLES[links.index(v.bandwidth_bps) % len(_LINESTYLES)] if dash_by_link else "-"
+        if v.lr is not None and len({u.lr for u in vs if u.group == v.group}) > 1:
+            style = _LINESTYLES[sorted({u.lr for u in vs if u.group == v.group}).index(v.lr) % len(_LINESTYLES)]
+        seeds = len(v.ok)
+        label = v.label + (f" @ {format_bandwidth(v.bandwidth_bps)}" if dash_by_link and len(links) > 1 else "")
+        label += f" ({seeds} seeds)" if seeds > 1 else ""
+        ax.plot(xs, mean, linestyle=style, color=colour, label=label, linewidth=1.6)
+        if seeds > 1:
+            ax.fill_between(xs, lo, hi, color=colour, alpha=0.18, linewidth=0)
+        if target is not None:
+            hit = crossing([{"step": x, "val_loss": m} for x, m in zip(xs, mean, strict=True)], target)
+            if hit is not None:
+                ax.plot([hit.step], [target], marker="o", markersize=7, color=colour, markeredgecolor="black",
+                        zorder=5)  # fmt: skip
+        curves.append(curve)
+        drawn += 1
+    if target is not None and drawn:
+        ax.axhline(target, color="black", linewidth=0.9, linestyle=(0, (4, 3)), label=f"target {target:.3f}")
+    zoomed = _zoom(ax, curves, target)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("validation loss")
-    ax.set_title(title)
+    ax.set_ylabel("validation loss" + (" (zoomed)" if zoomed else ""))
+    ax.set_title(title + ("\nmean over seeds, band = min-max; ● = first reaches the target" if drawn else ""),
+                 fontsize=10)  # fmt: skip
     ax.grid(True, alpha=0.3)
     if drawn:
-        _legend(ax, drawn)
+        _legend(ax, drawn + (target is not None))
     else:
         _empty(ax, "no successful run with validations")
     fig.tight_layout()
     fig.savefig(path, dpi=_DPI, bbox_inches="tight")
 
 
+def _modelled_plot(vs: Sequence[Variant], target: float | None, path: Path) -> None:
+    import numpy as np
+
+    colours = _colours([v.group for v in vs])
+    fig, ax = _figure(len(vs))
+    compute = np.logspace(-3, 1, 60)
+    drawn = 0
+    measured_compute = []
+    for v in vs:
+        steps = v.values("steps_to_target")
+        comms = [c for c in (modelled_comm_s(r) for r in v.ok) if c is not None]
+        if not steps or not comms:
+            continue
+        s, m = statistics.fmean(steps), statistics.fmean(comms)
+        overlap = str((v.ok[0].get("params") or {}).get("overlap", "false")).lower() in ("true", "1")
+        times = s * (np.maximum(compute, m) if overlap else compute + m) / 60.0
+        label = f"{v.label} @ {format_bandwidth(v.bandwidth_bps)}" + (f" ({len(steps)}/{len(v.ok)} seeds)"
+                                                                       if len(steps) < len(v.ok) else "")  # fmt: skip
+        ax.plot(compute, times, color=colours[v.group], label=label)
+        measured_compute += v.values("compute_time_s")
+        drawn += 1
+    if measured_compute:
+        c = statistics.fmean(measured_compute)
+        ax.axvline(c, color="gray", linewidth=0.8, linestyle=":")
+        ax.text(c, 0.02, " this machine's compute", transform=ax.get_xaxis_transform(), fontsize=7, color="gray")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("compute time per step (s), MODELLED")
+    ax.set_ylabel("training minutes to target, MODELLED")
+    what = f"the target {target:.3f}" if target is not None else "a target"
+    ax.set_title(f"MODELLED time to {what}: measured steps to target × (compute + measured bytes / link rate "
+                 "+ latency per op)", fontsize=9)  # fmt: skip
+    ax.grid(True, alpha=0.3, which="both")
+    if drawn:
+        _legend(ax, drawn)
+    else:
+        _empty(ax, "no run reached the target" if target is not None else "no target (no AdamW run)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+
+
 def _step_time_plot(runs: Sequence[Mapping[str, Any]], path: Path) -> None:
-    series: dict[str, list[tuple[float, float]]] = {}
-    colours: dict[str, Any] = {}
-    for run, label, (_, style) in zip(runs, column_labels(runs), _series(runs), strict=True):
-        colours.setdefault(label, style["color"])
+    labels = column_labels(runs)
+    colours = _colours(labels)
+    series: dict[str, dict[float, list[float]]] = {}
+    for run, label in zip(runs, labels, strict=True):
         if run.get("status") == "ok" and run.get("step_time_s") is not None:
-            series.setdefault(label, []).append((run["bandwidth_bps"] / 1e6, float(run["step_time_s"])))
+            series.setdefault(label, {}).setdefault(run["bandwidth_bps"] / 1e6, []).append(float(run["step_time_s"]))
     fig, ax = _figure(len(series))
     for label, points in series.items():
-        points.sort()
-        xs, ys = zip(*points, strict=True)
-        ax.plot(xs, ys, marker="o", label=label, color=colours[label])
+        xs = sorted(points)
+        ax.plot(xs, [statistics.fmean(points[x]) for x in xs], marker="o", label=label, color=colours[label])
     bandwidths = sorted({r["bandwidth_bps"] / 1e6 for r in runs})
     if len(bandwidths) > 1:
         ax.set_xscale("log")
@@ -109,7 +203,7 @@ def _step_time_plot(runs: Sequence[Mapping[str, Any]], path: Path) -> None:
         ax.set_xticks(bandwidths, [format_bandwidth(b * 1e6) for b in bandwidths])
         ax.set_xticks([], minor=True)
     ax.set_xlabel("link bandwidth")
-    ax.set_ylabel("seconds per step (median)")
+    ax.set_ylabel("seconds per step (median; mean over seeds)")
     ax.set_title("Step time against link bandwidth")
     ax.grid(True, alpha=0.3)
     if series:
@@ -121,12 +215,22 @@ def _step_time_plot(runs: Sequence[Mapping[str, Any]], path: Path) -> None:
 
 
 def write_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
-    """Write the three PNGs of :data:`PLOT_FILES` into ``out_dir``; returns their paths."""
+    """Write the PNGs of :data:`PLOT_FILES` into ``out_dir``; returns their paths."""
     out_dir = Path(out_dir)
     runs = list(results.get("runs") or [])
+    target = results.get("target_loss")
+    vs = variants(runs)
     paths = [out_dir / name for name in PLOT_FILES]
-    _loss_plot(runs, x_index=0, xlabel="step", title="Validation loss per step", path=paths[0])
-    _loss_plot(runs, x_index=1, xlabel="wall time since training started (s)",
-               title="Validation loss against wall time", path=paths[1])  # fmt: skip
-    _step_time_plot(runs, paths[2])
+    # The loss against tokens does not depend on the link: one curve per variant, at the first link.
+    first_link = {}
+    for v in vs:
+        first_link.setdefault((v.label, v.method), v)
+    _loss_plot(list(first_link.values()), x_key="tokens", scale=1e6, xlabel="tokens trained on (millions)",
+               title="Validation loss against tokens (FlexDeMo paper, Fig. 3)", target=target, path=paths[0],
+               dash_by_link=False)  # fmt: skip
+    _loss_plot(vs, x_key="train_time_s", scale=60.0, xlabel="training minutes (start-up and validation excluded)",
+               title="Validation loss against training time (FlexDeMo paper, Fig. 4)", target=target,
+               path=paths[1], dash_by_link=True)  # fmt: skip
+    _modelled_plot(vs, target, paths[2])
+    _step_time_plot(runs, paths[3])
     return paths

@@ -13,13 +13,16 @@ re-renders a report from ``results.json`` alone.
 from __future__ import annotations
 
 import logging
+import math
 import re
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lowband.bench.config import format_bandwidth
-from lowband.bench.methods import DISPLAY_NAMES, SHARD_SWEEP
+from lowband.bench import quality
+from lowband.bench.config import PRESETS, format_bandwidth
+from lowband.bench.methods import DISPLAY_NAMES, SHARD_SWEEP, column_labels
 
 __all__ = [
     "REPORT_FILE",
@@ -90,30 +93,24 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
 # ------------------------------------------------------------------------------------- tables
 
 
-def column_labels(runs: Sequence[Run]) -> list[str]:
-    """Each run's method column: its label, plus ``S=<shards>`` where a label ran at several shard counts."""
-    shards_of: dict[str, set] = {}
-    for r in runs:
-        shards_of.setdefault(r["label"], set()).add(r.get("shards"))
-    return [r["label"] + (f" S={r.get('shards')}" if len(shards_of[r["label"]]) > 1 else "") for r in runs]
-
-
-def _step_cell(run: Run | None) -> str:
-    if run is None:
+def _step_cell(runs: Sequence[Run] | None) -> str:
+    """Seconds per step of a cell's runs (its seeds): their mean; "failed" when none succeeded."""
+    if not runs:
         return MISSING
-    if run.get("status") != "ok":
+    times = [float(r["step_time_s"]) for r in runs if r.get("status") == "ok" and r.get("step_time_s") is not None]
+    if not times:
         return "failed"
-    return _num(run.get("step_time_s"), ".3f")
+    return format(sum(times) / len(times), ".3f")
 
 
 def table1(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Table 1 layout: rows = bandwidth, columns = methods, cells = seconds per step."""
+    """Table 1 layout: rows = bandwidth, columns = methods, cells = seconds per step (mean over seeds)."""
     runs = results["runs"]
     labels = column_labels(runs)
     columns = list(dict.fromkeys(labels))
-    cells: dict[tuple[float, str], Run] = {}
+    cells: dict[tuple[float, str], list[Run]] = {}
     for run, label in zip(runs, labels, strict=True):
-        cells[(run["bandwidth_bps"], label)] = run
+        cells.setdefault((run["bandwidth_bps"], label), []).append(run)
     rows = []
     for bw in sorted({r["bandwidth_bps"] for r in runs}):
         rows.append([format_bandwidth(bw), *(_step_cell(cells.get((bw, c))) for c in columns)])
@@ -142,7 +139,9 @@ def table2(results: Mapping[str, Any]) -> list[tuple[float, list[str], list[list
         runs = [r for r in family if r["bandwidth_bps"] == bw]
         columns = sorted({_table2_column(r) for r in runs})
         names = [name for _, name in columns]
-        cells = {(r["shards"], _table2_column(r)[1]): r for r in runs}
+        cells: dict[tuple, list[Run]] = {}
+        for r in runs:
+            cells.setdefault((r["shards"], _table2_column(r)[1]), []).append(r)
         rows = []
         for s in sorted({r["shards"] for r in runs}):
             rows.append(["DeMo" if s == 1 else "FlexDeMo", str(s), *(_step_cell(cells.get((s, n))) for n in names)])
@@ -155,7 +154,7 @@ def run_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     runs = results["runs"]
     wire = any(r.get("measured_wire_bytes_per_step") is not None for r in runs)
     sync = any(r.get("sync_time_s") is not None for r in runs)
-    headers = ["Run", "Method", "TopK", "Shards", "Link", "s/step", "compute s", "comm s"]
+    headers = ["Run", "Seed", "Method", "TopK", "Shards", "Link", "s/step", "compute s", "comm s"]
     headers += ["sync s"] if sync else []
     headers += ["MB/step/node"] + (["wire MB/step/node"] if wire else [])
     headers += ["val loss", "peak MB/rank", "run s", "status"]
@@ -163,6 +162,7 @@ def run_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     for r, label in zip(runs, column_labels(runs), strict=True):
         row = [
             label,
+            MISSING if r.get("seed") is None else str(r["seed"]),
             r["method"],
             MISSING if r.get("topk") is None else str(r["topk"]),
             MISSING if r.get("shards") is None else str(r["shards"]),
@@ -178,6 +178,168 @@ def run_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
                 r.get("status") or MISSING]  # fmt: skip
         rows.append(row)
     return headers, rows
+
+
+def _mean_range(stat: tuple[float, float, float] | None, fmt: str, n: int, scale: float = 1.0) -> str:
+    if stat is None:
+        return MISSING
+    mean, lo, hi = (x / scale for x in stat)
+    if n < 2:
+        return format(mean, fmt)
+    return f"{format(mean, fmt)} [{format(lo, fmt)}–{format(hi, fmt)}]"
+
+
+def _reference(vs: Sequence[quality.Variant], v: quality.Variant, target_label: str | None) -> quality.Variant | None:
+    """The AdamW variant that set the target, at ``v``'s link if it ran there."""
+    refs = [u for u in vs if u.method == "adamw" and u.label == target_label and u.ok]
+    same_link = [u for u in refs if u.bandwidth_bps == v.bandwidth_bps]
+    return (same_link or refs or [None])[0]
+
+
+def _target_label(vs: Sequence[quality.Variant]) -> str | None:
+    adamw = [v for v in vs if v.method == "adamw" and v.ok]
+    return min(adamw, key=lambda v: v.stat("val_loss")[0]).label if adamw else None
+
+
+def _versus(v: quality.Variant, ref: quality.Variant | None) -> str:
+    """The final-loss difference to AdamW, and whether it exceeds the seed spread."""
+    if ref is None or ref is v or v.stat("val_loss") is None:
+        return MISSING
+    delta = v.stat("val_loss")[0] - ref.stat("val_loss")[0]
+    beyond = quality.exceeds_spread(v, ref)
+    word = "better" if delta < 0 else "worse"
+    if beyond is None:
+        return f"{delta:+.3f} (1 seed: spread unknown)"
+    return f"{delta:+.3f} ({word}, beyond the seed spread)" if beyond else f"{delta:+.3f} (within the seed spread)"
+
+
+def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """One row per variant (runs that differ only in their seed): loss, time to target, speed-up."""
+    vs = quality.variants(results["runs"])
+    best = quality.best_lr_labels(vs)
+    target_label = _target_label(vs)
+    headers = ["Run", "Link", "Seeds", "final val loss", "vs AdamW", "best val loss", "steps to target",
+               "tokens to target (M)", "time to target (s)", "AdamW time ÷ this", "s/step", "MB/step/node"]  # fmt: skip
+    rows = []
+    for v in vs:
+        n = len(v.ok)
+        reached = v.values("time_to_target_s")
+        if not v.ok:
+            to_target = steps = tokens = speedup = "failed" if v.runs else MISSING
+        elif not reached:
+            to_target = steps = tokens = "not reached"
+            speedup = MISSING
+        else:
+            note = f" ({len(reached)}/{n} seeds)" if len(reached) < n else ""
+            to_target = _mean_range(v.stat("time_to_target_s"), ".0f", len(reached)) + note
+            steps = _mean_range(v.stat("steps_to_target"), ".0f", len(reached)) + note
+            tokens = _mean_range(v.stat("tokens_to_target"), ".2f", len(reached), 1e6)
+            ref = _reference(vs, v, target_label)
+            ref_time = ref.stat("time_to_target_s") if ref is not None else None
+            speedup = MISSING if ref_time is None else f"{ref_time[0] / v.stat('time_to_target_s')[0]:.2f}×"
+        rows.append([
+            v.label + (" ★" if v.label in best else ""), format_bandwidth(v.bandwidth_bps), f"{n}/{len(v.runs)}",
+            _mean_range(v.stat("val_loss"), ".3f", n), _versus(v, _reference(vs, v, target_label)),
+            _mean_range(v.stat("best_val_loss"), ".3f", n), steps, tokens, to_target, speedup,
+            _num(v.stat("step_time_s")[0] if v.stat("step_time_s") else None, ".3f"),
+            _num(v.stat("inter_node_bytes_per_step")[0] if v.stat("inter_node_bytes_per_step") else None, ".3f", 1e6),
+        ])  # fmt: skip
+    return headers, rows
+
+
+#: Compute times per step at which the modelled table is evaluated, besides this machine's.
+MODELLED_COMPUTE_S: tuple[float, ...] = (0.1, 0.01)
+
+
+def modelled_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """MODELLED time to target at given compute times per step, and the break-even against AdamW."""
+    vs = quality.variants(results["runs"])
+    target_label = _target_label(vs)
+    headers = ["Run", "Link", "modelled comm s/step", "this machine: compute s/step",
+               *(f"time to target at {c:g} s compute" for c in MODELLED_COMPUTE_S), "vs AdamW"]  # fmt: skip
+    rows = []
+    for v in vs:
+        reached = [r for r in v.ok if r.get("steps_to_target") is not None]
+        if not reached:
+            continue
+        compute = v.stat("compute_time_s")
+        comm = statistics.fmean(c for c in (quality.modelled_comm_s(r) for r in reached) if c is not None)
+
+        def at(c: float, reached: list[Run] = reached) -> str:
+            t = [quality.modelled_time_to_target_s(r, c) for r in reached]
+            t = [x for x in t if x is not None]
+            return f"{statistics.fmean(t):.0f} s" if t else MISSING
+
+        ref = _reference(vs, v, target_label)
+        versus = MISSING
+        if ref is not None and ref is not v:
+            refs = [r for r in ref.ok if r.get("steps_to_target") is not None]
+            if refs:
+                be = quality.break_even_compute_s(reached[0], refs[0])
+                if be is not None:
+                    c, side = be
+                    if math.isinf(c):
+                        versus = "sooner at every compute time"
+                    elif c == 0.0:
+                        versus = "later at every compute time"
+                    else:
+                        versus = f"sooner when compute {'<' if side == 'below' else '>'} {c:.3g} s/step"
+        rows.append([v.label, format_bandwidth(v.bandwidth_bps), f"{comm:.3f}",
+                     _num(compute[0] if compute else None, ".3f"),
+                     *(at(c) for c in MODELLED_COMPUTE_S), versus])  # fmt: skip
+    return headers, rows
+
+
+def _noloco_notes(results: Mapping[str, Any]) -> list[str]:
+    notes = []
+    for r in results["runs"]:
+        if r["method"] != "noloco" or r.get("replicas") is None:
+            continue
+        n = int(((r.get("hyperparameters") or {}).get("n")) or (r.get("params") or {}).get("n") or 2)
+        if r["replicas"] < 2 * n:
+            notes.append(f"{r['label']}: with {r['replicas']} replicas and groups of n = {n}, NoLoCo's only group "
+                         "is every replica: it is DiLoCo with heavy-ball momentum (α, β) and no gossip. Compare "
+                         "NoLoCo with DiLoCo at 4 or more replicas (--nodes 4 --ranks-per-node 1) for the "
+                         "paper's setting.")  # fmt: skip
+    return list(dict.fromkeys(notes))
+
+
+def quality_section(results: Mapping[str, Any]) -> list[str]:
+    """``report.md``'s time-to-target section: the target, the table, the modelled table, notes."""
+    target = results.get("target_loss")
+    out = ["## Time to target", ""]
+    if target is None:
+        out += [f"{results.get('target_source') or 'No target.'}", ""]
+        return out
+    out += [
+        f"Target validation loss **{target:.4f}**: {results.get('target_source')}. A run reaches it at the first "
+        "validation at or below it; step, tokens and time there are linearly *interpolated* between that "
+        "validation and the one before. Time is the training clock (start-up and validation excluded), "
+        "measured on this machine. Cells with several seeds give the mean and [min–max] over them; a "
+        "difference *exceeds the seed spread* when the two min–max ranges do not overlap. ★ = the best lr "
+        "of a method run at several (lowest mean final loss).",
+        "",
+        markdown_table(*time_to_target_rows(results)),
+        "",
+    ]  # fmt: skip
+    headers, rows = modelled_rows(results)
+    if rows:
+        out += [
+            "### Modelled, not measured: time to target at other compute speeds",
+            "",
+            "This CPU computes a step far slower than a GPU, which hides what the link costs. MODELLED: time to "
+            "target = measured steps to target × (compute per step + measured bytes per step / link rate + "
+            "latency × link operations per step); overlapping variants take max(compute, communication). "
+            "The vs-AdamW column solves for the compute time per step at which the run and AdamW reach the target "
+            "together.",
+            "",
+            markdown_table(headers, rows),
+            "",
+        ]  # fmt: skip
+    notes = _noloco_notes(results)
+    if notes:
+        out += [f"- {n}" for n in notes] + [""]
+    return out
 
 
 def _link_ops_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -235,6 +397,10 @@ def console_summary(results: Mapping[str, Any]) -> str:
     """What ``lowband bench`` prints at the end: emulation, the per-run table, failures."""
     headers, rows = run_rows(results)
     parts = [*emulation_lines(results), "", text_table(headers, rows)]
+    if results.get("target_loss") is not None:
+        parts += ["", f"Time to target {results['target_loss']:.4f} ({results.get('target_source')}; "
+                      "interpolated between validations; training clock):",
+                  text_table(*time_to_target_rows(results))]  # fmt: skip
     failed = [r for r in results["runs"] if r.get("status") != "ok"]
     for r in failed:
         parts.append(f"{r['id']} failed: {error_headline(r.get('error'))} (details in report.md)")
@@ -251,17 +417,24 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str] = ()) -> st
     out = [f"# lowband bench, {results.get('created', '')}", ""]
     data = cfg.get("data") or "the embedded default corpus"
     out.append(
-        f"Model {cfg.get('model')}, {cfg.get('steps')} steps, seed {cfg.get('seed')}, data {data}. "
+        f"Model {cfg.get('model')}, {cfg.get('steps')} steps, seeds {', '.join(map(str, cfg.get('seeds') or []))}, "
+        f"data {data}. "
         f"Host {host.get('hostname')} ({host.get('cpu_count')} CPUs), Python {host.get('python')}, "
         f"torch {host.get('torch')}, lowband {host.get('lowband')}."
     )
     out += ["", *emulation_lines(results), ""]
+    preset = PRESETS.get(cfg.get("preset") or "")
+    if preset is not None:
+        out += [f"Preset `{preset.name}`: {preset.why}", ""]
     if results.get("interrupted"):
         out += ["**Interrupted**: the bench was stopped before every run was done.", ""]
     if not runs:
         out += ["No run was recorded.", ""]
         return "\n".join(out)
 
+    if plots:
+        out += [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
+    out += quality_section(results)
     out += ["## Table 1: seconds per step by link bandwidth", "",
             "Median seconds per training step (warm-up excluded), as in the FlexDeMo paper's Table 1.", ""]  # fmt: skip
     out += [markdown_table(*table1(results)), ""]
@@ -287,10 +460,6 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str] = ()) -> st
         out += ["## Failed runs", ""]
         for r in failed:
             out += [f"### {r['id']}", "", "```", (r.get("error") or "no error recorded").rstrip(), "```", ""]
-    if plots:
-        out += ["## Plots", ""]
-        out += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
-        out += [""]
     return "\n".join(out)
 
 

@@ -8,14 +8,15 @@ A bench's run directory holds::
     runs/<run id>/               one directory per run: the trainer's metrics.jsonl and
                                  summary_rank<R>.json, and logs/node<i>.log
 
-Schema, version 1. Sizes are in bytes, times in seconds, rates in bit/s, memory in MB (10^6
+Schema, version 2 (version 1 had ``val_history`` as ``[step, wall_s, val_loss]`` lists and one
+``seed``). Sizes are in bytes, times in seconds, rates in bit/s, memory in MB (10^6
 bytes); a value that does not apply or was not measured is ``null``. Every key is present in
 every record. New keys may be added within a version; a key is never renamed or removed
 without raising ``schema_version``.
 
 Top level::
 
-    schema_version  1
+    schema_version  2
     created         ISO 8601 local time with offset, when the bench started
     finished        ISO 8601, when it ended (null while running)
     interrupted     true when stopped by Ctrl-C / SIGTERM before every run was done
@@ -23,8 +24,13 @@ Top level::
     host            {"hostname", "platform", "python", "torch", "lowband", "cpu_count"}
     config          the bench configuration: {"methods" (specs as given), "bandwidths_bps",
                     "shards" (list or null), "steps", "model", "data", "emulation" (as asked:
-                    auto|netns|shaped), "latency_s", "nodes", "ranks_per_node", "seed",
-                    "run_timeout_s", "entry", "train_args"}
+                    auto|netns|shaped), "latency_s", "nodes", "ranks_per_node", "seeds" (list),
+                    "target_loss" (as given, or null), "preset" (name or null), "run_timeout_s",
+                    "entry", "train_args"}
+    target_loss     the loss every run is timed to: AdamW's final validation loss in this
+                    bench (its best variant, mean over seeds) or the --target-loss given; null
+                    when there is neither (lowband.bench.quality)
+    target_source   where target_loss came from, in words
     emulation       {"mode": "netns" | "shaped",
                      "reason": why this mode was used,
                      "nodes", "ranks_per_node",
@@ -51,7 +57,7 @@ A run record::
     topk, chunk     FlexDeMo/DeMo's top-k and DCT chunk; null for other methods
     shards          ranks of a node sharding one model copy (S)
     nodes           emulated nodes; ranks_per_node; replicas (model copies R = W / S)
-    model, steps, seed, data
+    model, steps, seed, data    (seed: of this run: model init, data order, dropout)
     num_params      model parameters (from the trainer)
     bandwidth_bps   the link rate of the run; latency_s: in-process latency applied
     emulation       "netns" | "shaped"
@@ -78,6 +84,14 @@ A run record::
                     inter_node_bytes_per_step · 8 / comm_time_s: the rate the run's
                     communication achieved (includes waiting for peers); null when not defined
     val_loss        final validation loss (rank 0's model copy)
+    best_val_loss   the lowest validation loss of the run
+    train_time_s    the training clock at the end: time in training steps only (start-up,
+                    validation and checkpoints excluded), rank 0
+    tokens          non-padding tokens trained on, summed over all ranks
+    steps_to_target, tokens_to_target, time_to_target_s
+                    where the validation loss first reached target_loss, linearly interpolated
+                    between the two validations around it (time: the training clock); null
+                    when not reached
     train_loss      final training loss (rank 0)
     peak_rss_mb     peak resident memory of the largest rank; peak_rss_mb_by_rank: every rank
     link_ops        per operation kind ("all_reduce", "all_gather", "exchange", ...):
@@ -85,7 +99,8 @@ A run record::
                     included), "inter_node_bytes": the part that crossed nodes,
                     "largest_group": the largest group size}; count and bytes are totals over
                     the run and over all ranks
-    val_history     [[step, wall_s, val_loss], ...] of rank 0 (wall_s since training started)
+    val_history     [{"step", "epoch", "tokens" (summed over ranks), "train_time_s" (training
+                    clock), "wall_s" (since the loop started), "val_loss"}, ...] of rank 0
     run_dir         the run's directory, relative to the bench directory
     logs            node log files, relative to the bench directory
     command         the arguments after the entry module (["train", "--method", ...])
@@ -123,7 +138,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 RESULTS_FILE = "results.json"
 _MAX_ERROR_CHARS = 6000
 
@@ -134,7 +149,8 @@ RUN_KEYS: tuple[str, ...] = (
     "status", "error", "wall_time_s", "step_time_s", "compute_time_s", "comm_time_s", "sync_time_s",
     "outer_steps", "inter_node_bytes_per_step", "inter_node_bytes_per_step_by_node",
     "measured_wire_bytes_per_step", "measured_wire_bytes_per_step_by_node", "link_effective_bps",
-    "val_loss", "train_loss", "peak_rss_mb", "peak_rss_mb_by_rank", "link_ops", "val_history", "run_dir",
+    "val_loss", "best_val_loss", "train_time_s", "tokens", "steps_to_target", "tokens_to_target",
+    "time_to_target_s", "train_loss", "peak_rss_mb", "peak_rss_mb_by_rank", "link_ops", "val_history", "run_dir",
     "logs", "command",
 )  # fmt: skip
 
@@ -214,7 +230,10 @@ def read_summaries(run_dir: Path, world_size: int) -> list[dict[str, Any]]:
     return summaries
 
 
-def _val_history_from_metrics(path: Path) -> list[list[float]]:
+_POINT_KEYS = ("step", "epoch", "tokens", "train_time_s", "wall_s", "val_loss")
+
+
+def _val_history_from_metrics(path: Path) -> list[dict[str, Any]]:
     history = []
     try:
         lines = path.read_text().splitlines()
@@ -226,7 +245,7 @@ def _val_history_from_metrics(path: Path) -> list[list[float]]:
         except json.JSONDecodeError:
             continue
         if isinstance(rec, dict) and rec.get("type") == "val" and _finite(rec.get("val_loss")) is not None:
-            history.append([rec.get("step"), rec.get("wall_s"), rec["val_loss"]])
+            history.append({k: rec.get(k) for k in _POINT_KEYS})
     return history
 
 
@@ -291,7 +310,17 @@ def aggregate_run(
     history = first.get("val_history")
     if not history and run_dir is not None:
         history = _val_history_from_metrics(run_dir / "metrics.jsonl")
-    record["val_history"] = [list(h) for h in (history or [])]
+    history = [{k: dict(h).get(k) for k in _POINT_KEYS} for h in (history or [])]
+    # Tokens: every rank trained on its own slice of the global batch; sum them over the ranks.
+    per_rank = [s.get("val_history") or [] for s in summaries]
+    if all(len(h) == len(history) for h in per_rank):
+        for i, point in enumerate(history):
+            counts = [h[i].get("tokens") if isinstance(h[i], Mapping) else None for h in per_rank]
+            point["tokens"] = sum(counts) if None not in counts else None
+    record["val_history"] = history
+    record["train_time_s"] = _finite(first.get("train_time_s"))
+    counts = [s.get("tokens") for s in summaries]
+    record["tokens"] = sum(counts) if None not in counts else None
     if wire_bytes_by_node is not None and steps > 0:
         wire = [b / steps for b in wire_bytes_by_node]
         record["measured_wire_bytes_per_step_by_node"] = wire

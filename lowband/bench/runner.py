@@ -20,10 +20,12 @@ the interrupt propagates; namespaces left by an earlier crash are removed at sta
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from lowband.bench.config import BenchConfig, RunPlan, format_bandwidth, plan_runs
+from lowband.bench.quality import annotate_time_to_target
 from lowband.bench.report import error_headline
 from lowband.bench.results import (
     SCHEMA_VERSION,
@@ -178,7 +181,7 @@ def _new_record(plan: RunPlan, config: BenchConfig, *, out_dir: Path, mode: str)
     return new_run_record(
         id=plan.id, label=plan.label, method=plan.method, spec=plan.spec, params=dict(plan.params),
         topk=plan.topk, chunk=plan.chunk, shards=plan.shards, nodes=plan.nodes, ranks_per_node=plan.ranks_per_node,
-        replicas=plan.world_size // plan.shards, model=config.model, steps=config.steps, seed=config.seed,
+        replicas=plan.world_size // plan.shards, model=config.model, steps=config.steps, seed=plan.seed,
         data=config.data, bandwidth_bps=plan.bandwidth_bps,
         latency_s=plan.latency_s, emulation=mode, status="failed",
         run_dir=str(run_dir.relative_to(out_dir)),
@@ -295,7 +298,8 @@ def run_bench(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(plans), unit="run", desc="bench", dynamic_ncols=True)
+        # Steps of every run, so the estimate of the time left covers the whole bench.
+        bar = tqdm(total=len(plans) * config.steps, unit="step", desc="bench", dynamic_ncols=True)
     try:
         for bw in dict.fromkeys(p.bandwidth_bps for p in plans):
             group = [p for p in plans if p.bandwidth_bps == bw]
@@ -312,22 +316,25 @@ def run_bench(
                             record["error"] = f"could not build the emulated network: {exc}"
                             results["runs"].append(record)
                             if bar is not None:
-                                bar.update(1)
+                                bar.update(config.steps)
                         write_results(out_dir, results)
                         continue
                 results["emulation"]["links"].append(_link_info(bw, net))
                 write_results(out_dir, results)
                 for plan in group:
                     if bar is not None:
-                        bar.set_description(f"{plan.label} S={plan.shards} @ {format_bandwidth(bw)}")
+                        bar.set_description(f"run {plan.index + 1}/{len(plans)} {plan.label} seed {plan.seed}")
                     record = _new_record(plan, config, out_dir=out_dir, mode=mode)
                     results["runs"].append(record)
                     write_results(out_dir, results)
+                    done_before = plan.index * config.steps
                     try:
-                        _run_one(plan, config, record, out_dir=out_dir, mode=mode, net=net, launcher=launcher)
+                        with _StepProgress(bar, out_dir / "runs" / plan.id / "metrics.jsonl", done_before):
+                            _run_one(plan, config, record, out_dir=out_dir, mode=mode, net=net, launcher=launcher)
                     except (KeyboardInterrupt, SystemExit):
                         record["error"] = INTERRUPTED
                         raise
+                    annotate_time_to_target(results)
                     write_results(out_dir, results)
                     if record["status"] == "ok":
                         log.info("run %s: %.3f s/step", plan.id, record["step_time_s"] or float("nan"))
@@ -336,7 +343,8 @@ def run_bench(
                     if on_run is not None:
                         on_run(record)
                     if bar is not None:
-                        bar.update(1)
+                        bar.n = done_before + config.steps
+                        bar.refresh()
     except (KeyboardInterrupt, SystemExit):
         results["interrupted"] = True
         raise
@@ -344,5 +352,50 @@ def run_bench(
         if bar is not None:
             bar.close()
         results["finished"] = now_iso()
+        annotate_time_to_target(results)
         write_results(out_dir, results)
     return results
+
+
+class _StepProgress:
+    """While a run trains, move the bench's step bar from rank 0's ``metrics.jsonl`` (every 2 s)."""
+
+    def __init__(self, bar: Any, metrics: Path, done_before: int, *, interval_s: float = 2.0) -> None:
+        self.bar, self.metrics, self.done_before, self.interval_s = bar, metrics, done_before, interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _last_step(self) -> int | None:
+        try:
+            with open(self.metrics, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 4096))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return None
+        for line in reversed(lines):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("type") == "train":
+                return int(rec["step"])
+        return None
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            step = self._last_step()
+            if step is not None and self.done_before + step > self.bar.n:
+                self.bar.n = self.done_before + step
+                self.bar.refresh()
+
+    def __enter__(self) -> _StepProgress:
+        if self.bar is not None:
+            self._thread = threading.Thread(target=self._poll, name="bench-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

@@ -1,0 +1,258 @@
+"""Time to quality: the target loss, when each run reached it, seed spread, best learning rates.
+
+Everything here is a pure function of run records (``results.json``), so ``lowband report``
+recomputes it from the file alone.
+
+- **Target.** AdamW's final validation loss in the same bench (the FlexDeMo paper's metric:
+  Figures 3-4 ask when each method reaches what AdamW ends at), or a loss the user gives
+  (``--target-loss``). With several AdamW variants (an lr sweep), the best one's (lowest mean
+  final loss over its seeds); with several seeds, the mean over them.
+- **Reaching it.** The first validation at or below the target; the step, tokens and training
+  time there are linearly *interpolated* between that validation and the one before it (the
+  report says so). Training time is the trainer's training clock: start-up and validation are
+  left out.
+- **Variants and seeds.** Runs that differ only in their seed form a *variant* (same method,
+  hyper-parameters and link); their spread is min-max over the seeds. Variants of one method
+  that differ only in ``lr`` form a *method group*, and the variant with the lowest mean final
+  loss is the group's best lr.
+- **Significance.** A difference between two variants "exceeds the seed spread" when their
+  min-max ranges over the seeds do not overlap; with a single seed the spread is unknown and
+  the report says so.
+- **Modelled time** (labelled as such wherever it is shown): for a given compute time per step
+  ``c``, a step costs ``c`` plus the run's *measured* bytes per step over the link rate plus the
+  link latency for each of its inter-node operations per step (or ``max(c, comm)`` for variants
+  that overlap communication with computation), and the time to target is that times the
+  run's measured steps to target. It answers "what would this look like on a faster
+  accelerator", which this CPU cannot show.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lowband.bench.methods import DISPLAY_NAMES, method_label
+
+__all__ = [
+    "Crossing",
+    "Variant",
+    "annotate_time_to_target",
+    "best_lr_labels",
+    "break_even_compute_s",
+    "choose_target",
+    "crossing",
+    "exceeds_spread",
+    "modelled_comm_s",
+    "modelled_time_to_target_s",
+    "variants",
+]
+
+Run = Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Crossing:
+    """Where a validation curve first reached the target (interpolated between validations)."""
+
+    step: float
+    tokens: float | None
+    train_time_s: float | None
+
+
+def _lerp(a: float | None, b: float | None, t: float) -> float | None:
+    if a is None or b is None:
+        return None
+    return a + (b - a) * t
+
+
+def crossing(history: Sequence[Mapping[str, Any]], target: float) -> Crossing | None:
+    """The first point where ``history`` (validation points, in step order) reaches ``target``.
+
+    Linear interpolation between the first validation at or below the target and the one
+    before it; None when no validation reaches it.
+    """
+    prev = None
+    for point in history:
+        loss = point.get("val_loss")
+        if loss is None or not math.isfinite(loss):
+            prev = None
+            continue
+        if loss <= target:
+            if prev is None or prev["val_loss"] <= target:
+                return Crossing(float(point["step"]), point.get("tokens"), point.get("train_time_s"))
+            t = (prev["val_loss"] - target) / (prev["val_loss"] - loss)
+            return Crossing(
+                float(_lerp(prev["step"], point["step"], t)),
+                _lerp(prev.get("tokens"), point.get("tokens"), t),
+                _lerp(prev.get("train_time_s"), point.get("train_time_s"), t),
+            )
+        prev = point
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Variant:
+    """Runs that differ only in their seed: one method, its hyper-parameters, one link."""
+
+    label: str
+    method: str
+    group: str  # the method group: the label without the lr
+    lr: float | None
+    bandwidth_bps: float
+    runs: tuple[Run, ...]
+
+    @property
+    def ok(self) -> list[Run]:
+        return [r for r in self.runs if r.get("status") == "ok" and r.get("val_loss") is not None]
+
+    @property
+    def seeds(self) -> list[int]:
+        return [r.get("seed") for r in self.ok]
+
+    def values(self, key: str) -> list[float]:
+        return [float(r[key]) for r in self.ok if r.get(key) is not None]
+
+    def stat(self, key: str) -> tuple[float, float, float] | None:
+        """(mean, min, max) of ``key`` over the seeds that have it."""
+        vals = self.values(key)
+        if not vals:
+            return None
+        return statistics.fmean(vals), min(vals), max(vals)
+
+
+def _lr_of(run: Run) -> float | None:
+    hp = run.get("hyperparameters") or {}
+    lr = (run.get("params") or {}).get("lr", hp.get("lr"))
+    return float(lr) if lr is not None else None
+
+
+def _group_label(run: Run) -> str:
+    params = {k: v for k, v in (run.get("params") or {}).items() if k != "lr"}
+    return method_label(run["method"], params)
+
+
+def variants(runs: Sequence[Run]) -> list[Variant]:
+    """Runs grouped into variants (same label, method and link), in the order they first ran."""
+    groups: dict[tuple, list[Run]] = {}
+    for r in runs:
+        key = (r["label"], r["method"], r.get("shards"), r["bandwidth_bps"])
+        groups.setdefault(key, []).append(r)
+    out = []
+    for (label, method, _shards, bw), rs in groups.items():
+        out.append(Variant(label=label, method=method, group=_group_label(rs[0]), lr=_lr_of(rs[0]),
+                           bandwidth_bps=bw, runs=tuple(rs)))  # fmt: skip
+    return out
+
+
+def _mean_final(v: Variant) -> float:
+    s = v.stat("val_loss")
+    return s[0] if s is not None else math.inf
+
+
+def best_lr_labels(vs: Sequence[Variant]) -> set[str]:
+    """Labels of the best-lr variant of every method group that was run at more than one lr."""
+    by_group: dict[tuple, list[Variant]] = {}
+    for v in vs:
+        by_group.setdefault((v.group, v.bandwidth_bps), []).append(v)
+    best = set()
+    for members in by_group.values():
+        if len({m.lr for m in members}) > 1:
+            winner = min(members, key=_mean_final)
+            if math.isfinite(_mean_final(winner)):
+                best.add(winner.label)
+    return best
+
+
+def choose_target(runs: Sequence[Run], target_loss: float | None = None) -> tuple[float | None, str]:
+    """The target loss and where it came from (a sentence for the report)."""
+    if target_loss is not None:
+        return float(target_loss), f"given with --target-loss {target_loss:g}"
+    adamw = [v for v in variants(runs) if v.method == "adamw" and v.ok]
+    if not adamw:
+        return None, "no target: the bench has no successful AdamW run (add adamw, or give --target-loss)"
+    best = min(adamw, key=_mean_final)
+    # AdamW's loss does not depend on the link: its runs at every bandwidth are the same training.
+    finals = [float(r["val_loss"]) for v in adamw if v.label == best.label for r in v.ok]
+    n = len({r.get("seed") for v in adamw if v.label == best.label for r in v.ok})
+    lr = f" (lr {best.lr:g})" if best.lr is not None else ""
+    return statistics.fmean(finals), (
+        f"{DISPLAY_NAMES['adamw']}{lr} final validation loss, mean over {n} seed{'s' if n != 1 else ''}"
+    )
+
+
+def annotate_time_to_target(results: dict[str, Any], target_loss: float | None = None) -> dict[str, Any]:
+    """Set ``target_loss``/``target_source`` and every run's ``*_to_target`` fields; returns ``results``."""
+    runs = results.get("runs") or []
+    if target_loss is None:
+        target_loss = (results.get("config") or {}).get("target_loss")
+    target, source = choose_target(runs, target_loss)
+    results["target_loss"] = target
+    results["target_source"] = source
+    for r in runs:
+        hit = None
+        if target is not None and r.get("status") == "ok":
+            hit = crossing(r.get("val_history") or [], target)
+        r["steps_to_target"] = hit.step if hit else None
+        r["tokens_to_target"] = hit.tokens if hit else None
+        r["time_to_target_s"] = hit.train_time_s if hit else None
+        losses = [p["val_loss"] for p in r.get("val_history") or [] if p.get("val_loss") is not None]
+        r["best_val_loss"] = min(losses) if losses else None
+    return results
+
+
+def exceeds_spread(a: Variant, b: Variant, key: str = "val_loss") -> bool | None:
+    """True when the min-max ranges of ``key`` over the seeds do not overlap; None with one seed each."""
+    sa, sb = a.stat(key), b.stat(key)
+    if sa is None or sb is None or (len(a.values(key)) < 2 and len(b.values(key)) < 2):
+        return None
+    return sa[2] < sb[1] or sb[2] < sa[1]
+
+
+def _overlaps(run: Run) -> bool:
+    params = run.get("params") or {}
+    return str(params.get("overlap", "false")).lower() in ("true", "1")
+
+
+def modelled_comm_s(run: Run) -> float | None:
+    """Modelled seconds of communication per step: measured bytes over the link rate, plus latency per op."""
+    nbytes = run.get("inter_node_bytes_per_step")
+    bw = run.get("bandwidth_bps")
+    steps = run.get("steps") or 0
+    if nbytes is None or not bw or steps <= 0:
+        return None
+    ranks = max(int(run.get("nodes") or 1) * int(run.get("ranks_per_node") or 1), 1)
+    # link_ops counts every rank's operations over the run: per rank and step.
+    ops = sum(int(o.get("count", 0)) for o in (run.get("link_ops") or {}).values()) / ranks / steps
+    return float(nbytes) * 8.0 / float(bw) + float(run.get("latency_s") or 0.0) * ops
+
+
+def modelled_time_to_target_s(run: Run, compute_s: float) -> float | None:
+    """MODELLED training time to the target at ``compute_s`` seconds of compute per step."""
+    comm = modelled_comm_s(run)
+    if comm is None or run.get("steps_to_target") is None:
+        return None
+    step = max(compute_s, comm) if _overlaps(run) else compute_s + comm
+    return float(run["steps_to_target"]) * step
+
+
+def break_even_compute_s(run: Run, reference: Run) -> tuple[float, str] | None:
+    """MODELLED compute time per step at which ``run`` and ``reference`` reach the target together.
+
+    Solves ``s_run·(c + m_run) = s_ref·(c + m_ref)`` for ``c`` (blocking steps; ``s`` steps to
+    target, ``m`` modelled communication per step). Returns ``(c, side)``: ``run`` is sooner for
+    compute times ``"below"`` or ``"above"`` ``c``; ``(inf, "below")`` means at every compute time,
+    ``(0.0, "below")`` at none. None when either did not reach the target.
+    """
+    s1, s2 = run.get("steps_to_target"), reference.get("steps_to_target")
+    m1, m2 = modelled_comm_s(run), modelled_comm_s(reference)
+    if None in (s1, s2, m1, m2):
+        return None
+    if s1 == s2:
+        return (math.inf, "below") if m1 <= m2 else (0.0, "below")
+    c = (s2 * m2 - s1 * m1) / (s1 - s2)
+    if s1 > s2:  # more steps: sooner only while communication dominates, below c
+        return max(c, 0.0), "below"
+    return (math.inf, "below") if c <= 0 else (c, "above")

@@ -1,0 +1,152 @@
+"""Time to quality without training: target, interpolated crossings, seeds, best lr, presets, modelled times."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+import lowband.bench as bench
+from lowband.bench import quality
+from lowband.bench.config import PRESETS, make_config, plan_runs
+from lowband.bench.report import modelled_rows, render_markdown, time_to_target_rows
+
+
+def _history(losses, *, dt=2.0, tokens=1000, every=10):
+    return [{"step": i * every, "epoch": 0, "tokens": i * tokens, "train_time_s": i * dt, "wall_s": i * dt + 5,
+             "val_loss": v} for i, v in enumerate(losses)]  # fmt: skip
+
+
+def _run(method, losses, *, seed=0, label=None, params=None, dt=2.0, bw=1e8, nbytes=1e6, compute=0.1, ops=1):
+    params = dict(params or {})
+    history = _history(losses, dt=dt)
+    steps = history[-1]["step"]
+    return {
+        "id": f"{method}-{seed}", "label": label or method, "method": method, "params": params, "shards": 2,
+        "hyperparameters": {"lr": params.get("lr", 1e-3)}, "seed": seed, "status": "ok", "bandwidth_bps": bw,
+        "latency_s": 0.05, "nodes": 2, "ranks_per_node": 2, "replicas": 2, "steps": steps,
+        "val_loss": losses[-1], "val_history": history, "step_time_s": compute + 0.5, "compute_time_s": compute,
+        "inter_node_bytes_per_step": nbytes, "link_ops": {"all_gather": {"count": 4 * steps * ops}},
+    }  # fmt: skip
+
+
+def test_crossing_is_interpolated_between_validations() -> None:
+    hist = _history([8.0, 6.0, 4.0])  # steps 0, 10, 20; times 0, 2, 4
+    hit = quality.crossing(hist, 5.0)
+    assert hit.step == pytest.approx(15.0) and hit.train_time_s == pytest.approx(3.0) and hit.tokens == 1500
+    assert quality.crossing(hist, 6.0).step == 10.0  # exactly at a validation
+    assert quality.crossing(hist, 3.9) is None
+    # The first crossing counts, even if the loss rises again later.
+    assert quality.crossing(_history([8.0, 5.0, 7.0, 4.0]), 6.0).step == pytest.approx(10 * 2 / 3)
+
+
+def test_target_is_best_adamw_mean_over_seeds_and_runs_are_timed_to_it() -> None:
+    runs = [
+        _run("adamw", [8.0, 6.0, 5.0], seed=0, label="AdamW lr=0.001", params={"lr": 1e-3}),
+        _run("adamw", [8.0, 6.0, 5.2], seed=1, label="AdamW lr=0.001", params={"lr": 1e-3}),
+        _run("adamw", [8.0, 7.0, 6.0], seed=0, label="AdamW lr=0.0003", params={"lr": 3e-4}),
+        _run("flexdemo", [8.0, 5.0, 4.0], seed=0, label="FlexDeMo Top1", dt=1.0),
+        _run("flexdemo", [8.0, 5.5, 4.5], seed=1, label="FlexDeMo Top1", dt=1.0),
+        _run("diloco", [8.0, 7.0, 6.5], label="DiLoCo H=10"),
+    ]
+    results = quality.annotate_time_to_target({"runs": runs})
+    assert results["target_loss"] == pytest.approx(5.1)
+    assert "AdamW (lr 0.001)" in results["target_source"] and "2 seeds" in results["target_source"]
+    adamw0, adamw1 = runs[0], runs[1]
+    assert adamw0["time_to_target_s"] == pytest.approx(2 + 2 * 0.9) and adamw1["steps_to_target"] is None
+    assert runs[3]["steps_to_target"] == pytest.approx(10 * 2.9 / 3) and runs[5]["time_to_target_s"] is None
+    assert runs[5]["best_val_loss"] == 6.5
+    # Given explicitly, the target wins.
+    assert quality.annotate_time_to_target({"runs": runs}, 7.5)["target_loss"] == 7.5
+    assert runs[5]["steps_to_target"] == pytest.approx(5.0)
+    results = quality.annotate_time_to_target({"runs": runs})
+    assert quality.choose_target([runs[5]])[0] is None
+
+    vs = quality.variants(runs)
+    assert [v.label for v in vs] == ["AdamW lr=0.001", "AdamW lr=0.0003", "FlexDeMo Top1", "DiLoCo H=10"]
+    assert quality.best_lr_labels(vs) == {"AdamW lr=0.001"}
+    assert vs[2].stat("val_loss") == pytest.approx((4.25, 4.0, 4.5))
+    # FlexDeMo's range [4.0, 4.5] against AdamW's [5.0, 5.2]: beyond the spread; one seed each: unknown.
+    assert quality.exceeds_spread(vs[2], vs[0]) is True
+    assert quality.exceeds_spread(vs[3], vs[1]) is None
+
+    headers, rows = time_to_target_rows(results)
+    row = {r[0]: dict(zip(headers, r, strict=True)) for r in rows}
+    assert row["AdamW lr=0.001 ★"]["time to target (s)"].endswith("(1/2 seeds)")
+    assert row["FlexDeMo Top1"]["vs AdamW"] == "-0.850 (better, beyond the seed spread)"
+    assert row["DiLoCo H=10"]["time to target (s)"] == "not reached"
+    assert row["FlexDeMo Top1"]["final val loss"] == "4.250 [4.000–4.500]"
+    flex_time = statistics_mean([runs[3]["time_to_target_s"], runs[4]["time_to_target_s"]])
+    assert row["FlexDeMo Top1"]["AdamW time ÷ this"] == f"{adamw0['time_to_target_s'] / flex_time:.2f}×"
+    text = render_markdown({**results, "config": {}, "host": {}, "emulation": {}})
+    assert "## Time to target" in text and "interpolated" in text and "Modelled, not measured" in text
+
+
+def statistics_mean(xs):
+    return sum(xs) / len(xs)
+
+
+def test_modelled_time_and_break_even() -> None:
+    adamw = _run("adamw", [8, 6, 5], nbytes=8e6, compute=0.3)  # 64 Mbit per step at 100 Mbit/s: 0.64 s
+    flex = _run("flexdemo", [8, 7, 6, 5.5, 5], nbytes=5e4, compute=0.3)
+    quality.annotate_time_to_target({"runs": [adamw, flex]})
+    assert adamw["steps_to_target"] == 20 and flex["steps_to_target"] == 40
+    m_a = 8e6 * 8 / 1e8 + 0.05 * 1
+    assert quality.modelled_comm_s(adamw) == pytest.approx(m_a)
+    assert quality.modelled_time_to_target_s(adamw, 0.1) == pytest.approx(20 * (0.1 + m_a))
+    m_f = quality.modelled_comm_s(flex)
+    c, side = quality.break_even_compute_s(flex, adamw)
+    assert side == "below" and c == pytest.approx((20 * m_a - 40 * m_f) / 20)
+    # At the break-even compute both take the same modelled time.
+    assert quality.modelled_time_to_target_s(flex, c) == pytest.approx(quality.modelled_time_to_target_s(adamw, c))
+    # Fewer steps and fewer bytes: sooner at every compute time.
+    assert quality.break_even_compute_s(adamw | {"steps_to_target": 10, "inter_node_bytes_per_step": 1.0},
+                                        adamw) == (math.inf, "below")
+    # An overlapping variant costs max(compute, comm) per step.
+    overlapped = flex | {"params": {"overlap": True}}
+    assert quality.modelled_time_to_target_s(overlapped, 1.0) == pytest.approx(40 * 1.0)
+    headers, rows = modelled_rows({"runs": [adamw, flex], "target_loss": 5.0})
+    assert rows[1][0] == "flexdemo" and rows[1][-1] == f"sooner when compute < {c:.3g} s/step"
+
+
+def test_seeds_multiply_the_runs_seed_major() -> None:
+    config = make_config(methods="adamw,flexdemo", seeds="0,1,2", steps=5, model="t5-tiny")
+    plans = plan_runs(config)
+    assert [(p.method, p.seed) for p in plans] == [
+        ("adamw", 0), ("flexdemo", 0), ("adamw", 1), ("flexdemo", 1), ("adamw", 2), ("flexdemo", 2)]
+    assert len({p.id for p in plans}) == 6
+    argv = plans[3].train_args(config, __import__("pathlib").Path("/x"))
+    assert argv[argv.index("--seed") + 1] == "1"
+    assert config.as_dict()["seeds"] == [0, 1, 2]
+    for bad, words in (("0,x", "'x' is not an integer"), ("1,1", "names a seed twice")):
+        with pytest.raises(ValueError, match=words):
+            make_config(methods="adamw", seeds=bad, steps=5, model="t5-tiny")
+
+
+def test_meaningless_benches_are_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError) as err:
+        make_config(methods="diloco,noloco", steps=40, model="t5-tiny")  # registry H = 50 > 40 steps
+    assert "no outer step ever happens" in str(err.value) and "diloco:H=" in str(err.value)
+    make_config(methods="diloco:H=10", steps=40, model="t5-tiny")
+    with pytest.raises(ValueError, match="positive validation loss"):
+        make_config(methods="adamw", steps=5, model="t5-tiny", target_loss=-1.0)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_preset_settings_and_the_users_options_win() -> None:
+    preset = PRESETS["quality"]
+    config = bench.config_from_args(_args("--preset", "quality"))
+    assert config.preset == "quality" and config.steps == preset.settings["steps"]
+    assert len(config.seeds) >= 2 and config.bandwidths_bps == (1e8,)
+    assert [str(m) for m in config.methods] == list(preset.settings["methods"])
+    assert {m.name for m in config.methods} >= {"adamw", "deto-full", "demo", "flexdemo", "diloco", "noloco"}
+    config = bench.config_from_args(_args("--preset", "quality", "--steps", "60", "--seeds", "5",
+                                          "--train-args=--val-every 7"))  # fmt: skip
+    assert config.steps == 60 and config.seeds == (5,)
+    assert config.train_args[-2:] == ("--val-every", "7")  # the user's train args come last and win
