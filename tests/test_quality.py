@@ -26,7 +26,7 @@ def _run(method, losses, *, seed=0, label=None, params=None, dt=2.0, bw=1e8, nby
         "id": f"{method}-{seed}", "label": label or method, "method": method, "params": params, "shards": 2,
         "hyperparameters": {"lr": params.get("lr", 1e-3)}, "seed": seed, "status": "ok", "bandwidth_bps": bw,
         "latency_s": 0.05, "nodes": 2, "ranks_per_node": 2, "replicas": 2, "steps": steps,
-        "val_loss": losses[-1], "val_history": history, "step_time_s": compute + 0.5, "compute_time_s": compute,
+        "val_loss": losses[-1], "val_history": history, "train_time_s": history[-1]["train_time_s"], "step_time_s": compute + 0.5, "compute_time_s": compute,
         "inter_node_bytes_per_step": nbytes, "link_ops": {"all_gather": {"count": 4 * steps * ops}},
     }  # fmt: skip
 
@@ -76,6 +76,10 @@ def test_target_is_best_adamw_mean_over_seeds_and_runs_are_timed_to_it() -> None
     assert row["AdamW lr=0.001 ★"]["time to target (s)"].endswith("(1/2 seeds)")
     assert row["FlexDeMo Top1"]["vs AdamW"] == "-0.850 (better, beyond the seed spread)"
     assert row["DiLoCo H=10"]["time to target (s)"] == "not reached"
+    # DiLoCo ends at 6.5: AdamW (both seeds) was there at step 7.5, after 1.5 s; DiLoCo trained 4 s.
+    assert runs[5]["adamw_steps_to_final"] == pytest.approx(7.5) and runs[5]["adamw_time_to_final_s"] == pytest.approx(1.5)
+    assert row["DiLoCo H=10"]["at its final loss: AdamW time ÷ this"] == "0.38×"
+    assert runs[0]["adamw_time_to_final_s"] is None  # AdamW's own runs are the reference
     assert row["FlexDeMo Top1"]["final val loss"] == "4.250 [4.000–4.500]"
     flex_time = statistics_mean([runs[3]["time_to_target_s"], runs[4]["time_to_target_s"]])
     assert row["FlexDeMo Top1"]["AdamW time ÷ this"] == f"{adamw0['time_to_target_s'] / flex_time:.2f}×"

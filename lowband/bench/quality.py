@@ -43,6 +43,7 @@ __all__ = [
     "best_lr_labels",
     "break_even_compute_s",
     "choose_target",
+    "reference_runs",
     "crossing",
     "exceeds_spread",
     "modelled_comm_s",
@@ -166,6 +167,15 @@ def best_lr_labels(vs: Sequence[Variant]) -> set[str]:
     return best
 
 
+def reference_runs(runs: Sequence[Run]) -> list[Run]:
+    """The successful runs of the best AdamW variant (lowest mean final loss), at every link."""
+    adamw = [v for v in variants(runs) if v.method == "adamw" and v.ok]
+    if not adamw:
+        return []
+    best = min(adamw, key=_mean_final)
+    return [r for v in adamw if v.label == best.label for r in v.ok]
+
+
 def choose_target(runs: Sequence[Run], target_loss: float | None = None) -> tuple[float | None, str]:
     """The target loss and where it came from (a sentence for the report)."""
     if target_loss is not None:
@@ -200,6 +210,20 @@ def annotate_time_to_target(results: dict[str, Any], target_loss: float | None =
         r["time_to_target_s"] = hit.train_time_s if hit else None
         losses = [p["val_loss"] for p in r.get("val_history") or [] if p.get("val_loss") is not None]
         r["best_val_loss"] = min(losses) if losses else None
+    # Time to quality at the quality a run did reach: how long AdamW (the reference variant, at the
+    # run's link, mean over its seeds) took to reach this run's final loss.
+    refs = reference_runs(runs)
+    for r in runs:
+        r["adamw_steps_to_final"] = r["adamw_time_to_final_s"] = None
+        same_link = [a for a in refs if a["bandwidth_bps"] == r["bandwidth_bps"]] or refs
+        if r.get("status") != "ok" or r.get("val_loss") is None or not same_link or any(r is a for a in same_link):
+            continue
+        hits = [crossing(a.get("val_history") or [], r["val_loss"]) for a in same_link]
+        hits = [h for h in hits if h is not None]
+        if len(hits) == len(same_link):
+            r["adamw_steps_to_final"] = statistics.fmean(h.step for h in hits)
+            times = [h.train_time_s for h in hits if h.train_time_s is not None]
+            r["adamw_time_to_final_s"] = statistics.fmean(times) if len(times) == len(hits) else None
     return results
 
 
@@ -242,11 +266,15 @@ def break_even_compute_s(run: Run, reference: Run) -> tuple[float, str] | None:
     """MODELLED compute time per step at which ``run`` and ``reference`` reach the target together.
 
     Solves ``s_run·(c + m_run) = s_ref·(c + m_ref)`` for ``c`` (blocking steps; ``s`` steps to
-    target, ``m`` modelled communication per step). Returns ``(c, side)``: ``run`` is sooner for
+    target, ``m`` modelled communication per step). A run that did not reach the target is compared
+    at the loss it did reach: all its steps against AdamW's steps to that loss. Returns ``(c, side)``: ``run`` is sooner for
     compute times ``"below"`` or ``"above"`` ``c``; ``(inf, "below")`` means at every compute time,
     ``(0.0, "below")`` at none. None when either did not reach the target.
     """
     s1, s2 = run.get("steps_to_target"), reference.get("steps_to_target")
+    if s1 is None and run.get("adamw_steps_to_final") is not None:
+        # Not at the target: compare at the loss the run did reach (AdamW's steps to it, the run's all).
+        s1, s2 = run.get("steps"), run["adamw_steps_to_final"]
     m1, m2 = modelled_comm_s(run), modelled_comm_s(reference)
     if None in (s1, s2, m1, m2):
         return None

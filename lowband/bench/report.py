@@ -219,7 +219,8 @@ def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[lis
     best = quality.best_lr_labels(vs)
     target_label = _target_label(vs)
     headers = ["Run", "Link", "Seeds", "final val loss", "vs AdamW", "best val loss", "steps to target",
-               "tokens to target (M)", "time to target (s)", "AdamW time ÷ this", "s/step", "MB/step/node"]  # fmt: skip
+               "tokens to target (M)", "time to target (s)", "AdamW time ÷ this",
+               "at its final loss: AdamW time ÷ this", "s/step", "MB/step/node"]  # fmt: skip
     rows = []
     for v in vs:
         n = len(v.ok)
@@ -237,10 +238,16 @@ def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[lis
             ref = _reference(vs, v, target_label)
             ref_time = ref.stat("time_to_target_s") if ref is not None else None
             speedup = MISSING if ref_time is None else f"{ref_time[0] / v.stat('time_to_target_s')[0]:.2f}×"
+        at_final = MISSING
+        ref_final, own = v.stat("adamw_time_to_final_s"), v.stat("train_time_s")
+        if ref_final is not None and own is not None and len(v.values("adamw_time_to_final_s")) == n:
+            at_final = f"{ref_final[0] / own[0]:.2f}×"
+        elif v.ok and v.method != "adamw":
+            at_final = "AdamW never as high" if n else MISSING
         rows.append([
             v.label + (" ★" if v.label in best else ""), format_bandwidth(v.bandwidth_bps), f"{n}/{len(v.runs)}",
             _mean_range(v.stat("val_loss"), ".3f", n), _versus(v, _reference(vs, v, target_label)),
-            _mean_range(v.stat("best_val_loss"), ".3f", n), steps, tokens, to_target, speedup,
+            _mean_range(v.stat("best_val_loss"), ".3f", n), steps, tokens, to_target, speedup, at_final,
             _num(v.stat("step_time_s")[0] if v.stat("step_time_s") else None, ".3f"),
             _num(v.stat("inter_node_bytes_per_step")[0] if v.stat("inter_node_bytes_per_step") else None, ".3f", 1e6),
         ])  # fmt: skip
@@ -259,7 +266,7 @@ def modelled_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
                *(f"time to target at {c:g} s compute" for c in MODELLED_COMPUTE_S), "vs AdamW"]  # fmt: skip
     rows = []
     for v in vs:
-        reached = [r for r in v.ok if r.get("steps_to_target") is not None]
+        reached = [r for r in v.ok if r.get("steps_to_target") is not None or r.get("adamw_steps_to_final") is not None]
         if not reached:
             continue
         compute = v.stat("compute_time_s")
@@ -268,7 +275,7 @@ def modelled_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
         def at(c: float, reached: list[Run] = reached) -> str:
             t = [quality.modelled_time_to_target_s(r, c) for r in reached]
             t = [x for x in t if x is not None]
-            return f"{statistics.fmean(t):.0f} s" if t else MISSING
+            return f"{statistics.fmean(t):.0f} s" if t else "not reached"
 
         ref = _reference(vs, v, target_label)
         versus = MISSING
@@ -317,7 +324,9 @@ def quality_section(results: Mapping[str, Any]) -> list[str]:
         "validation and the one before. Time is the training clock (start-up and validation excluded), "
         "measured on this machine. Cells with several seeds give the mean and [min–max] over them; a "
         "difference *exceeds the seed spread* when the two min–max ranges do not overlap. ★ = the best lr "
-        "of a method run at several (lowest mean final loss).",
+        "of a method run at several (lowest mean final loss). \"At its final loss\": the training time AdamW "
+        "needed to reach the loss this run ends at, divided by this run's training time (above 1×: this run "
+        "reached its quality sooner).",
         "",
         markdown_table(*time_to_target_rows(results)),
         "",
@@ -331,7 +340,8 @@ def quality_section(results: Mapping[str, Any]) -> list[str]:
             "target = measured steps to target × (compute per step + measured bytes per step / link rate + "
             "latency × link operations per step); overlapping variants take max(compute, communication). "
             "The vs-AdamW column solves for the compute time per step at which the run and AdamW reach the target "
-            "together.",
+            "together; a run that did not reach the target is compared at the loss it did reach (all its steps "
+            "against AdamW's steps to that loss).",
             "",
             markdown_table(headers, rows),
             "",

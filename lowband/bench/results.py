@@ -92,6 +92,10 @@ A run record::
                     where the validation loss first reached target_loss, linearly interpolated
                     between the two validations around it (time: the training clock); null
                     when not reached
+    adamw_steps_to_final, adamw_time_to_final_s
+                    the steps and training time the target's AdamW variant (at this run's link,
+                    mean over its seeds) needed to reach this run's final validation loss: time
+                    to quality at the quality this run reached; null for AdamW's own runs
     train_loss      final training loss (rank 0)
     peak_rss_mb     peak resident memory of the largest rank; peak_rss_mb_by_rank: every rank
     link_ops        per operation kind ("all_reduce", "all_gather", "exchange", ...):
@@ -150,7 +154,7 @@ RUN_KEYS: tuple[str, ...] = (
     "outer_steps", "inter_node_bytes_per_step", "inter_node_bytes_per_step_by_node",
     "measured_wire_bytes_per_step", "measured_wire_bytes_per_step_by_node", "link_effective_bps",
     "val_loss", "best_val_loss", "train_time_s", "tokens", "steps_to_target", "tokens_to_target",
-    "time_to_target_s", "train_loss", "peak_rss_mb", "peak_rss_mb_by_rank", "link_ops", "val_history", "run_dir",
+    "time_to_target_s", "adamw_steps_to_final", "adamw_time_to_final_s", "train_loss", "peak_rss_mb", "peak_rss_mb_by_rank", "link_ops", "val_history", "run_dir",
     "logs", "command",
 )  # fmt: skip
 
