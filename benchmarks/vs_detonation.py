@@ -573,7 +573,7 @@ What is measured and what is computed
 
 
 def check_chunk_rule(chunk: int) -> dict:
-    """DeToNATION's largest-divisor rule on ALGORITHMS.md's example and on a prime length."""
+    """DeToNATION's largest-divisor rule on docs/algorithms.md's example and on a prime length."""
     from detonation.util.dct_transform import DCTTransform
 
     rule = DCTTransform._get_smaller_split

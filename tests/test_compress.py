@@ -77,7 +77,7 @@ def test_topk_keeps_the_largest_magnitudes():
 
 
 def test_decode_is_the_true_mean_over_replicas():
-    # ALGORITHMS.md: replicas sending {1,1} and {3,5} at positions {0,1} and {1,2} must decode to
+    # docs/algorithms.md (FlexDeMo, decoding): replicas sending {1,1} and {3,5} at positions {0,1} and {1,2} must decode to
     # [0.5, 2, 2.5, 0] (DeToNATION's "mean over those who picked it" gives [1, 2, 5, 0]).
     idx = torch.tensor([[[0, 1]], [[1, 2]]])
     vals = torch.tensor([[[1.0, 1.0]], [[3.0, 5.0]]])

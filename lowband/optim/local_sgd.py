@@ -521,7 +521,7 @@ class NoLoCo(_LocalSGD):
 
     Paper: Kolehmainen et al., "NoLoCo: No-all-reduce Low Communication Training Method for Large
     Models", 2025, https://arxiv.org/abs/2506.10911. Sign and γ as in the authors' code (see
-    ALGORITHMS.md §4: +β, γ = β by default).
+    docs/algorithms.md, "NoLoCo": +β, γ = β by default).
 
     On replica i, with φ the slow (outer) weights, θ the fast (inner) weights::
 
