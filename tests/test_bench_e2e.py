@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.mark.timeout(400)
 def test_bench_runs_real_training_side_by_side(tmp_path, tmp_path_factory):

@@ -154,6 +154,7 @@ def test_torchrun_argv_shapes() -> None:
     assert script_argv[-2:] == ["/x/job.py", "a"]
 
 
+@pytest.mark.multiprocess
 def test_loopback_fallback_runs_the_job(tmp_path: Path) -> None:
     script = _write_job(tmp_path)
     result = launch_nodes(
@@ -171,6 +172,7 @@ def test_loopback_fallback_runs_the_job(tmp_path: Path) -> None:
     assert _processes_mentioning(str(tmp_path)) == []
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["fail", "hang"])
 def test_failed_or_hanging_nodes_are_killed(tmp_path: Path, mode: str) -> None:
     """A node that fails brings the others down after failure_grace_s; a hang hits timeout_s."""
@@ -194,6 +196,7 @@ def test_failed_or_hanging_nodes_are_killed(tmp_path: Path, mode: str) -> None:
 # ---------------------------------------------------------------------------------- needs netns
 
 
+@pytest.mark.multiprocess
 @needs_netns
 def test_throughput_at_100mbit_and_byte_counters() -> None:
     limit_bps = 100e6
@@ -210,6 +213,7 @@ def test_throughput_at_100mbit_and_byte_counters() -> None:
     assert _our_namespaces(os.getpid()) == []
 
 
+@pytest.mark.multiprocess
 @needs_netns
 def test_torchrun_across_two_emulated_nodes(tmp_path: Path) -> None:
     script = _write_job(tmp_path)
@@ -233,6 +237,7 @@ def test_torchrun_across_two_emulated_nodes(tmp_path: Path) -> None:
     assert _processes_mentioning(str(tmp_path)) == []
 
 
+@pytest.mark.multiprocess
 @needs_netns
 def test_teardown_after_exception_stops_processes_inside() -> None:
     with pytest.raises(RuntimeError, match="boom"):
@@ -261,6 +266,7 @@ CRASHER = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 @needs_netns
 def test_cleanup_leftovers_after_a_crash() -> None:
     child = subprocess.Popen(
@@ -283,6 +289,7 @@ def test_cleanup_leftovers_after_a_crash() -> None:
         cleanup_leftovers(PREFIX)
 
 
+@pytest.mark.multiprocess
 @needs_netns
 def test_sigterm_tears_the_network_down() -> None:
     child = subprocess.Popen(
@@ -322,6 +329,7 @@ LAUNCHER = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "mode, signum",
     [pytest.param("netns", signal.SIGINT, marks=needs_netns), ("loopback", signal.SIGTERM)],

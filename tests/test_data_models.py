@@ -64,6 +64,7 @@ def _corpus(n: int = 60) -> list[str]:
 # --------------------------------------------------------------------------- models
 
 
+@pytest.mark.slow
 def test_t5_small_matches_the_real_architecture_exactly() -> None:
     spec = build_model("t5-small", vocab_size=32128, seed=0)
     assert spec.num_params == 60_506_624
@@ -77,6 +78,7 @@ def test_t5_small_matches_the_real_architecture_exactly() -> None:
     assert len(transformer_blocks(spec)) == 12
 
 
+@pytest.mark.slow
 def test_gpt_small_is_the_gpt2_124m_shape() -> None:
     spec = build_model("gpt-small", vocab_size=50257, seed=0)
     assert spec.num_params == 124_439_808  # GPT-2 124M
@@ -97,14 +99,28 @@ def _random_batch(kind: str, vocab: int, gen: torch.Generator) -> dict[str, torc
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-@pytest.mark.parametrize("name", list(MODEL_SIZES))
+_FULL_SIZE = ("t5-small", "gpt-small")  # 60M and 124M parameters: seconds to build
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _FULL_SIZE else n
+                                  for n in MODEL_SIZES])
 def test_every_size_builds_and_trains_one_step(name: str) -> None:
     vocab = 320
     spec = build_model(name, vocab_size=vocab, seed=0)
     size = MODEL_SIZES[name]
     assert spec.kind == size.kind and spec.name == name
     assert spec.model.get_input_embeddings().weight.shape[0] == vocab
-    assert spec.num_params == sum(p.numel() for p in spec.model.parameters())
+    # Counted another way: the state dict names a tied weight under each of its names; count storages.
+    tensors = spec.model.state_dict(keep_vars=True)
+    params = {t.data_ptr(): t.numel() for t in tensors.values() if isinstance(t, torch.nn.Parameter)}
+    assert spec.num_params == sum(params.values())
+    # The input embedding and the LM head are one weight (T5 also names it in encoder and decoder):
+    # listed under several names, counted once.
+    embedding = spec.model.get_input_embeddings().weight
+    assert spec.model.get_output_embeddings().weight is embedding
+    named = sum(t.numel() for t in tensors.values() if isinstance(t, torch.nn.Parameter))
+    extra = named - spec.num_params
+    assert extra > 0 and extra % embedding.numel() == 0
     blocks = transformer_blocks(spec)
     expected_blocks = (
         size.config["num_layers"] + size.config["num_decoder_layers"]
@@ -263,6 +279,7 @@ print(t.train_count, hashlib.sha256(tok.to_str().encode()).hexdigest(), start, t
 """
 
 
+@pytest.mark.multiprocess
 def test_tokenizer_cache_is_safe_for_ranks_starting_together(tmp_path: Path) -> None:
     env = dict(os.environ, LOWBAND_CACHE=str(tmp_path))
     procs = [
@@ -279,6 +296,7 @@ def test_tokenizer_cache_is_safe_for_ranks_starting_together(tmp_path: Path) -> 
     assert not list((tmp_path / "tokenizers").glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_user_tokenizer_directory(tmp_path: Path, fresh_cache: Path) -> None:
     tok = tok_mod.train_tokenizer(_corpus(), 300)
     tdir = tmp_path / "mytok"
@@ -296,6 +314,7 @@ def test_user_tokenizer_directory(tmp_path: Path, fresh_cache: Path) -> None:
 # --------------------------------------------------------------------------- default data
 
 
+@pytest.mark.slow
 def test_default_data_loads_and_splits_deterministically(wiki: data_mod.Data) -> None:
     assert wiki.kind == "seq2seq" and wiki.name == "wiki-vital-en"
     n = len(wiki.train) + len(wiki.val)
@@ -320,6 +339,7 @@ def test_default_data_loads_and_splits_deterministically(wiki: data_mod.Data) ->
     assert len(causal.train) + len(causal.val) == 10_033 and causal.train.target_ids is None
 
 
+@pytest.mark.slow
 def test_token_cache_on_disk_matches_fresh_encoding(wiki: data_mod.Data, fresh_cache: Path) -> None:
     texts = wiki.val.source_text[:50]
     fresh = data_mod._encode(wiki.tokenizer, texts, 16, EOS_ID, use_cache=False)
@@ -335,6 +355,7 @@ def test_token_cache_on_disk_matches_fresh_encoding(wiki: data_mod.Data, fresh_c
     assert len(list((fresh_cache / "tokens").glob("*.npz"))) == 2
 
 
+@pytest.mark.slow
 def test_truncation_and_eos(wiki: data_mod.Data) -> None:
     for split in (wiki.train, wiki.val):
         assert split.target_ids is not None
@@ -347,6 +368,7 @@ def test_truncation_and_eos(wiki: data_mod.Data) -> None:
     assert wiki.val.target_text is not None and len(wiki.val.target_text) == len(wiki.val)
 
 
+@pytest.mark.slow
 def test_train_batch_is_pure_and_ranks_are_disjoint(wiki: data_mod.Data) -> None:
     world, bs = 4, 3
     per_rank = [
@@ -388,6 +410,7 @@ def test_train_batch_is_pure_and_ranks_are_disjoint(wiki: data_mod.Data) -> None
         train_batch(wiki, step=0, rank=4, world_size=4, batch_size=2, seed=0)
 
 
+@pytest.mark.slow
 def test_padding_masks_and_labels(wiki: data_mod.Data) -> None:
     b = train_batch(wiki, step=0, rank=0, world_size=1, batch_size=16, seed=0)
     ids, mask, labels = b["input_ids"], b["attention_mask"], b["labels"]
@@ -408,6 +431,7 @@ def test_padding_masks_and_labels(wiki: data_mod.Data) -> None:
     assert torch.equal(c["labels"], c["input_ids"].masked_fill(c["attention_mask"] == 0, LABEL_PAD))
 
 
+@pytest.mark.slow
 def test_val_batches_cover_validation_once(wiki: data_mod.Data) -> None:
     batches = list(val_batches(wiki, batch_size=64))
     assert len(batches) == val_batch_count(wiki, batch_size=64) == 8
@@ -421,6 +445,7 @@ def test_val_batches_cover_validation_once(wiki: data_mod.Data) -> None:
     assert torch.equal(sharded[1][0]["input_ids"], batches[1]["input_ids"])
 
 
+@pytest.mark.slow
 def test_tiny_t5_learns_on_default_data(wiki: data_mod.Data) -> None:
     torch.manual_seed(0)
     spec = build_model("t5-tiny", vocab_size=wiki.vocab_size, seed=0)

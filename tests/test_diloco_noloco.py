@@ -198,6 +198,7 @@ def _diloco_demo_like(rank: int) -> dict:
     return {"equal": equal, "kinds": kinds(traffic), "replicas": topo.replicas}
 
 
+@pytest.mark.multiprocess
 def test_diloco_outer_step_numerics_fsdp2_and_heavy_ball_equivalence():
     results = run_ranks(_diloco_2x2, world_size=4, ranks_per_node=2, timeout_s=120)
     for rank, r in enumerate(results):
@@ -220,6 +221,7 @@ def test_diloco_outer_step_numerics_fsdp2_and_heavy_ball_equivalence():
         assert r["nan_sent_finite"] == [True], r["nan_sent_finite"]  # zeros and the flag, never NaN
 
 
+@pytest.mark.multiprocess
 def test_diloco_demo_like_every_rank_a_replica():
     results = run_ranks(_diloco_demo_like, world_size=4, ranks_per_node=2, timeout_s=120)
     for r in results:
@@ -313,6 +315,7 @@ def _noloco_r4(rank: int, ckpt_dir: str) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_noloco_groups_traffic_gamma_checkpoint_and_nan_with_four_replicas(tmp_path):
     results = run_ranks(_noloco_r4, world_size=4, ranks_per_node=2, args=(str(tmp_path),), timeout_s=150)
     groups = results[0]["groups"]
@@ -378,6 +381,7 @@ def _checkpoint_2x2(rank: int, ckpt_dir: str) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_mid_phase_resumes_exactly_with_fsdp2(tmp_path):
     results = run_ranks(_checkpoint_2x2, world_size=4, ranks_per_node=2, args=(str(tmp_path),), timeout_s=150)
     for rank, r in enumerate(results):
@@ -408,6 +412,7 @@ def _odd_replicas(rank: int) -> dict:
             "vs_diloco": maxdiff(res["noloco"]["params"], res["diloco_hb"]["params"])}
 
 
+@pytest.mark.multiprocess
 def test_noloco_odd_replica_joins_a_group_of_three():
     results = run_ranks(_odd_replicas, world_size=3, ranks_per_node=1, timeout_s=90)
     for r in results:
@@ -434,6 +439,7 @@ def _silent_peer(rank: int) -> dict:
     return {"error": err, "elapsed_s": time.monotonic() - start, "link_timeout": opt.link.timeout_s}
 
 
+@pytest.mark.multiprocess
 def test_silent_peer_raises_peer_timeout_naming_it():
     start = time.monotonic()
     results = run_ranks(_silent_peer, world_size=2, ranks_per_node=1, timeout_s=60)

@@ -136,6 +136,7 @@ def _equivalences(rank: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_equivalences_and_bytes_on_2x2_mesh():
     results = run_ranks(_equivalences, world_size=4, ranks_per_node=2, timeout_s=240)
     for rank, r in enumerate(results):
@@ -184,6 +185,7 @@ def _demo_and_single_node(rank: int, shards: int) -> dict:
     }
 
 
+@pytest.mark.multiprocess
 def test_demo_counts_only_bytes_that_cross_nodes():
     # DeMo on 2 nodes × 2 ranks: S = 1, a replicate group of 4 with two ranks per node.
     results = run_ranks(_demo_and_single_node, world_size=4, ranks_per_node=2, args=(1,), timeout_s=120)
@@ -201,6 +203,7 @@ def test_demo_counts_only_bytes_that_cross_nodes():
     assert per_node[0] == per_node[1] > 0
 
 
+@pytest.mark.multiprocess
 def test_single_node_sends_nothing_between_nodes():
     # R = 1: one node of 4 ranks sharding one copy; nothing crosses nodes.
     results = run_ranks(_demo_and_single_node, world_size=4, ranks_per_node=4, args=(None,), timeout_s=120)
@@ -254,6 +257,7 @@ def _checkpoint_resume(rank: int, ckpt_dir: str) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_resume_follows_the_uninterrupted_trajectory(tmp_path):
     results = run_ranks(_checkpoint_resume, world_size=4, ranks_per_node=2, args=(str(tmp_path),), timeout_s=240)
     for r in results:
@@ -300,6 +304,7 @@ def _nonfinite(rank: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_nonfinite_gradient_is_refused_everywhere_and_never_sent():
     results = run_ranks(_nonfinite, world_size=4, ranks_per_node=2, timeout_s=120)
     for r in results:
@@ -322,6 +327,7 @@ def _unsharded_param(rank: int) -> str:
     return "no error"
 
 
+@pytest.mark.multiprocess
 def test_unsharded_parameter_with_shards_is_a_clear_error():
     results = run_ranks(_unsharded_param, world_size=4, ranks_per_node=2, timeout_s=60)
     for msg in results:
@@ -336,6 +342,7 @@ def _launch_mismatch(rank: int) -> str:
     return "no error"
 
 
+@pytest.mark.multiprocess
 def test_topology_that_does_not_match_the_launch():
     msgs = run_ranks(_launch_mismatch, world_size=2, ranks_per_node=2, timeout_s=60)
     assert all("6 ranks" in m and "world size 2" in m for m in msgs)
@@ -397,3 +404,74 @@ def test_blockwise_transform_equals_one_block(monkeypatch, values):
     one_block, many_blocks = run(1 << 20), run(16)  # 481-element weight: 31 blocks of 2 chunks + a tail
     for a, b in zip(one_block, many_blocks, strict=True):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- decode: true mean
+# Two replicas, one chunk of 4, top-2, fp32 values, sign off, decay 0: the momentum is lr·g, so a
+# gradient g = IDCT(X)/lr makes a replica send exactly the DCT coefficients X. Replica 0 picks
+# positions {0, 1} with values {1, 1}, replica 1 picks {1, 2} with {3, 5} (overlap at 1). The step
+# must apply the mean over both replicas, [0.5, 2, 2.5, 0]; DeToNATION's mean over the replicas
+# that picked each coefficient would apply [1, 2, 5, 0].
+_PICKS = (torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([0.0, 3.0, 5.0, 0.0]))
+_TRUE_MEAN = torch.tensor([0.5, 2.0, 2.5, 0.0])
+_PICKERS_MEAN = torch.tensor([1.0, 2.0, 5.0, 0.0])
+
+
+def _overlapping_picks_step(replica: int, link) -> tuple[torch.Tensor, torch.Tensor]:
+    """One FlexDeMo step on a 4-element parameter whose momentum's DCT is _PICKS[replica]; (x before, after)."""
+    from lowband.compress import idct
+
+    x = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 4, dtype=torch.float64))
+    before = x.detach().clone()
+    opt = FlexDeMo([x], lr=LR, topk=2, chunk=4, decay=0.0, sign=False, values="fp32", link=link)
+    x.grad = idct(_PICKS[replica].to(torch.float64).view(1, 4)).view(4) / LR
+    opt.step()
+    return before, x.detach().clone()
+
+
+def _expected_after(before: torch.Tensor, coeffs: torch.Tensor) -> torch.Tensor:
+    from lowband.compress import idct
+
+    return before - LR * idct(coeffs.to(torch.float64).view(1, 4)).view(4)
+
+
+def _true_mean_on_two_replicas(rank: int) -> tuple[list[float], list[float]]:
+    before, after = _overlapping_picks_step(rank, Link(Topology.from_env()))
+    return before.tolist(), after.tolist()  # plain lists: tensors would travel through shared memory
+
+
+@pytest.mark.multiprocess
+def test_flexdemo_applies_the_true_mean_over_replicas_not_the_mean_over_pickers():
+    results = run_ranks(_true_mean_on_two_replicas, world_size=2, ranks_per_node=1, timeout_s=60)
+    results = [(torch.tensor(b, dtype=torch.float64), torch.tensor(a, dtype=torch.float64)) for b, a in results]
+    for before, after in results:
+        torch.testing.assert_close(after, _expected_after(before, _TRUE_MEAN), rtol=0, atol=1e-6)  # fp32 transform
+        assert not torch.allclose(after, _expected_after(before, _PICKERS_MEAN), atol=1e-3)
+    assert torch.equal(results[0][1], results[1][1])  # both replicas took the same step
+
+
+class _TwoReplicaLink:
+    """A link stand-in for one process: replica 0's all-gather returns its message and replica 1's."""
+
+    group_size = 2
+
+    def __init__(self, peer_message: torch.Tensor) -> None:
+        from types import SimpleNamespace
+
+        self.topology = SimpleNamespace(shards=1, world_size=2, replicas=2)
+        self.peer_message = peer_message
+
+    def all_reduce(self, tensor, *, op="avg"):  # the non-finite flag: nobody is non-finite
+        return tensor
+
+    def all_gather(self, tensor):
+        return torch.stack([tensor, self.peer_message])
+
+
+def test_flexdemo_decode_is_the_true_mean_with_a_stand_in_link():
+    # The same check without processes: replica 1's message is built with the wire format.
+    wire = WireFormat(4, 2, "fp32")
+    peer = wire.pack(torch.tensor([[1, 2]]), torch.tensor([[3.0, 5.0]]))
+    before, after = _overlapping_picks_step(0, _TwoReplicaLink(peer))
+    torch.testing.assert_close(after, _expected_after(before, _TRUE_MEAN), rtol=0, atol=1e-6)  # fp32 transform
+    assert not torch.allclose(after, _expected_after(before, _PICKERS_MEAN), atol=1e-3)

@@ -63,6 +63,7 @@ def _shaped(rank: int) -> dict:
             "ex": (ex.group_size, ex.inter_node_bytes_sent, recv[0][0].item())}
 
 
+@pytest.mark.multiprocess
 def test_shaping_makes_operations_take_the_link_time():
     results = run_ranks(_shaped, world_size=4, ranks_per_node=2, timeout_s=60)
     for rank, r in enumerate(results):
@@ -103,6 +104,7 @@ def _vanishing_peer(rank: int) -> str:
     return "no error"
 
 
+@pytest.mark.multiprocess
 def test_a_vanished_peer_is_a_clear_error_naming_the_group():
     results = run_ranks(_vanishing_peer, world_size=4, ranks_per_node=2, timeout_s=120)
     msg = results[1]

@@ -39,6 +39,7 @@ def _t5_grads(rank: int, cache: str) -> dict:
     return {"node": node, "all_dtensor": all_dtensor, "local": local_numel, "full": full_numel, "diff": diff}
 
 
+@pytest.mark.multiprocess
 def test_sharded_t5_gradients_equal_the_unsharded_mean_and_stay_sharded(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("cache"))
     results = run_ranks(_t5_grads, world_size=4, ranks_per_node=2, args=(cache,), timeout_s=180)

@@ -82,6 +82,7 @@ def test_tree_rounds_send_every_non_root_once(n: int) -> None:
         assert rounds == [n // 2**r for r in range(1, len(rounds) + 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sigma", [0.0, 0.5])
 def test_ratio_grows_with_replicas(sigma: float) -> None:
     rows = sweep(default_replica_counts(1024), _model(sigma, samples=400))
@@ -115,6 +116,7 @@ def _lognormal_max_quadrature(k: int, sigma: float) -> float:
     return float(np.trapezoid(1 - cdf**k, x))
 
 
+@pytest.mark.slow
 def test_slowest_of_k_grows_with_k_and_matches_quadrature() -> None:
     ks = [1, 2, 4, 16, 64, 256, 1024]
     values = [expected_max_factor(k, sigma=0.5, samples=4000, seed=0) for k in ks]
@@ -126,6 +128,7 @@ def test_slowest_of_k_grows_with_k_and_matches_quadrature() -> None:
     assert expected_max_factor(1024, sigma=0.0, samples=10, seed=0) == 1.0
 
 
+@pytest.mark.slow
 def test_no_barrier_never_slower_than_barrier() -> None:
     for n in (2, 8, 64, 256):
         r = simulate(n, _model(0.5, samples=500))
@@ -133,6 +136,7 @@ def test_no_barrier_never_slower_than_barrier() -> None:
         assert r.tree_no_barrier_s < r.tree_s
 
 
+@pytest.mark.slow
 def test_monte_carlo_is_deterministic_with_a_seed() -> None:
     a = sweep([4, 64, 256], _model(0.5, samples=300, seed=7))
     b = sweep([4, 64, 256], _model(0.5, samples=300, seed=7))
@@ -189,6 +193,7 @@ def test_cli_bad_input_is_a_clear_error(argv: list[str], needle: str, tmp_path: 
     assert not (tmp_path / "out").exists()  # validated before anything runs
 
 
+@pytest.mark.slow
 def test_cli_writes_table_plot_and_json_without_measuring(tmp_path: Path, capsys) -> None:
     out = tmp_path / "sim"
     rc = cli_main(["simulate", "--no-measure", "--out", str(out), "--max-replicas", "64", "--replicas", "100",
@@ -214,6 +219,7 @@ def _worker_on_rank(rank: int) -> dict:
     return measure(size_bytes=4096, reps=2, group_size=2, seed=0, probes=3)
 
 
+@pytest.mark.multiprocess
 def test_worker_times_both_operations_through_the_link() -> None:
     """The worker's code on 4 forked gloo ranks (loopback, unshaped): structure and byte counts."""
     from lowband.testing import run_ranks
@@ -237,6 +243,7 @@ def _netns() -> tuple[bool, str]:
     return netns_available("lbsim")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_measured_run_at_four_replicas(tmp_path: Path, capsys) -> None:
     ok, reason = _netns()

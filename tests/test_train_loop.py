@@ -25,6 +25,7 @@ def _train(rank: int, out: str, cache: str, method: str) -> dict:
     return {"straight": straight, "resumed": resumed}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("method", ["flexdemo", "noloco"])
 def test_training_writes_its_outputs_and_resumes_exactly(tmp_path, tmp_path_factory, method):
     cache = str(tmp_path_factory.getbasetemp() / "lowband-cache")

@@ -1,0 +1,41 @@
+"""Two layers of tests: fast unit tests, and ``multiprocess`` tests that start processes.
+
+``pytest -m "not multiprocess and not slow"`` runs the unit layer (no process, no namespace;
+under a minute); ``slow`` marks single-process tests that take seconds each (the whole embedded
+corpus, full-size models); ``pytest -m multiprocess`` runs gloo ranks, torchrun launches, network
+namespaces and the bench end to end. A test that starts a process must carry the marker (on the test, or
+``pytestmark`` on its module): in an unmarked test, forking or spawning fails with a message
+saying so, so the unit layer cannot silently grow slow.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+
+import pytest
+
+MARKER = "multiprocess"
+
+# platform.platform() runs `uname -p` once per process and caches it; run it here, not inside a test.
+platform.platform()
+
+
+def _refuse(what: str):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            f"this test {what}, but is not marked {MARKER!r}: add @pytest.mark.{MARKER} to it "
+            f"(or pytestmark = pytest.mark.{MARKER} to its module) so that it runs in the multi-process layer"
+        )
+
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker(MARKER) is not None:
+        return
+    monkeypatch.setattr(os, "fork", _refuse("forks a process"))
+    monkeypatch.setattr(subprocess, "_fork_exec", _refuse("starts a subprocess"))
+    monkeypatch.setattr(subprocess, "_USE_POSIX_SPAWN", False)
