@@ -27,7 +27,7 @@ from lowband.cluster import (
     netns_available,
     torchrun_argv,
 )
-from lowband.cluster._procs import is_alive
+from lowband.cluster._procs import is_alive, kill_trees
 
 PREFIX = "lbtest"
 NETNS_OK, NETNS_REASON = netns_available(PREFIX)
@@ -361,3 +361,29 @@ def test_interrupted_launch_leaves_nothing_behind(tmp_path: Path, mode: str, sig
             child.wait(timeout=10)
         if NETNS_OK:
             cleanup_leftovers(PREFIX)
+
+
+@pytest.mark.multiprocess
+def test_sigkilled_launcher_takes_its_nodes_with_it(tmp_path: Path) -> None:
+    """The bench killed outright (SIGKILL: no handler, no cleanup runs): its torchruns and their
+    workers must end too, instead of running on orphaned."""
+    _write_job(tmp_path)
+    child = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, PREFIX, "loopback", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_child_env(),
+    )  # fmt: skip
+    try:
+        started = _wait_until(lambda: len(list(tmp_path.glob("started-*"))) == 4, 60.0)
+        assert started, "the hanging job never started all 4 ranks"
+        assert len(_processes_mentioning(str(tmp_path))) >= 6  # 2 torchruns and 4 workers
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+        gone = _wait_until(lambda: _processes_mentioning(str(tmp_path)) == [], 45.0)
+        assert gone, f"processes outlived the SIGKILLed launcher: {_processes_mentioning(str(tmp_path))}"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+        orphans = _processes_mentioning(str(tmp_path))
+        if orphans:
+            kill_trees(orphans, grace_s=1.0)

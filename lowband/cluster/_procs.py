@@ -1,16 +1,24 @@
-"""Process-tree helpers: find every descendant of a process and stop them all.
+"""Process-tree helpers: find every descendant of a process and stop them all; children that die with us.
 
 torchrun starts its workers with ``start_new_session=True``, so killing the agent's process
 group does not reach them; these helpers walk ``/proc`` instead and signal the whole tree.
+
+A process killed outright (SIGKILL, the OOM killer) runs no cleanup at all. So that its children
+end with it anyway, they are started with :func:`die_with_parent` as ``preexec_fn``: the kernel
+then sends them SIGTERM when their parent dies (Linux ``PR_SET_PDEATHSIG``), and torchrun's
+agent, on SIGTERM, stops its own workers.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import signal
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -147,3 +155,31 @@ class ProcessTracker:
             log.warning("stopping %d process(es) left behind by the launch: %s", len(alive), alive)
             kill_trees(alive, grace_s=grace_s)
         return alive
+
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for :class:`subprocess.Popen`: the child gets ``signum`` when this process dies.
+
+    However this process ends (SIGKILL and OOM kills included), the kernel signals the child
+    (``prctl(PR_SET_PDEATHSIG)``, kept across ``exec``). If this process died between the fork and
+    the ``prctl``, the child signals itself. Linux only: elsewhere returns None (no ``preexec_fn``).
+
+    The signal is tied to the *thread* that starts the child: start children from a thread that
+    lives as long as they should (the main thread, as ``launch_nodes`` does).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    prctl = libc.prctl  # resolved here: the child, between fork and exec, should do as little as it can
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the parent is already gone
+            os.kill(os.getpid(), signum)
+
+    return preexec

@@ -8,7 +8,9 @@ the environment that makes the library shape traffic in-process.
 
 Every torchrun gets its own session; on a timeout, a failed node, Ctrl-C or SIGTERM the whole
 process tree of every node (torchrun puts each worker in a session of its own too) is sent
-SIGTERM, then SIGKILL after a grace period, so that no process outlives the launch.
+SIGTERM, then SIGKILL after a grace period, so that no process outlives the launch. If this
+process is killed outright (SIGKILL, OOM), the kernel sends every torchrun SIGTERM
+(:func:`~lowband.cluster._procs.die_with_parent`), and torchrun stops its workers.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lowband.cluster._procs import ProcessTracker, kill_trees
+from lowband.cluster._procs import ProcessTracker, die_with_parent, kill_trees
 from lowband.cluster.netns import EmulatedNetwork
 
 log = logging.getLogger(__name__)
@@ -273,6 +275,7 @@ def _run_nodes(
                         stdin=subprocess.DEVNULL,
                         env=node_env,
                         start_new_session=True,
+                        preexec_fn=die_with_parent(),  # SIGTERM to torchrun if we die, however we die
                     )
                 )
         log.info(

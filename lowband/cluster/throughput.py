@@ -112,7 +112,11 @@ def measure_throughput(
     dst = net.node(dst_node)
     serve_argv = net.exec_argv(dst_node, [python, "-I", script, "--serve", "--bind", dst.ip,
                                           "--seconds", str(seconds), "--warmup-s", str(warmup)])  # fmt: skip
-    server = subprocess.Popen(serve_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Imported here: run as a script (--serve / --send), this file needs the standard library only.
+    from lowband.cluster._procs import die_with_parent
+
+    server = subprocess.Popen(serve_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=die_with_parent())
     try:
         assert server.stdout is not None
         ready, _, _ = select.select([server.stdout], [], [], 20.0)
@@ -124,7 +128,8 @@ def measure_throughput(
         port = json.loads(line)["port"]
         send_argv = net.exec_argv(src_node, [python, "-I", script, "--send", "--dst", dst.ip,
                                              "--port", str(port), "--seconds", str(seconds)])  # fmt: skip
-        sender = subprocess.run(send_argv, capture_output=True, text=True, timeout=timeout_s)
+        sender = subprocess.run(send_argv, capture_output=True, text=True, timeout=timeout_s,
+                                preexec_fn=die_with_parent())
         if sender.returncode != 0:
             raise RuntimeError(
                 f"throughput sender {src_node}->{dst_node} failed ({sender.returncode}): {sender.stderr.strip()}"
