@@ -22,12 +22,8 @@ Both ``main`` functions return the process exit status: 0 ok, 1 some run failed,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import signal
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 from lowband.bench.config import (
@@ -48,6 +44,7 @@ from lowband.bench.config import (
     plan_runs,
 )
 from lowband.bench.methods import METHODS, BenchMethod, accepted_params, parse_method_list, parse_method_spec
+from lowband.cluster import signals_as_exit
 
 __all__ = [
     "DESCRIPTION",
@@ -192,27 +189,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
-@contextlib.contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """Turn SIGTERM into SystemExit(143) while the bench runs, so that the launcher's cleanup runs.
-
-    Nodes run in sessions of their own: killed by the default SIGTERM action, the bench would
-    leave them running.
-    """
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        yield
-        return
-
-    def _raise(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, _raise)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def main(args: argparse.Namespace) -> int:
     """``lowband bench``: validate everything, run every method, write results, report and plots.
 
@@ -243,7 +219,7 @@ def main(args: argparse.Namespace) -> int:
         file=sys.stderr, flush=True,
     )  # fmt: skip
     try:
-        with _sigterm_as_exit():
+        with signals_as_exit():  # nodes run in sessions of their own: cleanup must run
             results = run_bench(
                 config, out_dir, mode=mode, reason=reason, command=list(sys.argv), progress=not args.no_progress
             )

@@ -15,6 +15,7 @@ Typical use (as root)::
 Without root, pass ``net=None`` to :func:`launch_nodes`: all nodes then run on loopback.
 """
 
+from lowband.cluster._procs import die_with_parent, signals_as_exit
 from lowband.cluster.launch import LaunchResult, free_loopback_port, launch_nodes, torchrun_argv
 from lowband.cluster.netns import (
     EmulatedNetwork,
@@ -32,10 +33,12 @@ __all__ = [
     "LaunchResult",
     "cleanup_leftovers",
     "default_burst_bytes",
+    "die_with_parent",
     "free_loopback_port",
     "launch_nodes",
     "list_namespaces",
     "measure_throughput",
     "netns_available",
+    "signals_as_exit",
     "torchrun_argv",
 ]

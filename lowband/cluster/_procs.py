@@ -7,6 +7,10 @@ A process killed outright (SIGKILL, the OOM killer) runs no cleanup at all. So t
 end with it anyway, they are started with :func:`die_with_parent` as ``preexec_fn``: the kernel
 then sends them SIGTERM when their parent dies (Linux ``PR_SET_PDEATHSIG``), and torchrun's
 agent, on SIGTERM, stops its own workers.
+
+:func:`signals_as_exit` is the one place where SIGTERM and SIGHUP become an exception
+(``SystemExit``), so that ``finally`` blocks and ``with`` blocks (the launcher's, an emulated
+network's, the bench's) run their cleanup on the way out.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
@@ -183,3 +189,53 @@ def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
             os.kill(os.getpid(), signum)
 
     return preexec
+
+
+#: The signals that end a run: turned into SystemExit(128 + signum) while cleanup is pending.
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_exit_lock = threading.Lock()
+_exit_holders = [0]
+_exit_installed: dict[int, object] = {}  # signum -> the handler it had before
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def hold_signals_as_exit() -> None:
+    """Start turning :data:`EXIT_SIGNALS` into ``SystemExit(128 + signum)``; pair with :func:`release_signals_as_exit`.
+
+    Holders are counted: the handlers go in with the first and come out with the last, whatever
+    the order of release. Only signals at their default action are changed (a caller's own
+    handler, or SIG_IGN under nohup, stays), and only from the main thread (the only one Python
+    lets install handlers); elsewhere this only counts.
+    """
+    with _exit_lock:
+        _exit_holders[0] += 1
+        if _exit_holders[0] > 1 or threading.current_thread() is not threading.main_thread():
+            return
+        for signum in EXIT_SIGNALS:
+            if signal.getsignal(signum) == signal.SIG_DFL:
+                _exit_installed[signum] = signal.signal(signum, _raise_system_exit)
+
+
+def release_signals_as_exit() -> None:
+    """End one :func:`hold_signals_as_exit`; the last one restores the handlers it replaced."""
+    with _exit_lock:
+        _exit_holders[0] = max(0, _exit_holders[0] - 1)
+        if _exit_holders[0] or threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in list(_exit_installed.items()):
+            if signal.getsignal(signum) is _raise_system_exit:
+                signal.signal(signum, previous)  # type: ignore[arg-type]
+            del _exit_installed[signum]
+
+
+@contextmanager
+def signals_as_exit() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise ``SystemExit(128 + signum)`` inside the block (see :func:`hold_signals_as_exit`)."""
+    hold_signals_as_exit()
+    try:
+        yield
+    finally:
+        release_signals_as_exit()

@@ -21,14 +21,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lowband.cluster._procs import ProcessTracker, die_with_parent, kill_trees
+from lowband.cluster._procs import ProcessTracker, die_with_parent, kill_trees, signals_as_exit
 from lowband.cluster.netns import EmulatedNetwork
 
 log = logging.getLogger(__name__)
@@ -99,30 +97,6 @@ def _tail(path: Path) -> str:
     except OSError:
         return ""
     return "\n".join(data.splitlines()[-_TAIL_LINES:])
-
-
-def _raise_system_exit(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
-@contextmanager
-def _terminate_via_exception() -> Iterator[None]:
-    """While nodes run, make SIGTERM/SIGHUP raise SystemExit instead of killing this process.
-
-    Only signals left at their default action are changed (an EmulatedNetwork's handlers, a
-    caller's own, or SIG_IGN under nohup stay as they are), so the launcher's cleanup runs and
-    no torchrun outlives it.
-    """
-    changed: dict[int, object] = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(signum) == signal.SIG_DFL:
-                changed[signum] = signal.signal(signum, _raise_system_exit)
-    try:
-        yield
-    finally:
-        for signum, previous in changed.items():
-            signal.signal(signum, previous)  # type: ignore[arg-type]
 
 
 def torchrun_argv(
@@ -218,7 +192,7 @@ def launch_nodes(
     base_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     base_env.update(env)
 
-    with _terminate_via_exception():
+    with signals_as_exit():
         return _run_nodes(
             num_nodes=num_nodes, ranks_per_node=ranks_per_node, module_args=module_args, module=module,
             script=script, net=net, base_env=base_env, master_addr=master_addr, master_port=master_port,

@@ -30,9 +30,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import TracebackType
 
-from lowband.cluster._procs import is_alive, kill_pids
+from lowband.cluster._procs import hold_signals_as_exit, is_alive, kill_pids, release_signals_as_exit
 
 log = logging.getLogger(__name__)
 
@@ -174,12 +174,12 @@ def cleanup_leftovers(prefix: str = "lb") -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Process-wide cleanup: atexit and signal handlers close every live network of this process.
+# Process-wide cleanup: every live network of this process is closed at exit, and SIGTERM/SIGHUP
+# raise SystemExit (lowband.cluster._procs.signals_as_exit) so that it gets there; Ctrl-C is a
+# KeyboardInterrupt already.
 
 _LIVE: set[EmulatedNetwork] = set()
 _LIVE_LOCK = threading.RLock()
-_PREVIOUS_HANDLERS: dict[int, object] = {}
-_HANDLERS_INSTALLED = [False]
 _ATEXIT_REGISTERED = False
 
 
@@ -193,45 +193,13 @@ def _close_all_live() -> None:
             log.exception("cleaning up emulated network %s failed", net.name)
 
 
-def _on_signal(signum: int, frame: FrameType | None) -> None:
-    """Tear down every live network, then behave as the signal's previous handler would."""
-    previous = _PREVIOUS_HANDLERS.get(signum, signal.SIG_DFL)  # read first: close() restores them
-    log.warning("signal %d: tearing down emulated networks", signum)
-    _close_all_live()
-    if callable(previous):
-        previous(signum, frame)
-    elif previous == signal.SIG_IGN:
-        return
-    elif signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    else:
-        raise SystemExit(128 + signum)
-
-
 def _install_handlers() -> None:
+    """While a network is live: atexit closes it, and SIGTERM/SIGHUP unwind (``with`` blocks close it)."""
     global _ATEXIT_REGISTERED
     if not _ATEXIT_REGISTERED:
         atexit.register(_close_all_live)
         _ATEXIT_REGISTERED = True
-    if threading.current_thread() is not threading.main_thread() or _HANDLERS_INSTALLED[0]:
-        return
-    _HANDLERS_INSTALLED[0] = True
-    for signum in _HANDLED_SIGNALS:
-        previous = signal.getsignal(signum)
-        if previous == signal.SIG_IGN:
-            continue  # e.g. SIGHUP under nohup, SIGINT in a background job: keep ignoring it
-        _PREVIOUS_HANDLERS[signum] = previous
-        signal.signal(signum, _on_signal)
-
-
-def _restore_handlers() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for signum, previous in list(_PREVIOUS_HANDLERS.items()):
-        if signal.getsignal(signum) is _on_signal:
-            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)  # type: ignore[arg-type]
-        del _PREVIOUS_HANDLERS[signum]
-    _HANDLERS_INSTALLED[0] = False
+    hold_signals_as_exit()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,6 +267,7 @@ class EmulatedNetwork:
         self._created: list[str] = []
         self._started = False
         self._closed = False
+        self._holds_signals = False
         self._next_port = 29500
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -335,6 +304,7 @@ class EmulatedNetwork:
         with _LIVE_LOCK:
             _LIVE.add(self)
         _install_handlers()
+        self._holds_signals = True
         t0 = time.perf_counter()
         try:
             self._build()
@@ -426,8 +396,9 @@ class EmulatedNetwork:
             log.info("emulated network %s torn down in %.2f s", self.name, self.teardown_s)
             with _LIVE_LOCK:
                 _LIVE.discard(self)
-                if not _LIVE:
-                    _restore_handlers()
+            if self._holds_signals:
+                self._holds_signals = False
+                release_signals_as_exit()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
