@@ -28,6 +28,7 @@ from lowband.bench.methods import (
     train_hp_args,
 )
 from lowband.link import parse_bandwidth
+from lowband.util import parse_duration
 
 __all__ = [
     "DEFAULT_BANDWIDTHS",
@@ -120,28 +121,6 @@ QUALITY_PRESET = Preset(
     why="provisional",
 )
 PRESETS: dict[str, Preset] = {p.name: p for p in (QUALITY_PRESET,)}
-
-_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
-
-
-def parse_duration(text: str | float | int) -> float:
-    """Parse ``"20ms"``, ``"0.02"``, ``"0.02s"``, ``"500us"`` into seconds (>= 0)."""
-    if isinstance(text, int | float):
-        value = float(text)
-    else:
-        s = text.strip().lower()
-        m = re.fullmatch(r"([0-9.eE+-]+)\s*(s|ms|us)?", s)
-        if m is None:
-            raise ValueError(
-                f"cannot parse duration {text!r}: give seconds or a number with a unit, e.g. 0.02, 20ms, 500us"
-            )
-        try:
-            value = float(m.group(1)) * _DURATION_UNITS[m.group(2) or ""]
-        except ValueError:
-            raise ValueError(f"cannot parse duration {text!r}: {m.group(1)!r} is not a number") from None
-    if not value >= 0:
-        raise ValueError(f"a latency must be >= 0 s, got {text!r}")
-    return value
 
 
 def format_bandwidth(bandwidth_bps: float) -> str:

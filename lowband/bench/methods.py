@@ -30,6 +30,7 @@ from typing import Any
 
 from lowband.train.cli import HP_FLAGS
 from lowband.train.methods import METHODS
+from lowband.util import parse_bool
 
 __all__ = [
     "DISPLAY_NAMES",
@@ -69,10 +70,6 @@ _MINIMUM: dict[str, tuple[float, bool]] = {  # name -> (minimum, exclusive)
 }  # fmt: skip
 _BELOW_ONE = ("decay", "beta1", "beta2")
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
 def format_value(value: Any) -> str:
     """A value as it is written in a spec or on a command line (floats round-trip exactly: repr)."""
     if isinstance(value, bool):
@@ -96,11 +93,10 @@ def _parse_value(method: str, key: str, kind: type, text: str) -> Any:
     where = f"{method}:{key}={text}"
     raw = text.strip()
     if kind is bool:
-        if raw.lower() in _TRUE:
-            return True
-        if raw.lower() in _FALSE:
-            return False
-        raise ValueError(f"{where}: {key} is a yes/no setting; use true or false")
+        try:
+            return parse_bool(raw)
+        except ValueError:
+            raise ValueError(f"{where}: {key} is a yes/no setting; use true or false") from None
     if kind in (int, float):
         try:
             value: Any = kind(raw)

@@ -128,6 +128,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from lowband.util import atomic_path
+
 __all__ = [
     "RESULTS_FILE",
     "SCHEMA_VERSION",
@@ -358,9 +360,8 @@ def _strict_json(value: Any) -> Any:
 def write_results(out_dir: Path, results: Mapping[str, Any]) -> Path:
     """Write ``results.json`` atomically (a crash never leaves half a file); NaN becomes null."""
     path = Path(out_dir) / RESULTS_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_strict_json(results), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(_strict_json(results), indent=2, allow_nan=False) + "\n")
     return path
 
 

@@ -18,6 +18,7 @@ A single process (``link=None``) or a single replica (R = 1) takes the same path
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -44,7 +45,7 @@ from lowband.optim._common import (
     state_view,
 )
 
-__all__ = ["DiLoCo", "NoLoCo", "noloco_groups", "warmup_cosine"]
+__all__ = ["DiLoCo", "NoLoCo", "noloco_groups", "warmup_cosine", "warmup_cosine_factor"]
 
 log = logging.getLogger(__name__)
 
@@ -704,10 +705,13 @@ def warmup_cosine(optimizer: Optimizer, *, warmup_steps: int, total_steps: int, 
     if not 0.0 <= min_ratio <= 1.0:
         raise ValueError(f"min_ratio must be in [0, 1], got {min_ratio}")
 
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        t = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
+    return LambdaLR(optimizer, functools.partial(warmup_cosine_factor, warmup_steps=warmup_steps,
+                                                 total_steps=total_steps, min_ratio=min_ratio))
 
-    return LambdaLR(optimizer, factor)
+
+def warmup_cosine_factor(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """The lr factor of :func:`warmup_cosine` at ``step``; ``min_ratio=1`` gives warm-up, then constant."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))

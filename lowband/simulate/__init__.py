@@ -59,6 +59,7 @@ from typing import Any
 from lowband.link import parse_bandwidth
 from lowband.simulate.measure import MeasureSpec
 from lowband.simulate.model import MAX_REPLICAS, SyncModel, closed_form, default_replica_counts, sweep
+from lowband.util import parse_duration
 
 __all__ = ["add_arguments", "main", "parse_count", "parse_duration", "parse_size", "run"]
 
@@ -70,7 +71,6 @@ SENSITIVITY_SIGMAS = (0.0, 0.25, 0.5, 1.0)
 ERROR_TARGET = 0.25
 DEFAULT_OUT = Path("runs/simulate")
 
-_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _COUNT_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
 
@@ -80,20 +80,6 @@ def _split_number(text: str, what: str, example: str) -> tuple[float, str]:
     if m is None:
         raise ValueError(f"cannot parse {what} {text!r}: give a number with an optional unit, e.g. {example}")
     return float(m.group(1)), m.group(2).lower()
-
-
-def parse_duration(text: str | float) -> float:
-    """``"50ms"``, ``"0.05"``, ``"0.05s"``, ``"500us"`` -> seconds (>= 0)."""
-    if isinstance(text, int | float):
-        value = float(text)
-    else:
-        value, unit = _split_number(text, "latency", "50ms, 0.05s, 500us")
-        if unit not in _DURATION_UNITS:
-            raise ValueError(f"cannot parse latency {text!r}: units are s, ms, us (a bare number is seconds)")
-        value *= _DURATION_UNITS[unit]
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"latency must be >= 0 s, got {text!r}")
-    return value
 
 
 def parse_size(text: str | int) -> int:

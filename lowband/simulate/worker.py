@@ -38,6 +38,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from lowband.util import atomic_path
+
 __all__ = ["main", "measure"]
 
 log = logging.getLogger(__name__)
@@ -167,9 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.gather_object(record, gathered, dst=0)
         if dist.get_rank() == 0:
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = args.out.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"ranks": gathered}, indent=1))
-            tmp.replace(args.out)
+            with atomic_path(args.out) as tmp:
+                tmp.write_text(json.dumps({"ranks": gathered}, indent=1))
             log.info("wrote %s", args.out)
     finally:
         dist.destroy_process_group()

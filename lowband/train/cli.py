@@ -8,6 +8,7 @@ import logging
 
 from lowband.train.loop import TrainConfig, run_training
 from lowband.train.methods import METHODS
+from lowband.util import parse_bool
 
 __all__ = ["add_arguments", "main", "config_from_args", "HP_FLAGS"]
 
@@ -20,15 +21,6 @@ HP_FLAGS = {
 }
 
 
-def _bool(text: str) -> bool:
-    t = text.lower()
-    if t in ("1", "true", "yes", "on"):
-        return True
-    if t in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     p.add_argument("--method", default=d.method, choices=list(METHODS),
@@ -39,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--topk", type=int, help="DeMo/FlexDeMo: DCT coefficients kept per chunk")
     g.add_argument("--chunk", type=int, help="DeMo/FlexDeMo: DCT chunk size")
     g.add_argument("--decay", type=float, help="DeMo/FlexDeMo: momentum decay beta")
-    g.add_argument("--sign", type=_bool, help="DeMo/FlexDeMo/Deto-Full: step with sign() (true/false)")
+    g.add_argument("--sign", type=parse_bool, help="DeMo/FlexDeMo/Deto-Full: step with sign() (true/false)")
     g.add_argument("--values", choices=["bf16", "fp32", "sign"], help="DeMo/FlexDeMo: wire format of values")
     g.add_argument("--sync-every", type=int, help="DiLoCo/NoLoCo: inner steps H between outer steps")
     g.add_argument("--outer-lr", type=float, help="DiLoCo: outer learning rate (NoLoCo: --beta)")

@@ -26,7 +26,6 @@ import importlib.util
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from lowband.train.tokenizer import (
     special_ids,
     texts_fingerprint,
 )
+from lowband.util import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -377,18 +377,12 @@ def _encode(
     if flat is None:
         flat, offsets = _encode_now(tokenizer, texts, max_len, eos)
         if target is not None:
-            tmp = None
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".tmp")
-                with os.fdopen(fd, "wb") as f:
+                with atomic_path(target) as tmp, open(tmp, "wb") as f:  # a reader never sees a partial file
                     np.savez(f, flat=flat, offsets=offsets)
-                os.replace(tmp, target)  # atomic: a reader never sees a partial file
             except OSError as exc:  # a read-only cache only costs time
                 logger.warning("could not cache tokens at %s: %s", target, exc)
-            finally:
-                if tmp is not None and os.path.exists(tmp):
-                    os.unlink(tmp)
     flat.setflags(write=False)
     return [flat[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
 

@@ -24,6 +24,7 @@ trained on (source and target); the bench sums it over ranks.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from lowband.link import Link
+from lowband.optim.local_sgd import warmup_cosine_factor
 from lowband.topology import Topology
 from lowband.train.methods import METHODS, build_optimizer, check_hyperparameters, method_shards
 
@@ -159,16 +161,9 @@ def _peak_rss_mb() -> float:
 
 def lr_lambda(cfg: TrainConfig):
     """Multiplier of the base lr at each step: constant, or linear warm-up then cosine decay."""
-    def f(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
-            return 1.0
-        span = max(1, cfg.steps - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / span)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
+    min_ratio = 1.0 if cfg.schedule == "constant" else cfg.min_lr_ratio  # 1: no decay
+    return functools.partial(warmup_cosine_factor, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
+                             min_ratio=min_ratio)
 
 
 @torch.no_grad()

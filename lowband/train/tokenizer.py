@@ -19,13 +19,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from lowband.util import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -238,14 +239,8 @@ def _cached_train(texts: Sequence[str], vocab_size: int, kind: str, cache_dir: P
         if target.is_file():
             return Tokenizer.from_file(str(target))
         tok = train_tokenizer(texts, vocab_size, kind=kind)
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=target.name, suffix=".tmp")
-        os.close(fd)
-        try:
-            tok.save(tmp)
-            os.replace(tmp, target)  # atomic: readers without the lock never see a partial file
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with atomic_path(target) as tmp:  # readers without the lock never see a partial file
+            tok.save(str(tmp))
         logger.info("cached tokenizer at %s", target)
     return tok
 
