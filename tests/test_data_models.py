@@ -266,15 +266,16 @@ def test_tokenizer_training_is_deterministic_and_unigram_works(fresh_cache: Path
     assert [uni.id_to_token(i) for i in range(3)] == ["<pad>", "</s>", "<unk>"]
     with pytest.raises(ValueError, match="bpe, unigram"):
         get_tokenizer(texts, 300, kind="wordpiece")
-    with pytest.raises(ValueError, match="neither"):
+    with pytest.raises(ValueError, match="not an existing tokenizer.json"):
         get_tokenizer("no/such/tokenizer", 300)
 
 
 _RACE = """
 import hashlib, sys, time
 from lowband.train import tokenizer as t
+from lowband.train.data import default_corpus_texts
 start = time.time()
-tok = t.get_tokenizer(t.DEFAULT_DATASET_ID, 300)  # ~1 s of training: long enough to overlap
+tok = t.get_tokenizer(default_corpus_texts(), 300)  # ~1 s of training: long enough to overlap
 print(t.train_count, hashlib.sha256(tok.to_str().encode()).hexdigest(), start, time.time())
 """
 

@@ -70,6 +70,7 @@ _MINIMUM: dict[str, tuple[float, bool]] = {  # name -> (minimum, exclusive)
 }  # fmt: skip
 _BELOW_ONE = ("decay", "beta1", "beta2")
 
+
 def format_value(value: Any) -> str:
     """A value as it is written in a spec or on a command line (floats round-trip exactly: repr)."""
     if isinstance(value, bool):

@@ -23,6 +23,7 @@ from typing import Any
 from lowband.bench import quality
 from lowband.bench.config import PRESETS, format_bandwidth
 from lowband.bench.methods import DISPLAY_NAMES, SHARD_SWEEP, column_labels
+from lowband.bench.plots import write_plots
 
 __all__ = [
     "REPORT_FILE",
@@ -484,8 +485,7 @@ def write_report(
     A plot that cannot be drawn is logged and left out; the report is written regardless.
     """
     out_dir = Path(out_dir)
-    if plot_writer is None:
-        from lowband.bench.plots import write_plots as plot_writer
+    plot_writer = plot_writer or write_plots
     try:
         plots = plot_writer(results, out_dir)
     except Exception:  # noqa: BLE001 - a broken plot must not lose the tables

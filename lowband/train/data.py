@@ -494,7 +494,7 @@ def load_data(cfg: DataConfig, *, use_cache: bool = True) -> Data:
         tokenizer = load_tokenizer(cfg.tokenizer)
     elif cfg.path is None:
         # The default corpus: one tokenizer trained on all of it, whatever the split or cap.
-        tokenizer = get_tokenizer(DEFAULT_DATASET_ID, cfg.vocab_size, kind=cfg.tokenizer_kind)
+        tokenizer = get_tokenizer(default_corpus_texts(), cfg.vocab_size, kind=cfg.tokenizer_kind)
     else:
         # A user's data: train on the training texts (sources and targets), never on validation.
         tok_texts = list(train_sources) + (list(train_targets) if train_targets is not None else [])

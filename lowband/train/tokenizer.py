@@ -257,8 +257,6 @@ def get_tokenizer(
     Args:
         source: one of
             * a sequence of texts: train on them (cached by content, vocab size and kind);
-            * ``"wiki-vital-en"`` (:data:`DEFAULT_DATASET_ID`): train on the embedded default
-              corpus, all of it (the tokenizer does not depend on the train/validation split);
             * the path of a ``tokenizer.json`` or of a directory holding one: load it as is
               (``vocab_size`` and ``kind`` are then ignored).
         vocab_size: vocabulary size of a trained tokenizer, special tokens included.
@@ -270,7 +268,7 @@ def get_tokenizer(
         use :func:`special_ids` to find them in any tokenizer.
 
     Raises:
-        ValueError: a string that is neither the default corpus id nor an existing path, an
+        ValueError: a string that is not an existing path, an
             unknown ``kind``, or a ``vocab_size`` that is too small.
         FileNotFoundError: a directory without ``tokenizer.json``.
     """
@@ -278,15 +276,12 @@ def get_tokenizer(
         raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {', '.join(TOKENIZER_KINDS)}")
     cdir = Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / "tokenizers"
     if isinstance(source, (str, os.PathLike)):
-        if str(source) == DEFAULT_DATASET_ID:
-            from lowband.train.data import default_corpus_texts  # local import: data imports us
-
-            return _cached_train(default_corpus_texts(), vocab_size, kind, cdir)
         if Path(source).expanduser().exists():
             return load_tokenizer(source)
         raise ValueError(
-            f"tokenizer source {str(source)!r} is neither the default corpus id {DEFAULT_DATASET_ID!r} "
-            "nor an existing tokenizer.json or directory holding one (nothing is downloaded)"
+            f"tokenizer source {str(source)!r} is not an existing tokenizer.json or directory holding one "
+            "(nothing is downloaded); to train on texts, pass the texts (the default corpus's: "
+            "lowband.train.data.default_corpus_texts())"
         )
     texts = list(source)
     if not all(isinstance(t, str) for t in texts):
