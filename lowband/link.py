@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -181,17 +180,6 @@ class Link:
         self._current = StepTraffic(step=0)
         self.history: list[StepTraffic] = []
         self.keep_history = True
-
-    @classmethod
-    def from_env(cls, topology: Topology, **kwargs) -> Link:
-        """Take shaping from LOWBAND_BANDWIDTH_BPS / LOWBAND_LATENCY_S (set by `lowband bench`)."""
-        bw = os.environ.get("LOWBAND_BANDWIDTH_BPS")
-        lat = os.environ.get("LOWBAND_LATENCY_S")
-        if bw:
-            kwargs.setdefault("bandwidth_bps", parse_bandwidth(bw))
-        if lat:
-            kwargs.setdefault("latency_s", float(lat))
-        return cls(topology, **kwargs)
 
     # ---------------------------------------------------------------- properties
     @property

@@ -59,7 +59,7 @@ FAKE_TRAINER = textwrap.dedent(
         shards = int(opt("--shards"))
         topk = int(opt("--topk")) if opt("--topk") else None
         chunk = int(opt("--chunk")) if opt("--chunk") else None
-        bw = float(env.get("LOWBAND_BANDWIDTH_BPS") or 1e8)
+        bw = float(opt("--link-bandwidth") or 1e8)  # shaping is named on the command line
         per_rank = {"adamw": 1e6, "deto-full": 1e6}.get(method, 3.0 * (topk or 1) * 1e6 / 128)
         per_rank = per_rank * 2 / shards  # smaller shards: more of them cross per node
         comm = per_rank * per_node * 8 / bw
@@ -234,9 +234,9 @@ def test_bad_input_is_named_before_anything_starts(
 def test_aggregation_of_rank_summaries(tmp_path: Path, fake_trainer: Path) -> None:
     fake = _load_fake(fake_trainer)
     for rank in range(4):
-        env = {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "LOWBAND_BANDWIDTH_BPS": "1e8"}
+        env = {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
         argv = ["train", "--method", "flexdemo", "--topk", "8", "--chunk", "128", "--shards", "2",
-                "--model", "m", "--steps", "6", "--out", str(tmp_path)]  # fmt: skip
+                "--model", "m", "--steps", "6", "--out", str(tmp_path), "--link-bandwidth", "1e8"]  # fmt: skip
         assert fake(argv, env) == 0
     summaries = [json.loads((tmp_path / f"summary_rank{r}.json").read_text()) for r in range(4)]
     summaries[3]["inter_node_bytes_per_step"] = 500.0  # node 1's ranks differ: per-node sums
@@ -286,6 +286,9 @@ def test_report_tables_and_plots(tmp_path: Path, fake_trainer: Path, monkeypatch
     stdout = capsys.readouterr().out
     assert "shaped in-process, not measured" in stdout and "FlexDeMo Top8" in stdout
     assert len(calls) == 14
+    # Shaping is named on every run's command line (nothing reaches the trainer through the environment).
+    assert all(c[c.index("--link-bandwidth") + 1] in ("100000000", "1000000000") for c in calls)
+    assert all(c[c.index("--link-latency") + 1] == "0" for c in calls)
     results = load_results(out)
     assert results["schema_version"] == SCHEMA_VERSION and results["emulation"]["mode"] == "shaped"
     assert results["finished"] is not None and results["interrupted"] is False and len(results["runs"]) == 14

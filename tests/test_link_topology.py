@@ -109,3 +109,18 @@ def test_a_vanished_peer_is_a_clear_error_naming_the_group():
     results = run_ranks(_vanishing_peer, world_size=4, ranks_per_node=2, timeout_s=120)
     msg = results[1]
     assert "all_gather over ranks [1, 3] failed" in msg and "node(s) [1]" in msg and "--resume auto" in msg
+
+
+def test_shaping_comes_from_arguments_never_from_the_environment(monkeypatch):
+    from lowband.cli import build_parser
+    from lowband.train.cli import config_from_args
+
+    monkeypatch.setenv("LOWBAND_BANDWIDTH_BPS", "1e6")  # what an old bench exported: ignored
+    monkeypatch.setenv("LOWBAND_LATENCY_S", "1")
+    link = Link(Topology(num_nodes=1, ranks_per_node=1))
+    assert not link.shaping and link.bandwidth_bps is None and link.latency_s == 0.0
+    cfg = config_from_args(build_parser("train").parse_args(["train", "--link-bandwidth", "100mbit",
+                                                              "--link-latency", "20ms"]))
+    assert cfg.link_bandwidth_bps == 1e8 and cfg.link_latency_s == pytest.approx(0.02)
+    cfg = config_from_args(build_parser("train").parse_args(["train"]))
+    assert cfg.link_bandwidth_bps is None and cfg.link_latency_s == 0.0

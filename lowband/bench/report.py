@@ -376,7 +376,7 @@ def emulation_lines(results: Mapping[str, Any]) -> list[str]:
     if mode == "netns":
         how = "netns: one network namespace per node, veth links limited by tbf"
     else:
-        how = "shaped: traffic shaped in-process by each rank's link (LOWBAND_BANDWIDTH_BPS)"
+        how = "shaped: traffic shaped in-process by each rank's link (lowband train --link-bandwidth)"
     lines = [f"Emulation: {how}; {nodes} nodes × {per_node} ranks. {emu.get('reason', '')}".rstrip()]
     latency = emu.get("latency_s") or 0.0
     if latency:

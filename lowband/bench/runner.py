@@ -7,7 +7,7 @@ For each bandwidth the runner builds the emulated link once and runs every metho
   links; the link's TCP throughput is measured once (:func:`~lowband.cluster.measure_throughput`)
   and each run's interface byte counters are read before and after it;
 - ``shaped`` (anywhere): all nodes on loopback, and every rank's link shapes its own traffic
-  from ``LOWBAND_BANDWIDTH_BPS`` / ``LOWBAND_LATENCY_S`` (:meth:`lowband.link.Link.from_env`).
+  as the ``--link-bandwidth`` / ``--link-latency`` flags of its command say (:func:`_shaping_args`).
 
 Each run is ``python -m lowband train ...`` on every node through
 :func:`~lowband.cluster.launch_nodes` (one torchrun per node). A run that crashes or times out is
@@ -175,6 +175,16 @@ def _entry_kwargs(entry: str) -> dict[str, Any]:
     return {"module": entry}
 
 
+def _shaping_args(plan: RunPlan, mode: str) -> list[str]:
+    """The shaping flags of a run's ``lowband train`` command: named on it, never taken from the environment.
+
+    Shaped mode: every rank's link shapes to the bandwidth. Both modes: tbf has no delay, so the
+    link adds the per-message latency in-process.
+    """
+    args = ["--link-bandwidth", f"{plan.bandwidth_bps:.0f}"] if mode == "shaped" else []
+    return [*args, "--link-latency", f"{plan.latency_s:g}"]
+
+
 def _new_record(plan: RunPlan, config: BenchConfig, *, out_dir: Path, mode: str) -> dict[str, Any]:
     """The run's record before it runs: failed, until :func:`_run_one` says otherwise."""
     run_dir = out_dir / "runs" / plan.id
@@ -186,7 +196,7 @@ def _new_record(plan: RunPlan, config: BenchConfig, *, out_dir: Path, mode: str)
         latency_s=plan.latency_s, emulation=mode, status="failed",
         run_dir=str(run_dir.relative_to(out_dir)),
         logs=[str((run_dir / "logs" / f"node{i}.log").relative_to(out_dir)) for i in range(plan.nodes)],
-        command=plan.train_args(config, run_dir.resolve()), error=STOPPED_DURING_RUN,
+        command=plan.train_args(config, run_dir.resolve()) + _shaping_args(plan, mode), error=STOPPED_DURING_RUN,
     )  # fmt: skip
 
 
@@ -205,10 +215,6 @@ def _run_one(
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = record["command"]
     env: dict[str, str] = {}
-    if mode == "shaped":
-        env["LOWBAND_BANDWIDTH_BPS"] = f"{plan.bandwidth_bps:.0f}"
-    # tbf has no delay: the link adds the per-message latency in-process in both modes.
-    env["LOWBAND_LATENCY_S"] = f"{plan.latency_s:g}"
     tx_before = [net.tx_bytes(i) for i in range(plan.nodes)] if net is not None else None
     try:
         launch = launcher(

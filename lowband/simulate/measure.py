@@ -115,7 +115,7 @@ def _measure_one(num_nodes: int, spec: MeasureSpec, *, mode: str, work_dir: Path
             "--seed", str(spec.seed), "--probes", str(spec.probes), "--out", str(out_json)]  # fmt: skip
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(_repo_root()), os.environ.get("PYTHONPATH", "")) if p)}
     if mode == "shaped":
-        env.update(LOWBAND_BANDWIDTH_BPS=f"{spec.bandwidth_bps:g}", LOWBAND_LATENCY_S="0")
+        args += ["--link-bandwidth", f"{spec.bandwidth_bps:g}", "--link-latency", "0"]
     timing: dict[str, float] = {}
     probe: dict[str, float] = {}
     t0 = time.perf_counter()

@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 ELEMENT_BYTES = 4  # float32
 
 
-def measure(*, size_bytes: int, reps: int, group_size: int, seed: int, probes: int) -> dict[str, Any]:
+def measure(*, size_bytes: int, reps: int, group_size: int, seed: int, probes: int,
+            bandwidth_bps: float | None = None, latency_s: float = 0.0) -> dict[str, Any]:
     """Time the operations on this rank (process group already initialised); return its record."""
     import torch
     import torch.distributed as dist
@@ -59,7 +60,7 @@ def measure(*, size_bytes: int, reps: int, group_size: int, seed: int, probes: i
     world, rank = dist.get_world_size(), dist.get_rank()
     topo = Topology(num_nodes=world, ranks_per_node=1)
     topo.check_launch()
-    link = Link.from_env(topo)
+    link = Link(topo, bandwidth_bps=bandwidth_bps, latency_s=latency_s)
     numel = size_bytes // ELEMENT_BYTES
     grad = torch.ones(numel)  # DiLoCo: the pseudo-gradient, M bytes
     message = torch.ones(2 * numel)  # NoLoCo: φ and θ−φ in one message, 2·M bytes
@@ -141,6 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--probes", type=int, default=20, help="latency probes of each kind")
     p.add_argument("--timeout-s", type=float, default=120.0, help="process-group timeout")
     p.add_argument("--out", type=Path, required=True, help="JSON file written by rank 0")
+    p.add_argument("--link-bandwidth", type=float, default=None, help="shape the link in-process (bit/s)")
+    p.add_argument("--link-latency", type=float, default=0.0, help="latency per message added by the link (s)")
     return p
 
 
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         initialised_at = time.time()
         record = measure(size_bytes=args.size_bytes, reps=args.reps, group_size=args.group_size,
-                         seed=args.seed, probes=args.probes)  # fmt: skip
+                         seed=args.seed, probes=args.probes, bandwidth_bps=args.link_bandwidth,
+                         latency_s=args.link_latency)  # fmt: skip
         record["stamps"] = {"entered": entered_at, "torch_imported": imported_at, "initialised": initialised_at,
                             "measured": time.time()}  # fmt: skip
         gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

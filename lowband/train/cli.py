@@ -6,9 +6,10 @@ import argparse
 import json
 import logging
 
+from lowband.link import parse_bandwidth
 from lowband.train.loop import TrainConfig, run_training
 from lowband.train.methods import METHODS
-from lowband.util import parse_bool
+from lowband.util import parse_bool, parse_duration
 
 __all__ = ["add_arguments", "main", "config_from_args", "HP_FLAGS"]
 
@@ -61,6 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--val-size", type=float, default=d.val_size, help="validation examples (>= 1) or share (< 1)")
     m.add_argument("--max-examples", type=int, default=None, help="use at most this many examples")
 
+    s = p.add_argument_group("link shaping (emulated slow links; real links need none)")
+    s.add_argument("--link-bandwidth", type=parse_bandwidth, default=None, metavar="RATE",
+                   help="shape traffic between nodes in-process to this uplink rate per node, e.g. 100mbit "
+                        "(default: no shaping)")
+    s.add_argument("--link-latency", type=parse_duration, default=d.link_latency_s, metavar="DURATION",
+                   help="add this latency per message between nodes, e.g. 20ms (default: 0)")
+
     r = p.add_argument_group("run")
     r.add_argument("--steps", type=int, default=d.steps)
     r.add_argument("--batch-size", type=int, default=d.batch_size, help="examples per rank per step")
@@ -102,6 +110,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed, shards=args.shards, schedule=args.schedule, warmup_steps=args.warmup_steps,
         min_lr_ratio=args.min_lr_ratio, val_every=args.val_every, val_batches=args.val_batches,
         ckpt_every=args.ckpt_every, ckpt_at_end=args.ckpt_at_end, resume=args.resume, out=args.out,
+        link_bandwidth_bps=args.link_bandwidth, link_latency_s=args.link_latency,
         tensorboard=args.tensorboard, progress=not args.no_progress,
     )
 

@@ -116,6 +116,8 @@ class TrainConfig:
     out: str = "runs/train"
     tensorboard: bool = False
     progress: bool = True
+    link_bandwidth_bps: float | None = None
+    link_latency_s: float = 0.0
 
     def validate(self) -> None:
         """Check everything that can be checked before any process group exists."""
@@ -128,6 +130,10 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.schedule not in ("constant", "cosine"):
             raise ValueError(f"--schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+        if self.link_bandwidth_bps is not None and not self.link_bandwidth_bps > 0:
+            raise ValueError(f"--link-bandwidth must be > 0 bit/s, got {self.link_bandwidth_bps}")
+        if not self.link_latency_s >= 0:
+            raise ValueError(f"--link-latency must be >= 0 s, got {self.link_latency_s}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         for flag, path in (("--data", self.data), ("--val-data", self.val_data), ("--tokenizer", self.tokenizer)):
@@ -248,7 +254,7 @@ def run_training(cfg: TrainConfig) -> dict:
     spec = build_model(cfg.model, vocab_size=data.vocab_size, seed=cfg.seed)
     model = spec.model.to(device)
     model = shard_model(model, topology, blocks=transformer_blocks(model))
-    link = Link.from_env(topology)
+    link = Link(topology, bandwidth_bps=cfg.link_bandwidth_bps, latency_s=cfg.link_latency_s)
     hp = check_hyperparameters(cfg.method, cfg.hp)
     optimizer = build_optimizer(cfg.method, model.named_parameters(), link=link, hp=cfg.hp, model=model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
