@@ -301,7 +301,7 @@ def test_report_tables_and_plots(tmp_path: Path, fake_trainer: Path, monkeypatch
     assert run["compute_time_s"] == pytest.approx(0.1)
     assert run["comm_time_s"] == pytest.approx(187_500 * 2 * 8 / 1e8)  # the node's ranks share the uplink
     assert run["step_time_s"] == pytest.approx(0.1 + 187_500 * 2 * 8 / 1e8)
-    assert run["val_loss"] == 4.0 and [h[0] for h in run["val_history"]] == [0, 2, 4, 6]
+    assert run["val_loss"] == 5.0 - 1.5 and [h["step"] for h in run["val_history"]] == [0, 2, 4, 6]
     assert run["peak_rss_mb"] == 103.0 and run["link_ops"]["all_gather"]["count"] == 4 * 6
     assert run["emulation"] == "shaped" and run["measured_wire_bytes_per_step"] is None
     assert run["inter_node_bytes_per_step"] == pytest.approx(2 * 3.0 * 8 * 1e6 / 128)
