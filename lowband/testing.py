@@ -14,7 +14,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["free_port", "full_params", "run_ranks", "tiny_batch", "tiny_loss", "tiny_model", "tiny_sharded"]
+__all__ = [
+    "free_port", "full_params", "reverse_task_batch", "run_ranks", "tiny_batch", "tiny_loss", "tiny_model",
+    "tiny_sharded", "train_reverse_task",
+]
 
 
 def free_port() -> int:
@@ -162,3 +165,73 @@ def full_params(model) -> list:
     """Every parameter as a full tensor (gathered from FSDP2 shards), detached copies."""
     return [p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
             for p in model.parameters()]
+
+
+# --------------------------------------------------------------------------- a task with a known low loss
+# Reversing: the source is REVERSE_LEN symbols drawn uniformly from REVERSE_SYMBOLS ids (after the
+# tokenizer's special ids PAD, EOS, UNK), the target the same symbols reversed, then EOS.
+REVERSE_LEN = 8
+REVERSE_SYMBOLS = 16
+_FIRST_SYMBOL = 3  # lowband.train.tokenizer: PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+REVERSE_VOCAB = _FIRST_SYMBOL + REVERSE_SYMBOLS
+
+
+def reverse_task_batch(*, rank: int, step: int, world_size: int, batch_size: int, seed: int = 0,
+                       length: int = REVERSE_LEN) -> dict:
+    """Rank ``rank``'s batch of the reversing task at ``step``: a pure function of its arguments.
+
+    Every (seed, step, rank) draws fresh sequences, so the task cannot be memorised: a loss far
+    below the source-blind bound (see :func:`reverse_task_blind_loss`) means the model reads its input.
+    """
+    import torch
+
+    from lowband.train.tokenizer import EOS_ID
+
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step) * world_size + rank)
+    src = torch.randint(_FIRST_SYMBOL, REVERSE_VOCAB, (batch_size, length), generator=g)
+    eos = torch.full((batch_size, 1), EOS_ID)
+    return {"input_ids": torch.cat([src, eos], dim=1), "attention_mask": torch.ones(batch_size, length + 1,
+                                                                                      dtype=torch.long),
+            "labels": torch.cat([src.flip(1), eos], dim=1)}
+
+
+def train_reverse_task(rank: int, *, method: str, hp: dict, steps: int, batch_size: int = 8, seed: int = 0,
+                       model: str = "t5-tiny", length: int = REVERSE_LEN) -> list[float]:
+    """Train ``method`` on the reversing task on this rank; return the mean loss over all ranks per step.
+
+    The library's own pipeline, as ``lowband train`` runs it: the named model built from ``seed``,
+    FSDP2 over the node's ranks (``method_shards``), the link, ``build_optimizer`` from the method
+    registry, dropout seeded per (seed, step, rank). Only the data differ: generated, not loaded.
+    Call it on every rank of a running process group (e.g. from :func:`run_ranks`); several calls
+    in one launch are independent (each builds its own topology and groups).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from lowband.link import Link
+    from lowband.sharding import shard_model
+    from lowband.topology import Topology
+    from lowband.train.methods import build_optimizer, method_shards
+    from lowband.train.models import build_model, compute_loss, transformer_blocks
+
+    topology = Topology.from_env(shards=method_shards(method, Topology.from_env().ranks_per_node, None))
+    world = topology.world_size
+    net = build_model(model, vocab_size=REVERSE_VOCAB, seed=seed).model
+    net = shard_model(net, topology, blocks=transformer_blocks(net))
+    link = Link(topology)
+    opt = build_optimizer(method, net.named_parameters(), link=link, hp=hp, model=net)
+    losses = []
+    for step in range(steps):
+        batch = reverse_task_batch(rank=rank, step=step, world_size=world, batch_size=batch_size, seed=seed,
+                                   length=length)
+        torch.manual_seed((seed * 1_000_003 + step) * world + rank)
+        opt.zero_grad(set_to_none=True)
+        loss = compute_loss(net, batch)
+        loss.backward()
+        opt.step()
+        link.end_step()
+        link.history.clear()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses
