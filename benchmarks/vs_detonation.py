@@ -572,6 +572,52 @@ What is measured and what is computed
     runs on it): the times compare the methods here, they are not link times (no link limit)."""
 
 
+def trajectories(raw: dict) -> dict[str, list[float]]:
+    """Per-step training loss of each configuration, the mean over its ranks."""
+    return {c: [_mean(r["steps"][i]["loss"] for r in ranks) for i in range(len(ranks[0]["steps"]))]
+            for c, ranks in raw.items()}
+
+
+def compare_trajectories(traj: dict[str, list[float]]) -> dict:
+    """Mean and largest |difference| per step of each pair of configurations, and their last losses."""
+    out = {}
+    cols = [c for c in CONFIGS if c in traj]
+    for i, a in enumerate(cols):
+        for b in cols[i + 1:]:
+            d = [abs(x - y) for x, y in zip(traj[a], traj[b], strict=True)]
+            out[f"{a}_vs_{b}"] = dict(mean_abs_diff=_mean(d), max_abs_diff=max(d), steps=len(d),
+                                      last=(traj[a][-1], traj[b][-1]))
+    return out
+
+
+def plot_trajectories(traj: dict[str, list[float]], cmp: dict, path: Path, title: str) -> None:
+    """The training-loss curves of every configuration against the step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = {"flexdemo": dict(color="C0", lw=2.2), "detonation": dict(color="C3", lw=1.2, ls="--"),
+              "adamw": dict(color="0.45", lw=1.2)}
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
+    for c in CONFIGS:
+        if c in traj:
+            ax.plot(range(1, len(traj[c]) + 1), traj[c], label=LABELS[c], **styles[c])
+    pair = cmp.get("flexdemo_vs_detonation")
+    if pair:
+        ax.text(0.98, 0.70, f"lowband vs DeToNATION: mean |diff| {pair['mean_abs_diff']:.4f}, "
+                f"max {pair['max_abs_diff']:.4f}", transform=ax.transAxes, ha="right", fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (mean over ranks)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def check_chunk_rule(chunk: int) -> dict:
     """DeToNATION's largest-divisor rule on docs/algorithms.md's example and on a prime length."""
     from detonation.util.dct_transform import DCTTransform
@@ -601,7 +647,10 @@ def main(argv: list[str] | None = None) -> int:
                          "tracks live memory; 'default': glibc as it comes (RSS includes what the allocator keeps)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
-    ap.add_argument("--out", default="runs/vs_detonation", help="directory for results.json and table.txt")
+    ap.add_argument("--out", default="runs/vs_detonation",
+                    help="directory for results.json, table.txt, losses.json and losses.png")
+    ap.add_argument("--plot", default=None,
+                    help="where to write the PNG of the training-loss curves (default OUT/losses.png)")
     args = ap.parse_args(argv)
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -656,8 +705,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  done in {time.perf_counter() - t:.1f} s", flush=True)
     rat = ratios(summaries)
     chk = checks(summaries, rat, args.ranks_per_node)
+    traj = trajectories(raw)
+    cmp = compare_trajectories(traj)
 
     lines = [render(summaries, opts) if summaries else "(no configuration ran)", ""]
+    if cmp:
+        lines.append(f"Training-loss trajectories over {args.steps} steps (mean of ranks per step)")
+        for k, v in cmp.items():
+            a, b = k.split("_vs_")
+            lines.append(f"  {a} vs {b}: mean |diff| {v['mean_abs_diff']:.4f}, max {v['max_abs_diff']:.4f}; "
+                         f"last {v['last'][0]:.4f} vs {v['last'][1]:.4f}")
+        lines.append("")
     labels = dict(
         bytes_detonation_over_flexdemo="inter-node bytes DeToNATION / lowband FlexDeMo",
         bytes_adamw_over_flexdemo="inter-node bytes AdamW full sync / lowband FlexDeMo",
@@ -725,6 +783,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     (out / "table.txt").write_text(text + "\n")
     print(f"\nwrote {out / 'results.json'} and {out / 'table.txt'}")
+    if traj:
+        (out / "losses.json").write_text(json.dumps(dict(args=vars(args), losses=traj, comparison=cmp), indent=1))
+        png = Path(args.plot) if args.plot else out / "losses.png"
+        plot_trajectories(traj, cmp, png, f"{args.model}, vocab {args.vocab_size}, batch {args.batch_size}/rank, "
+                          f"{args.nodes}x{args.ranks_per_node} ranks, Top-{args.topk}/chunk {args.chunk}, lr {args.lr}")
+        print(f"wrote {out / 'losses.json'} and {png}")
     return 1 if failures else 0
 
 
