@@ -80,6 +80,16 @@ class PhaseMemory:
         self.peaks: dict[str, int] = {}
         self.starts: dict[str, int] = {}
         self._resettable = True
+        self._process_peak = 0  # the high-water mark as it stood before each reset
+
+    def _peak(self) -> int:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.device)
+        return _status_bytes("VmHWM") or 0
+
+    def process_peak_mb(self) -> float:
+        """The whole run's peak, which the per-phase resets would otherwise hide (ru_maxrss follows them)."""
+        return max(self._process_peak, self._peak()) / MIB
 
     @property
     def measure(self) -> str:
@@ -98,6 +108,8 @@ class PhaseMemory:
     def phase(self, name: str) -> Iterator[None]:
         if self.cuda:
             torch.cuda.synchronize(self.device)
+        self._process_peak = max(self._process_peak, self._peak())
+        if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self._resettable = _reset_rss_peak() and self._resettable
@@ -105,9 +117,7 @@ class PhaseMemory:
         yield
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            peak = _status_bytes("VmHWM") or 0
+        peak = self._peak()
         self.peaks[name] = max(self.peaks.get(name, 0), peak)
         self.starts[name] = max(self.starts.get(name, 0), start)
 

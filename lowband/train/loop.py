@@ -405,7 +405,7 @@ def run_training(cfg: TrainConfig) -> dict:
         "comm_time_s": med(comm_times) if comm_times else None,
         "inter_node_bytes_per_step": sum(sent) / max(len(sent), 1),
         "node_inter_node_bytes_per_step": sum(node_sent) / max(len(node_sent), 1),
-        "link_ops": ops_total, "peak_rss_mb": _peak_rss_mb(), "val_loss": final_val,
+        "link_ops": ops_total, "peak_rss_mb": max(_peak_rss_mb(), profile.process_peak_mb()), "val_loss": final_val,
         "val_history": val_history, "train_loss": train_loss, "train_time_s": clock["train_time_s"],
         "tokens": clock["tokens"],
         "shaping": {"bandwidth_bps": link.bandwidth_bps, "latency_s": link.latency_s} if link.shaping else None,
