@@ -1,22 +1,71 @@
-"""Sharding a model copy over the ranks of one node with FSDP2.
+"""Sharding a model copy over the ranks of one node with FSDP2; its precision and checkpointing.
 
 ``fully_shard`` is applied over the node's 1-D mesh (``mesh["shard"]``), per transformer block and
 then on the root. After backward each rank holds only its gradient shard, the mean over the S ranks
 of its node, as a DTensor in ``p.grad``; the inter-node part is the optimizer's, through the link.
 (FSDP2's own 2-D HSDP with ``set_requires_all_reduce(False)`` keeps the reduce-scattered gradient in
 a private buffer and leaves ``p.grad`` as None, so it does not serve.)
+
+Precision (``precision="bf16"``) is FSDP2's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`:
+
+* the sharded parameters stay fp32; they are what the optimizer sees and steps, so every
+  optimizer's state (AdamW's moments, FlexDeMo's momentum δ and its DCT, DiLoCo's slow weights)
+  is fp32 and lives on the fp32 shard;
+* the all-gather casts each unit's parameters to bf16; forward and backward compute in bf16;
+* the gradients are cast to fp32 before the intra-node reduce-scatter, which is done in fp32, and
+  ``p.grad`` is the fp32 shard. Without gradient synchronisation (micro-batches of an
+  accumulation) FSDP2 accumulates the unsharded gradients in fp32, too.
+
+With S = 1 (DeMo, or one rank per node) there is nothing to shard, but bf16 still needs FSDP2's
+casts: the model is then wrapped in ``fully_shard`` over the 1-rank shard mesh (a no-op shard
+of each parameter, the same casts and fp32 gradients), so one mechanism serves every method.
+
+Activation checkpointing (``activation_checkpointing=True``) is torch's composable
+``checkpoint`` on every transformer block, applied before ``fully_shard``: a block keeps only its
+inputs from forward and recomputes its activations in backward (RNG state restored, so dropout
+masks repeat). Parameter names are unchanged, so checkpoints load with or without it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from lowband.topology import Topology
 
-__all__ = ["shard_model"]
+__all__ = ["PRECISIONS", "mixed_precision_policy", "set_gradient_sync", "shard_model"]
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def mixed_precision_policy(precision: str):
+    """FSDP2's policy for ``precision``: bf16 parameters and compute with fp32 reduction, or None (fp32).
+
+    Raises:
+        ValueError: an unknown precision.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "fp32":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether FSDP2 reduce-scatters gradients in the next backward (all units); no-op without FSDP2.
+
+    Off for the first N − 1 micro-batches of an accumulation: their unsharded gradients are summed
+    locally (in the reduce dtype) and reduce-scattered once, on the last micro-batch.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
 
 
 def shard_model(
@@ -26,28 +75,47 @@ def shard_model(
     blocks: Iterable[nn.Module] = (),
     reshard_after_forward: bool = True,
     mp_policy=None,
+    precision: str = "fp32",
+    activation_checkpointing: bool = False,
 ) -> nn.Module:
-    """Apply FSDP2 over the node's ranks (S > 1); return the model unchanged when S = 1.
+    """Apply FSDP2 over the node's ranks (S > 1); return the model unchanged when S = 1 in fp32.
 
     Args:
         model: the model copy (identical initial weights on every rank, e.g. the same seed).
         topology: the job's topology.
         blocks: modules to shard on their own (transformer blocks), before the root.
         reshard_after_forward: FSDP2's option (free unsharded weights after forward).
-        mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (e.g. bf16 params on GPUs), or None.
+        mp_policy: an FSDP2 ``MixedPrecisionPolicy``, or None; overrides ``precision``.
+        precision: "fp32" or "bf16" (:func:`mixed_precision_policy`).
+        activation_checkpointing: recompute each block's activations in backward.
+
+    Raises:
+        ValueError: an unknown precision; several shards (or bf16) without a process group.
     """
-    if topology.shards == 1 or topology.world_size == 1:
+    blocks = list(blocks)
+    policy = mp_policy if mp_policy is not None else mixed_precision_policy(precision)
+    if activation_checkpointing:
+        if not blocks:
+            raise ValueError("activation checkpointing is per transformer block, but no blocks were given")
+        from torch.distributed._composable import checkpoint
+
+        for block in blocks:
+            checkpoint(block)
+    one_rank = topology.shards == 1 or topology.world_size == 1
+    if one_rank and policy is None:
         return model
     if not dist.is_initialized():
-        raise ValueError("sharding over several ranks needs torch.distributed to be initialised (torchrun)")
+        what = "mixed precision (FSDP2's casts)" if one_rank else "sharding over several ranks"
+        raise ValueError(f"{what} needs torch.distributed to be initialised (torchrun; a single process "
+                         "can use a one-rank group: dist.init_process_group('gloo', store=dist.HashStore(), "
+                         "rank=0, world_size=1))")
     from torch.distributed.fsdp import fully_shard
 
     mesh = topology.mesh()["shard"]
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
+    if policy is not None:
+        kwargs["mp_policy"] = policy
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
-

@@ -71,7 +71,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     r = p.add_argument_group("run")
     r.add_argument("--steps", type=int, default=d.steps)
-    r.add_argument("--batch-size", type=int, default=d.batch_size, help="examples per rank per step")
+    r.add_argument("--batch-size", type=int, default=d.batch_size, help="examples per rank per micro-batch")
+    r.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step "
+                   "(the step equals one on a grad-accum-times larger batch; one intra-node reduce-scatter)")
+    r.add_argument("--precision", choices=["fp32", "bf16"], default=d.precision, help="bf16: FSDP2 mixed "
+                   "precision (bf16 parameters and compute, fp32 gradient reduction, fp32 optimizer state)")
+    r.add_argument("--activation-checkpointing", action="store_true", help="recompute each transformer "
+                   "block's activations in backward (less memory, about one more forward)")
+    r.add_argument("--memory-profile", action="store_true", help="CPU: make glibc return freed memory so the "
+                   "summary's per-phase peaks follow live memory (~25%% more CPU time)")
     r.add_argument("--seed", type=int, default=d.seed)
     r.add_argument("--shards", type=int, default=None, help="ranks sharding one model copy (default: all "
                    "ranks of a node; demo: 1)")
@@ -107,7 +115,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         target_column=args.target_column, text_column=args.text_column, max_source_len=args.max_source_len,
         max_target_len=args.max_target_len, max_len=args.max_len, vocab_size=args.vocab_size,
         val_size=val_size, max_examples=args.max_examples, steps=args.steps, batch_size=args.batch_size,
-        seed=args.seed, shards=args.shards, schedule=args.schedule, warmup_steps=args.warmup_steps,
+        seed=args.seed, shards=args.shards,
+        grad_accum=args.grad_accum, precision=args.precision, activation_checkpointing=args.activation_checkpointing,
+        memory_profile=args.memory_profile, schedule=args.schedule, warmup_steps=args.warmup_steps,
         min_lr_ratio=args.min_lr_ratio, val_every=args.val_every, val_batches=args.val_batches,
         ckpt_every=args.ckpt_every, ckpt_at_end=args.ckpt_at_end, resume=args.resume, out=args.out,
         link_bandwidth_bps=args.link_bandwidth, link_latency_s=args.link_latency,

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from lowband.link import Link
+from lowband.memory import PhaseMemory
 from lowband.optim.local_sgd import warmup_cosine_factor
 from lowband.topology import Topology
 from lowband.train.methods import METHODS, build_optimizer, check_hyperparameters, method_shards
@@ -71,7 +72,16 @@ class TrainConfig:
         val_size: validation examples (count) or share (fraction).
         max_examples: use at most this many examples (quick runs).
         steps: optimizer steps.
-        batch_size: examples per rank per step.
+        batch_size: examples per rank per micro-batch (a step takes ``batch_size × grad_accum``).
+        grad_accum: micro-batches per optimizer step; FSDP2 reduce-scatters inside the node only
+            on the last, and the step equals one step on the ``grad_accum``-times larger batch.
+        precision: "fp32", or "bf16": FSDP2 mixed precision (bf16 parameters and compute, fp32
+            gradient reduction; the optimizer and its state stay fp32 on the fp32 shard).
+        activation_checkpointing: recompute each transformer block's activations in backward
+            (less memory for activations, about one more forward of compute).
+        memory_profile: on CPU, make glibc return freed memory at once so that the per-phase peaks
+            in the summary follow live memory (about 25 % more CPU time); GPUs always measure
+            ``torch.cuda.max_memory_allocated``.
         seed: model init, data order and everything random.
         shards: ranks that shard one model copy (None: all ranks of a node; DeMo: 1).
         schedule: "constant" or "cosine" (linear warm-up then cosine to min_lr_ratio × lr).
@@ -103,6 +113,10 @@ class TrainConfig:
     max_examples: int | None = None
     steps: int = 100
     batch_size: int = 8
+    grad_accum: int = 1
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+    memory_profile: bool = False
     seed: int = 0
     shards: int | None = None
     schedule: str = "constant"
@@ -122,12 +136,16 @@ class TrainConfig:
     def validate(self) -> None:
         """Check everything that can be checked before any process group exists."""
         check_hyperparameters(self.method, self.hp)
-        for name in ("steps", "batch_size", "val_batches"):
+        for name in ("steps", "batch_size", "val_batches", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("val_every", "ckpt_every", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        from lowband.sharding import PRECISIONS
+
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.schedule not in ("constant", "cosine"):
             raise ValueError(f"--schedule must be 'constant' or 'cosine', got {self.schedule!r}")
         if self.link_bandwidth_bps is not None and not self.link_bandwidth_bps > 0:
@@ -227,6 +245,10 @@ def run_training(cfg: TrainConfig) -> dict:
     """Train on this rank; return this rank's summary (also written to ``summary_rank{R}.json``)."""
     cfg.validate()
     _init_distributed()
+    if cfg.precision != "fp32" and not dist.is_initialized():
+        # FSDP2 applies the precision policy; a single process gets a one-rank group (no ports).
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -243,7 +265,8 @@ def run_training(cfg: TrainConfig) -> dict:
 
     from lowband.sharding import shard_model
     from lowband.train.data import DataConfig, epoch_of, load_data, steps_per_epoch, train_batch
-    from lowband.train.models import build_model, compute_loss, model_kind, transformer_blocks
+    from lowband.train.models import build_model, model_kind, transformer_blocks
+    from lowband.train.step import split_batch, train_step
 
     data = load_data(DataConfig(
         path=cfg.data, kind=model_kind(cfg.model), val_path=cfg.val_data, tokenizer=cfg.tokenizer, source_column=cfg.source_column,
@@ -253,7 +276,8 @@ def run_training(cfg: TrainConfig) -> dict:
     ))
     spec = build_model(cfg.model, vocab_size=data.vocab_size, seed=cfg.seed)
     model = spec.model.to(device)
-    model = shard_model(model, topology, blocks=transformer_blocks(model))
+    model = shard_model(model, topology, blocks=transformer_blocks(model), precision=cfg.precision,
+                        activation_checkpointing=cfg.activation_checkpointing)
     link = Link(topology, bandwidth_bps=cfg.link_bandwidth_bps, latency_s=cfg.link_latency_s)
     hp = check_hyperparameters(cfg.method, cfg.hp)
     optimizer = build_optimizer(cfg.method, model.named_parameters(), link=link, hp=cfg.hp, model=model)
@@ -276,8 +300,10 @@ def run_training(cfg: TrainConfig) -> dict:
         link.history.clear()
         log.info("resumed from %s at step %d", path, start_step)
 
+    step_batch = cfg.batch_size * cfg.grad_accum  # examples per rank per optimizer step
+    profile = PhaseMemory(device, return_freed=cfg.memory_profile)
     metrics = _Metrics(out, enabled=rank == 0, tensorboard=cfg.tensorboard, append=start_step > 0)
-    spe = steps_per_epoch(data, world_size=world, batch_size=cfg.batch_size)
+    spe = steps_per_epoch(data, world_size=world, batch_size=step_batch)
     bar = None
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
@@ -297,7 +323,7 @@ def run_training(cfg: TrainConfig) -> dict:
     def validate(step: int) -> float:
         v = evaluate(model, data, batch_size=cfg.batch_size, max_batches=cfg.val_batches, device=device)
         point = {"step": step, "epoch": epoch_of(max(step - 1, 0), data=data, world_size=world,
-                                                 batch_size=cfg.batch_size),
+                                                 batch_size=step_batch),
                  "tokens": clock["tokens"], "train_time_s": clock["train_time_s"],
                  "wall_s": time.perf_counter() - wall0, "val_loss": v}  # fmt: skip
         val_history.append(point)
@@ -310,16 +336,14 @@ def run_training(cfg: TrainConfig) -> dict:
         for step in range(start_step, cfg.steps):
             t_batch = time.perf_counter()
             batch = {k: v.to(device) for k, v in
-                     train_batch(data, step=step, rank=rank, world_size=world, batch_size=cfg.batch_size,
+                     train_batch(data, step=step, rank=rank, world_size=world, batch_size=step_batch,
                                  seed=cfg.seed).items()}
             # Dropout masks as a function of (seed, step, rank): a resumed run repeats them exactly.
             torch.manual_seed((cfg.seed * 1_000_003 + step) * world + rank)
             t0 = time.perf_counter()
             clock["tokens"] += _batch_tokens(batch, seq2seq=spec.kind == "seq2seq")
-            optimizer.zero_grad(set_to_none=True)
-            loss = compute_loss(model, batch)
-            loss.backward()
-            optimizer.step()
+            train_loss = train_step(model, optimizer, split_batch(batch, cfg.grad_accum, kind=spec.kind),
+                                    kind=spec.kind, profile=profile)
             scheduler.step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -327,7 +351,6 @@ def run_training(cfg: TrainConfig) -> dict:
             clock["train_time_s"] += time.perf_counter() - t_batch
             traffic = link.end_step()
             link.history.clear()
-            train_loss = loss.item()
             if not math.isfinite(train_loss):
                 raise FloatingPointError(f"training loss is {train_loss} at step {step}; lower --lr")
             comm = traffic.comm_time_s
@@ -345,7 +368,7 @@ def run_training(cfg: TrainConfig) -> dict:
                 acc["bytes"] += d["bytes"]
                 acc["inter_node_bytes"] += d["inter_node_bytes"]
                 acc["largest_group"] = max(acc["largest_group"], d["largest_group"])
-            epoch = epoch_of(step, data=data, world_size=world, batch_size=cfg.batch_size)
+            epoch = epoch_of(step, data=data, world_size=world, batch_size=step_batch)
             metrics.write({"type": "train", "step": step + 1, "epoch": epoch, "loss": train_loss,
                            "step_time_s": step_time, "compute_time_s": step_time - comm, "comm_time_s": comm,
                            "inter_node_bytes_sent": traffic.inter_node_bytes_sent, "tokens": clock["tokens"],
@@ -375,13 +398,14 @@ def run_training(cfg: TrainConfig) -> dict:
         "topk": hp.get("topk"), "chunk": hp.get("chunk"), "shards": topology.shards,
         "nodes": topology.num_nodes, "ranks_per_node": topology.ranks_per_node, "replicas": topology.replicas,
         "steps": cfg.steps, "start_step": start_step, "model": cfg.model, "num_params": spec.num_params,
-        "batch_size": cfg.batch_size, "status": "ok",
+        "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "precision": cfg.precision,
+        "activation_checkpointing": cfg.activation_checkpointing, "memory": profile.summary(), "status": "ok",
         "step_time_s": med(step_times) if step_times else None,
         "compute_time_s": med(compute_times) if compute_times else None,
         "comm_time_s": med(comm_times) if comm_times else None,
         "inter_node_bytes_per_step": sum(sent) / max(len(sent), 1),
         "node_inter_node_bytes_per_step": sum(node_sent) / max(len(node_sent), 1),
-        "link_ops": ops_total, "peak_rss_mb": _peak_rss_mb(), "val_loss": final_val,
+        "link_ops": ops_total, "peak_rss_mb": max(_peak_rss_mb(), profile.process_peak_mb()), "val_loss": final_val,
         "val_history": val_history, "train_loss": train_loss, "train_time_s": clock["train_time_s"],
         "tokens": clock["tokens"],
         "shaping": {"bandwidth_bps": link.bandwidth_bps, "latency_s": link.latency_s} if link.shaping else None,

@@ -375,15 +375,27 @@ def compute_loss(spec_or_model: ModelSpec | nn.Module, batch: Mapping[str, torch
             keys are ignored.
 
     Returns:
-        A scalar loss tensor.
+        A scalar loss tensor, fp32 (computed from the logits in fp32 when the model computes in bf16).
     """
     model = spec_or_model.model if isinstance(spec_or_model, ModelSpec) else spec_or_model
     if "labels" not in batch:
         raise ValueError(f"the batch needs labels; it has {', '.join(batch)}")
     device = _device_of(model)
     inputs = {k: (v.to(device) if v.device != device else v) for k, v in batch.items() if k in _BATCH_KEYS}
-    out = model(**inputs, use_cache=False)
-    return out.loss
+    labels = inputs.pop("labels")
+    inner = getattr(model, "_orig_mod", model)
+    if getattr(inner.config, "is_encoder_decoder", False):
+        if "decoder_input_ids" not in inputs:
+            inputs["decoder_input_ids"] = inner.prepare_decoder_input_ids_from_labels(labels=labels)
+        targets = labels
+        logits = model(**inputs, use_cache=False).logits
+    else:
+        logits = model(**inputs, use_cache=False).logits[:, :-1]
+        targets = labels[:, 1:]
+    # The loss in fp32 whatever the compute precision (bf16 logits give a bf16-rounded loss otherwise);
+    # for fp32 models this is the transformers models' own loss, the same operations.
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                             ignore_index=-100)
 
 
 def _device_of(model: nn.Module) -> torch.device:
