@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lowband.compress import WireFormat, dct, idct, scatter_chunks, to_chunks, topk_per_chunk
@@ -18,7 +19,6 @@ from lowband.optim._common import (
     NONFINITE_POLICIES,
     NonFiniteGradientError,
     check_sharded,
-    grads_nonfinite,
     local,
     replica_state_like,
     state_view,
@@ -59,6 +59,21 @@ def _block_rows(flat: torch.Tensor, chunk: int):
         r0 += rows
 
 
+def _rows_of(delta: torch.Tensor | None, r0: int, rows: int, chunk: int, like: torch.Tensor) -> torch.Tensor:
+    """The block of δ that matches ``like`` (chunk rows r0.. of the flat shard); zeros before the first step."""
+    if delta is None:
+        return torch.zeros_like(like)
+    flat = delta.reshape(-1)
+    if like.dim() == 2:
+        return flat[r0 * chunk:(r0 + rows) * chunk].view(rows, chunk)
+    return flat[r0 * chunk:]
+
+
+def _momentum(delta_blk: torch.Tensor, g_blk: torch.Tensor, group: dict) -> torch.Tensor:
+    """β·δ + lr·g for one block, as a new tensor (phase 1 and the commit run exactly this)."""
+    return delta_blk.mul(group["decay"]).add_(g_blk, alpha=group["lr"])
+
+
 class FlexDeMo(Optimizer):
     r"""Decoupled momentum with compressed exchange of its fast components.
 
@@ -79,12 +94,19 @@ class FlexDeMo(Optimizer):
     momentum empties every step and this is SGD with learning rate lr² on the mean gradient.
 
     All parameters' payloads travel as one flat uint8 message per step through the link (one
-    all-gather over the replicate group). R = 1: nothing is exchanged (plain sign-SGD on shards).
+    all-gather over the replicate group: one round trip between nodes). R = 1: nothing is
+    exchanged (plain sign-SGD on shards).
 
-    Before anything is sent or changed, all ranks agree whether any gradient holds NaN/Inf
-    (one byte through the link). ``nonfinite="raise"`` raises :class:`NonFiniteGradientError` on
-    every rank; ``"skip"`` leaves parameters and state untouched and counts the skip in
-    ``self.skipped_steps``.
+    The non-finite check rides in the same message. Phase 1 computes the payload from β·δ + lr·g
+    into temporaries, changing no state; the S ranks of a model copy agree over the fast shard
+    group whether any gradient or value to send holds NaN/Inf; the message ends with one flag
+    byte (1: refuse), and a refusing copy sends zeros instead of its payload, so nothing
+    non-finite leaves a rank. After the all-gather every rank sees the R flags, so all take the
+    same decision: if any is set, ``nonfinite="raise"`` raises :class:`NonFiniteGradientError`
+    on every rank and ``"skip"`` leaves parameters and state untouched and counts the skip in
+    ``self.skipped_steps``. Otherwise δ ← β·δ + lr·g − q is committed (recomputed with the same
+    arithmetic as phase 1, so it is exactly what was compressed) and the mean is applied.
+    Bytes per rank and step: :meth:`payload_bytes` + 1 (the flag), all-gathered.
 
     Args:
         params: parameters (FSDP2 shards when S > 1) or param groups; named parameters
@@ -172,57 +194,118 @@ class FlexDeMo(Optimizer):
             return loss
 
         grads = [local(p.grad) for _, p in work]
-        if grads_nonfinite(grads, self.link, shard_group=self._shard_group()):
-            if self.nonfinite == "raise":
-                raise NonFiniteGradientError(
-                    "a gradient holds NaN or Inf on at least one rank; the step was refused before "
-                    "anything was sent or changed. Lower the learning rate, clip gradients, or pass "
-                    "nonfinite='skip' to skip such steps."
-                )
-            self.skipped_steps += 1
-            log.warning("non-finite gradient: step skipped (%d skipped so far)", self.skipped_steps)
+        picks = self._compress(work, grads)
+        device = grads[0].device if grads else torch.device("cpu")
+        gathered = self._exchange(self._message(picks, device))
+        if self._refused(gathered):
             return loss
+        self._commit(work, grads, picks)
+        self._apply(work, gathered)
+        return loss
 
-        # Phase 1: momentum, compression, error feedback; one payload per parameter.
-        payloads: list[torch.Tensor] = []
-        meta = []  # (x shard, n_chunks, wire, group)
-        for (group, p), g in zip(work, grads, strict=True):
+    # ------------------------------------------------------------------ phases
+    def _compress(self, work: list, grads: list[torch.Tensor]) -> list | None:
+        """Phase 1: this step's momentum, compressed, without changing any state.
+
+        Returns per parameter ``(idx, sent_vals, payload)``: the kept indices, the values as the
+        peers will decode them, and the wire bytes; or None when a gradient or a value to send is
+        not finite on any rank of this model copy (the node's ranks agree over the fast shard
+        group, so every rank of a copy sends the same verdict).
+        """
+        bad = any(not bool(torch.isfinite(g).all()) for g in grads)
+        picks: list | None = None
+        if not bad:
+            picks = []
+            for (group, p), g in zip(work, grads, strict=True):
+                wire = WireFormat(group["chunk"], group["topk"], group["values"])
+                delta = self._delta_or_none(p)
+                idx, vals = self._topk_of_momentum(delta, g, group)
+                payload = wire.pack(idx, vals)
+                _, sent_vals = wire.unpack(payload, idx.shape[0])  # exactly what peers will see
+                if not bool(torch.isfinite(sent_vals).all()):
+                    bad = True
+                    break
+                picks.append((idx, sent_vals, payload))
+        shard_group = self._shard_group()
+        if shard_group is not None:
+            device = grads[0].device if grads else torch.device("cpu")
+            flag = torch.tensor([1 if bad else 0], dtype=torch.uint8, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard_group)
+            bad = bool(flag.item())
+        return None if bad else picks
+
+    def _delta_or_none(self, p: torch.Tensor) -> torch.Tensor | None:
+        state = self.state.get(p)
+        return state_view(state["delta"]) if state else None
+
+    def _topk_of_momentum(self, delta: torch.Tensor | None, g: torch.Tensor, group: dict):
+        """Top-k DCT coefficients of β·δ + lr·g, computed block by block into temporaries."""
+        chunk = group["chunk"]
+        flat_g = g.reshape(-1)
+        picks = []
+        for (gblk, rows), r0 in _block_rows(flat_g, chunk):
+            m = _momentum(_rows_of(delta, r0, rows, chunk, gblk), gblk, group)
+            picks.append(topk_per_chunk(dct(to_chunks(m.float(), chunk)), group["topk"]))
+        if not picks:  # an empty shard (FSDP2 gives the last ranks nothing of a tiny parameter)
+            return (torch.empty(0, group["topk"], dtype=torch.long, device=g.device),
+                    torch.empty(0, group["topk"], device=g.device))
+        return torch.cat([i for i, _ in picks]), torch.cat([v for _, v in picks])
+
+    def _message(self, picks: list | None, device: torch.device) -> torch.Tensor:
+        """One flat uint8 message: every parameter's payload, then one flag byte (1: refuse).
+
+        A refused step sends zeros of the same length: nothing non-finite leaves the rank and the
+        message size, hence the collective, is the same on every rank.
+        """
+        if picks is None:
+            message = torch.zeros(self.payload_bytes() + 1, dtype=torch.uint8, device=device)
+            message[-1] = 1
+            return message
+        return torch.cat([pl for _, _, pl in picks] + [torch.zeros(1, dtype=torch.uint8, device=device)])
+
+    def _exchange(self, message: torch.Tensor) -> torch.Tensor:
+        if self.link is not None:
+            return self.link.all_gather(message)
+        return message.unsqueeze(0)
+
+    def _refused(self, gathered: torch.Tensor) -> bool:
+        """True if any replica flagged its step; every rank sees the same flags, so all agree."""
+        if not bool(gathered[:, -1].any()):
+            return False
+        if self.nonfinite == "raise":
+            raise NonFiniteGradientError(
+                "a gradient holds NaN or Inf on at least one rank; the step was refused before anything "
+                "non-finite was sent or anything was changed. Lower the learning rate, clip gradients, or "
+                "pass nonfinite='skip' to skip such steps."
+            )
+        self.skipped_steps += 1
+        log.warning("non-finite gradient: step skipped (%d skipped so far)", self.skipped_steps)
+        return True
+
+    def _commit(self, work: list, grads: list[torch.Tensor], picks: list) -> None:
+        """Phase 2 (every replica accepted the step): δ ← β·δ + lr·g − q, with q what was sent."""
+        for (group, p), g, (idx, sent_vals, _) in zip(work, grads, picks, strict=True):
             state = self.state[p]
             if len(state) == 0:
                 state["step"] = torch.tensor(0.0)
                 state["delta"] = replica_state_like(p, self._topology)
             state["step"] += 1
-            delta = state_view(state["delta"])
-            lr, chunk, topk = group["lr"], group["chunk"], group["topk"]
-            wire = WireFormat(chunk, topk, group["values"])
-
-            delta.mul_(group["decay"]).add_(g, alpha=lr)
-            flat = delta.view(-1)  # a view: the error feedback below writes through it
-            # Blocks of chunks keep the transform's temporaries small (a few MB, not 5x the shard).
-            picks = [topk_per_chunk(dct(to_chunks(blk.float(), chunk)), topk) for blk, _ in _blocks(flat, chunk)]
-            if not picks:  # an empty shard (FSDP2 gives the last ranks nothing of a tiny parameter)
-                picks = [(torch.empty(0, topk, dtype=torch.long, device=flat.device),
-                          torch.empty(0, topk, device=flat.device))]
-            idx = torch.cat([i for i, _ in picks])
-            payload = wire.pack(idx, torch.cat([v for _, v in picks]))
-            _, sent_vals = wire.unpack(payload, idx.shape[0])  # exactly what peers will see
+            chunk = group["chunk"]
+            flat = state_view(state["delta"]).view(-1)  # a view: writes go through
             for (blk, rows), r0 in _block_rows(flat, chunk):
+                gblk = _rows_of(g.reshape(-1), r0, rows, chunk, blk)
+                blk.copy_(_momentum(blk, gblk, group))  # the same arithmetic as in _compress
                 q = idct(scatter_chunks(idx[r0:r0 + rows], sent_vals[r0:r0 + rows], chunk))
                 blk.sub_(q.view(-1)[:blk.numel()].view_as(blk).to(blk.dtype))
-            payloads.append(payload)
-            meta.append((local(p), idx.shape[0], wire, group))
 
-        # Phase 2: one all-gather of all payloads over the replicate group.
-        message = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8)
-        if self.link is not None:
-            gathered = self.link.all_gather(message)
-        else:
-            gathered = message.unsqueeze(0)
+    def _apply(self, work: list, gathered: torch.Tensor) -> None:
+        """Phase 3: decode the mean over replicas and step."""
         replicas = gathered.shape[0]
-
-        # Phase 3: decode the mean over replicas and step.
         offset = 0
-        for x, n_chunks, wire, group in meta:
+        for group, p in work:
+            x = local(p)
+            wire = WireFormat(group["chunk"], group["topk"], group["values"])
+            n_chunks = -(-x.numel() // wire.chunk)
             nbytes = wire.payload_nbytes(n_chunks)
             idx, vals = wire.unpack(gathered[:, offset:offset + nbytes], n_chunks)
             offset += nbytes
@@ -235,7 +318,6 @@ class FlexDeMo(Optimizer):
                 blk.add_(update, alpha=-lr)
             if group["weight_decay"] > 0:
                 x.mul_(1.0 - lr * group["weight_decay"])
-        return loss
 
     # ------------------------------------------------------------------ accounting
     def payload_bytes(self) -> int:
