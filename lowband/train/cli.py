@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk", type=int, help="DeMo/FlexDeMo: DCT chunk size")
     g.add_argument("--decay", type=float, help="DeMo/FlexDeMo: momentum decay beta")
     g.add_argument("--sign", type=_bool, help="DeMo/FlexDeMo/Deto-Full: step with sign() (true/false)")
-    g.add_argument("--values", choices=["bf16", "fp32", "sign"], help="DeMo/FlexDeMo: wire format of values")
+    g.add_argument("--values", choices=["bf16", "fp32", "sign", "int8", "int4"],
+                   help="wire format of values: DeMo/FlexDeMo bf16|fp32|sign; DiLoCo/NoLoCo fp32|bf16|int8|int4")
     g.add_argument("--sync-every", type=int, help="DiLoCo/NoLoCo: inner steps H between outer steps")
     g.add_argument("--outer-lr", type=float, help="DiLoCo: outer learning rate (NoLoCo: --beta)")
     g.add_argument("--outer-momentum", type=float, help="DiLoCo: outer Nesterov momentum")

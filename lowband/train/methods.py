@@ -71,13 +71,14 @@ METHODS: dict[str, MethodSpec] = {
             name="diloco",
             family="local",
             description="DiLoCo: H local AdamW steps, then an all-reduced Nesterov outer step",
-            hyperparameters=dict(_LOCAL_HP, outer_lr=0.7, outer_momentum=0.9, nesterov=True),
+            hyperparameters=dict(_LOCAL_HP, outer_lr=0.7, outer_momentum=0.9, nesterov=True, values="fp32"),
         ),
         MethodSpec(
             name="noloco",
             family="local",
             description="NoLoCo: H local Adam steps, then gossip averaging in random groups of n",
-            hyperparameters=dict(_LOCAL_HP, weight_decay=0.0, n=2, alpha=0.5, beta=0.7, gamma=None, seed=0),
+            hyperparameters=dict(_LOCAL_HP, weight_decay=0.0, n=2, alpha=0.5, beta=0.7, gamma=None, seed=0,
+                                 values="fp32"),
         ),
     )
 }
