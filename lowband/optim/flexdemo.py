@@ -108,6 +108,26 @@ class FlexDeMo(Optimizer):
     arithmetic as phase 1, so it is exactly what was compressed) and the mean is applied.
     Bytes per rank and step: :meth:`payload_bytes` + 1 (the flag), all-gathered.
 
+    With ``overlap=True`` the exchange of step t runs while step t+1 computes (Psyche's and
+    DeToNATION's delayed apply); step t of every rank::
+
+        wait for the all-gather of step t−1 (started one step ago; hidden behind this step's
+            forward and backward): if any replica flagged it, δ returns to its value before step t−1
+            and step t−1 is refused (raise or skip, as above); else
+            x ← x − lr_t·sign(Q_{t−1});  x ← x − lr_t·wd·x          # lr and wd of step t
+        compress β·δ + lr_t·g_t as above (g_t was computed at x before this update)
+        keep a copy of δ, commit δ ← β·δ + lr_t·g_t − q_t
+        start the all-gather of (q_t, flag) and return
+
+    So the parameters lag one exchange behind the momentum: x_{t+1} = x_t − lr·sign(Q_{t−1}), the
+    gradient of step t+1 is taken at parameters that do not yet hold Q_t. The link still carries
+    one operation per step (payload + flag). Costs: one copy of δ (to roll back a step a peer
+    refuses) and the message in flight. :meth:`flush` applies the last exchange (call it after
+    the last step). Checkpoints are exact: :meth:`state_dict` waits for the exchange in flight and
+    keeps its outcome in the state (``pending``: the decoded update per parameter, ``pending_status``:
+    1 apply, 2 refused, 0 none); the next step applies it, so a resumed run follows the
+    uninterrupted one bit for bit.
+
     Args:
         params: parameters (FSDP2 shards when S > 1) or param groups; named parameters
             (``model.named_parameters()``) give errors with names.
@@ -120,6 +140,7 @@ class FlexDeMo(Optimizer):
         values: wire format of the kept values: "bf16" (default), "fp32" or "sign" (1 bit + scale).
         link: the inter-node link; None for a single process (R = 1).
         nonfinite: "raise" (default) or "skip" when a gradient holds NaN/Inf.
+        overlap: apply each exchange one step later so that it overlaps the next step's compute.
     """
 
     def __init__(
@@ -135,6 +156,7 @@ class FlexDeMo(Optimizer):
         values: str = "bf16",
         link: Link | None = None,
         nonfinite: str = "raise",
+        overlap: bool = False,
     ) -> None:
         if not isinstance(lr, torch.Tensor) and not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr}")
@@ -155,6 +177,9 @@ class FlexDeMo(Optimizer):
         self.link = link
         self.nonfinite = nonfinite
         self.skipped_steps = 0
+        self.overlap = bool(overlap)
+        # overlap: the step whose exchange is in flight: (handle or gathered tensor, work, backups).
+        self._flight: tuple | None = None
         self._topology = link.topology if link is not None else None
         check_sharded(self.param_groups, self._topology)
         for group in self.param_groups:
@@ -194,14 +219,116 @@ class FlexDeMo(Optimizer):
             return loss
 
         grads = [local(p.grad) for _, p in work]
+        if self.overlap:
+            self._settle()
         picks = self._compress(work, grads)
         device = grads[0].device if grads else torch.device("cpu")
-        gathered = self._exchange(self._message(picks, device))
+        message = self._message(picks, device)
+        if self.overlap:
+            # Keep δ as it was until every replica accepted this step (known at the next step).
+            backups = [(p, state_view(self.state[p]["delta"]).clone(), self.state[p]["step"].clone())
+                       if self.state.get(p) else (p, None, None) for _, p in work] if picks is not None else []
+            if picks is not None:
+                self._commit(work, grads, picks)
+            handle = self.link.all_gather(message, async_op=True) if self.link is not None else message.unsqueeze(0)
+            self._flight = (handle, work, backups)
+            return loss
+        gathered = self._exchange(message)
         if self._refused(gathered):
             return loss
         self._commit(work, grads, picks)
         self._apply(work, gathered)
         return loss
+
+    # ------------------------------------------------------------------ overlap
+    def _settle(self) -> None:
+        """overlap: finish the step in flight (or the one a checkpoint drained): apply or refuse it."""
+        if self._flight is not None:
+            handle, work, backups = self._flight
+            self._flight = None
+            gathered = handle if isinstance(handle, torch.Tensor) else handle.wait()
+            if bool(gathered[:, -1].any()):
+                self._roll_back(backups)
+                self._refused(gathered)  # raises, or counts the skip
+                return
+            self._apply(work, gathered)
+            return
+        status = self._drained_status()
+        params = [p for p, st in self.state.items() if "pending_status" in st]
+        if status == 1:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    st = self.state.get(p)
+                    if st and "pending_status" in st:
+                        self._apply_update(group, local(p), state_view(st["pending"]))
+        for p in params:
+            self.state[p].pop("pending", None)
+            self.state[p].pop("pending_status", None)
+        if status == 2:
+            self._refused(torch.ones(1, 1, dtype=torch.uint8))
+
+    def _drained_status(self) -> int:
+        for st in self.state.values():
+            if "pending_status" in st:
+                return int(round(float(st["pending_status"].item())))
+        return 0
+
+    def _roll_back(self, backups: list) -> None:
+        for p, delta, step in backups:
+            if delta is None:
+                self.state.pop(p, None)
+            else:
+                state_view(self.state[p]["delta"]).copy_(delta)
+                self.state[p]["step"].copy_(step)
+
+    def _drain(self) -> None:
+        """overlap: wait for the step in flight and keep its outcome in the state (for a checkpoint).
+
+        Accepted: every parameter's decoded update (sign applied, as :meth:`_apply` would add it)
+        goes to ``state["pending"]`` (per replica, like δ) with ``pending_status`` 1; refused: δ is
+        rolled back and ``pending_status`` is 2. The next :meth:`step` applies (or refuses) it.
+        """
+        if self._flight is None:
+            # Nothing in flight: the same keys (status 0), so that every checkpoint has one layout.
+            for p, st in self.state.items():
+                if st and "pending_status" not in st:
+                    st["pending"] = replica_state_like(p, self._topology)
+                    st["pending_status"] = torch.tensor(0.0)
+            return
+        handle, work, backups = self._flight
+        self._flight = None
+        gathered = handle if isinstance(handle, torch.Tensor) else handle.wait()
+        refused = bool(gathered[:, -1].any())
+        if refused:
+            self._roll_back(backups)
+        for p, st in self.state.items():
+            if st:
+                st["pending"] = replica_state_like(p, self._topology)
+                st["pending_status"] = torch.tensor(2.0 if refused else 1.0)
+        if not refused:
+            self._apply(work, gathered, into={p: state_view(self.state[p]["pending"]) for _, p in work
+                                              if self.state.get(p)})
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """overlap: apply the step still in flight now (at the end of training). No-op otherwise."""
+        if self.overlap:
+            self._settle()
+
+    @torch.no_grad()
+    def state_dict(self):  # type: ignore[override]
+        if self.overlap:
+            self._drain()
+        return super().state_dict()
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict) -> None:  # type: ignore[override]
+        if self._flight is not None:  # e.g. DCP's zero-lr initialisation step: its outcome is replaced
+            handle = self._flight[0]
+            if not isinstance(handle, torch.Tensor):
+                handle.wait()
+            self._flight = None
+        super().load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ phases
     def _compress(self, work: list, grads: list[torch.Tensor]) -> list | None:
@@ -298,8 +425,8 @@ class FlexDeMo(Optimizer):
                 q = idct(scatter_chunks(idx[r0:r0 + rows], sent_vals[r0:r0 + rows], chunk))
                 blk.sub_(q.view(-1)[:blk.numel()].view_as(blk).to(blk.dtype))
 
-    def _apply(self, work: list, gathered: torch.Tensor) -> None:
-        """Phase 3: decode the mean over replicas and step."""
+    def _apply(self, work: list, gathered: torch.Tensor, into: dict | None = None) -> None:
+        """Phase 3: decode the mean over replicas and step (or, ``into``, store the update per parameter)."""
         replicas = gathered.shape[0]
         offset = 0
         for group, p in work:
@@ -309,15 +436,31 @@ class FlexDeMo(Optimizer):
             nbytes = wire.payload_nbytes(n_chunks)
             idx, vals = wire.unpack(gathered[:, offset:offset + nbytes], n_chunks)
             offset += nbytes
+            target = into.get(p) if into is not None else None
+            if into is not None and target is None:
+                continue
             lr = group["lr"]
-            for (blk, rows), r0 in _block_rows(x.view(-1), wire.chunk):  # in place: x must be contiguous
+            sink = x if target is None else target
+            for (blk, rows), r0 in _block_rows(sink.view(-1), wire.chunk):  # in place: x must be contiguous
                 coeffs = scatter_chunks(idx[:, r0:r0 + rows], vals[:, r0:r0 + rows], wire.chunk).div_(replicas)
                 update = idct(coeffs).view(-1)[:blk.numel()].view_as(blk).to(blk.dtype)
                 if group["sign"]:
                     update.sign_()
-                blk.add_(update, alpha=-lr)
-            if group["weight_decay"] > 0:
+                if target is None:
+                    blk.add_(update, alpha=-lr)
+                else:
+                    blk.copy_(update)
+            if target is None and group["weight_decay"] > 0:
                 x.mul_(1.0 - lr * group["weight_decay"])
+
+    def _apply_update(self, group: dict, x: torch.Tensor, update: torch.Tensor) -> None:
+        """x ← x − lr·u (block by block, as :meth:`_apply`), then weight decay: a drained update."""
+        lr = group["lr"]
+        for ((blk, _), _), ((ublk, _), _) in zip(_block_rows(x.view(-1), group["chunk"]),
+                                                  _block_rows(update.reshape(-1), group["chunk"]), strict=True):
+            blk.add_(ublk, alpha=-lr)
+        if group["weight_decay"] > 0:
+            x.mul_(1.0 - lr * group["weight_decay"])
 
     # ------------------------------------------------------------------ accounting
     def payload_bytes(self) -> int:

@@ -16,7 +16,7 @@ HP_FLAGS = {
     "lr": "lr", "weight_decay": "weight_decay", "topk": "topk", "chunk": "chunk", "decay": "decay",
     "sign": "sign", "values": "values", "sync_every": "H", "outer_lr": "outer_lr",
     "outer_momentum": "outer_momentum", "group_size": "n", "alpha": "alpha", "beta": "beta", "gamma": "gamma",
-    "clip": "clip",
+    "clip": "clip", "overlap": "overlap",
 }
 
 
@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--beta", type=float, help="NoLoCo: pseudo-gradient weight beta")
     g.add_argument("--gamma", type=float, help="NoLoCo: weight of the pull towards the group mean (default beta)")
     g.add_argument("--clip", type=float, help="DiLoCo/NoLoCo: inner gradient clipping norm")
+    g.add_argument("--overlap", type=_bool, help="DeMo/FlexDeMo: apply each exchange one step later, overlapped "
+                   "with the next step's compute (true/false)")
     g.add_argument("--hp", default=None, help="more hyper-parameters as JSON, e.g. '{\"beta1\": 0.9}'")
 
     m = p.add_argument_group("model and data")

@@ -366,6 +366,8 @@ def run_training(cfg: TrainConfig) -> dict:
                 bar.set_postfix(loss=f"{train_loss:.3f}", s_step=f"{step_time:.3f}",
                                 comm=f"{comm:.3f}", refresh=False)
                 bar.update(1)
+        if hasattr(optimizer, "flush"):  # an overlapped exchange still in flight: apply it
+            optimizer.flush()
         final_val = validate(cfg.steps)
         if cfg.ckpt_at_end or cfg.ckpt_every:
             _save(out, cfg.steps, model, optimizer, scheduler, clock)

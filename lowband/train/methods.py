@@ -36,7 +36,7 @@ class MethodSpec:
     family: str = "demo"
 
 
-_DEMO_HP = dict(lr=1e-3, topk=1, chunk=128, decay=0.999, sign=True, weight_decay=0.0, values="bf16")
+_DEMO_HP = dict(lr=1e-3, topk=1, chunk=128, decay=0.999, sign=True, weight_decay=0.0, values="bf16", overlap=False)
 _LOCAL_HP = dict(lr=4e-4, weight_decay=0.1, H=50, clip=1.0)
 
 METHODS: dict[str, MethodSpec] = {
@@ -142,6 +142,7 @@ def build_optimizer(method: str, named_params: Iterable, *, link: Link, hp: dict
             weight_decay=hp["weight_decay"],
             values=hp["values"],
             link=link,
+            overlap=bool(hp["overlap"]),
         )
     from lowband.train.local_methods import build_local_optimizer
 
