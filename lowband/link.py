@@ -12,7 +12,12 @@ Every byte an optimizer sends to another node goes through a :class:`Link`. The 
 - can shape the traffic in-process when no real link limit is in place: the node's uplink carries
   ``bandwidth_bps`` shared by all ranks of the node, and each sequential message costs
   ``latency_s``. An operation then takes at least the time the link would take; the modelled time
-  is reported separately from the measured one.
+  is reported separately from the measured one;
+- runs every operation blocking or, with ``async_op=True``, in the background: the call returns a
+  :class:`LinkHandle` to ``wait()`` on later, with the same byte accounting. In shaped mode the
+  uplink is a resource with its own clock, so operations in flight together queue on it. Each
+  step's record says how long the rank was blocked in the link (``exposed_comm_time_s``): the
+  communication that computation did not hide.
 
 Counts are a model of the algorithm (the ring). Where real links exist (network namespaces, a real
 cluster) the bench compares them with the interface's byte counters.
@@ -32,7 +37,7 @@ import torch.distributed as dist
 
 from lowband.topology import Topology
 
-__all__ = ["Link", "OpRecord", "PeerLostError", "PeerTimeoutError", "StepTraffic", "parse_bandwidth"]
+__all__ = ["Link", "LinkHandle", "OpRecord", "PeerLostError", "PeerTimeoutError", "StepTraffic", "parse_bandwidth"]
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +88,9 @@ class OpRecord:
     inter_node_bytes_recv: int
     node_inter_node_bytes_sent: int  # all ranks of this node together (concurrent groups)
     messages: int  # sequential rounds
-    time_s: float  # wall time of the operation, shaping included
-    modelled_link_time_s: float  # what the shaped link needs (0 when not shaping)
+    time_s: float  # wall time from start to result, shaping included (hidden part included)
+    modelled_link_time_s: float  # what the shaped link needs, queueing included (0 when not shaping)
+    exposed_s: float = 0.0  # the part of it this rank spent blocked (starting it, waiting for it)
 
 
 @dataclass
@@ -93,6 +99,9 @@ class StepTraffic:
 
     step: int
     ops: list[OpRecord] = field(default_factory=list)
+    #: Time this rank spent blocked in the link during the step (blocking calls, starts, waits),
+    #: also for operations started in an earlier step: the communication not hidden behind compute.
+    exposed_comm_time_s: float = 0.0
 
     @property
     def inter_node_bytes_sent(self) -> int:
@@ -132,6 +141,7 @@ class StepTraffic:
             "node_inter_node_bytes_sent": self.node_inter_node_bytes_sent,
             "bytes_sent": self.bytes_sent,
             "comm_time_s": self.comm_time_s,
+            "exposed_comm_time_s": self.exposed_comm_time_s,
             "ops": [asdict(o) for o in self.ops],
         }
 
@@ -180,6 +190,8 @@ class Link:
         self._current = StepTraffic(step=0)
         self.history: list[StepTraffic] = []
         self.keep_history = True
+        self._link_free_at = 0.0  # the shaped uplink's clock (perf_counter seconds)
+        self._in_flight: list[LinkHandle] = []
 
     # ---------------------------------------------------------------- properties
     @property
@@ -226,24 +238,49 @@ class Link:
         node_sent = members_crossing * sent_per_rank * self.topology.shards  # type: ignore[operator]
         return inter_sent, inter_recv, node_sent
 
-    def _finish(self, rec_kwargs: dict, start: float) -> OpRecord:
-        modelled = 0.0
+    def _launch(self, rec_kwargs: dict, start: float, works: list, result, *, timeout_what: list[int] | None = None,
+                async_op: bool) -> torch.Tensor | list[torch.Tensor] | LinkHandle:
+        """Record the operation (in the step it starts in), place it on the link's clock, return a handle.
+
+        Shaped mode: the node's uplink is one resource with its own clock. The operation's bytes
+        occupy it from max(now, when it is free) for bytes·8 / bandwidth; the result is ready one
+        latency per sequential message after the last byte left. So operations in flight together
+        queue on the link, and a blocking call or a wait returns no earlier than the real link
+        would deliver.
+        """
         crosses = rec_kwargs["inter_node_bytes_sent"] > 0 or rec_kwargs["inter_node_bytes_recv"] > 0 or (
             rec_kwargs["node_inter_node_bytes_sent"] > 0)
         latency = self.latency_s * rec_kwargs["messages"] if crosses else 0.0
+        ready_at = start
+        modelled = 0.0
         if self.shaping:
-            # The whole link is emulated: the operation takes at least what the link would take.
-            modelled = rec_kwargs["node_inter_node_bytes_sent"] * 8.0 / self.bandwidth_bps + latency
-            remaining = modelled - (time.perf_counter() - start)
-            if remaining > 0:
-                time.sleep(remaining)
+            transfer = rec_kwargs["node_inter_node_bytes_sent"] * 8.0 / self.bandwidth_bps
+            begin = max(start, self._link_free_at)
+            self._link_free_at = begin + transfer
+            ready_at = self._link_free_at + latency
+            modelled = ready_at - start  # includes queueing behind operations still in flight
         elif latency > 0:
-            # A real (rate-limited) link without propagation delay: add the delay on top.
+            # A real (rate-limited) link without propagation delay: the delay comes on top.
             modelled = latency
-            time.sleep(latency)
-        rec = OpRecord(**rec_kwargs, time_s=time.perf_counter() - start, modelled_link_time_s=modelled)
+        rec = OpRecord(**rec_kwargs, time_s=0.0, modelled_link_time_s=modelled)
         self._current.ops.append(rec)
-        return rec
+        handle = LinkHandle(self, rec, works, result, start=start, ready_at=ready_at,
+                            extra_delay_s=0.0 if self.shaping else latency, timeout_peers=timeout_what)
+        handle._exposed(time.perf_counter() - start)
+        if async_op:
+            self._in_flight.append(handle)
+            return handle
+        return handle.wait()
+
+    @property
+    def in_flight(self) -> int:
+        """Operations started with ``async_op=True`` and not yet waited on."""
+        return sum(1 for h in self._in_flight if not h.done)
+
+    def drain(self) -> None:
+        """Wait for every operation still in flight (before a checkpoint or the end of a run)."""
+        for h in list(self._in_flight):
+            h.wait()
 
     # ---------------------------------------------------------------- collectives
     @contextlib.contextmanager
@@ -259,67 +296,78 @@ class Link:
                 f"(--ckpt-every), `--resume auto` continues from the last one. Underlying error: {e}"
             ) from e
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: str = "avg") -> torch.Tensor:
-        """In-place all-reduce (``avg``, ``sum`` or ``max``) of ``tensor`` over the replicate group."""
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "avg", async_op: bool = False):
+        """In-place all-reduce (``avg``, ``sum`` or ``max``) of ``tensor`` over the replicate group.
+
+        Returns ``tensor``; with ``async_op=True`` a :class:`LinkHandle` whose ``wait()`` returns it.
+        """
         if op not in ("avg", "sum", "max"):
             raise ValueError(f"op must be 'avg', 'sum' or 'max', got {op!r}")
         g = self.group_size
         start = time.perf_counter()
         payload = _nbytes(tensor)
+        works: list = []
+        result = tensor
         if g > 1:
             if op == "avg" and not tensor.is_floating_point():
                 raise ValueError("avg all-reduce needs a floating-point tensor")
             if op == "avg" and dist.get_backend(self._group) == "gloo":
-                # gloo lacks ReduceOp.AVG: sum, then divide.
+                # gloo lacks ReduceOp.AVG: sum, then divide (when the result is taken).
                 with self._peers_guard("all_reduce"):
-                    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group)
-                tensor.div_(g)
+                    works.append(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group, async_op=True))
+
+                def result():
+                    return tensor.div_(g)
             else:
                 rop = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
                 with self._peers_guard("all_reduce"):
-                    dist.all_reduce(tensor, op=rop, group=self._group)
+                    works.append(dist.all_reduce(tensor, op=rop, group=self._group, async_op=True))
         sent = (2 * (g - 1) * payload) // g if g > 1 else 0
         inter_sent, inter_recv, node_sent = self._ring_record(sent)
-        self._finish(
+        return self._launch(
             dict(kind="all_reduce", group_size=g, payload_bytes=payload, bytes_sent=sent, bytes_recv=sent,
                  inter_node_bytes_sent=inter_sent, inter_node_bytes_recv=inter_recv,
                  node_inter_node_bytes_sent=node_sent, messages=2 * (g - 1)),
-            start,
+            start, works, result, async_op=async_op,
         )
-        return tensor
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Gather equal-sized ``tensor`` from every member: returns shape (G, *tensor.shape)."""
+    def all_gather(self, tensor: torch.Tensor, *, async_op: bool = False):
+        """Gather equal-sized ``tensor`` from every member: returns shape (G, *tensor.shape).
+
+        With ``async_op=True`` a :class:`LinkHandle` whose ``wait()`` returns that tensor.
+        """
         g = self.group_size
         start = time.perf_counter()
         payload = _nbytes(tensor)
+        works: list = []
         if g > 1:
             out = torch.empty((g, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
             with self._peers_guard("all_gather"):
-                dist.all_gather_into_tensor(out.view(-1), tensor.contiguous().view(-1), group=self._group)
+                works.append(dist.all_gather_into_tensor(out.view(-1), tensor.contiguous().view(-1),
+                                                         group=self._group, async_op=True))
         else:
             out = tensor.unsqueeze(0).clone()
         sent = (g - 1) * payload
         inter_sent, inter_recv, node_sent = self._ring_record(sent)
-        self._finish(
+        return self._launch(
             dict(kind="all_gather", group_size=g, payload_bytes=payload, bytes_sent=sent, bytes_recv=sent,
                  inter_node_bytes_sent=inter_sent, inter_node_bytes_recv=inter_recv,
                  node_inter_node_bytes_sent=node_sent, messages=g - 1),
-            start,
+            start, works, out, async_op=async_op,
         )
-        return out
 
-    def exchange(self, tensor: torch.Tensor, peers: Sequence[int]) -> list[torch.Tensor]:
+    def exchange(self, tensor: torch.Tensor, peers: Sequence[int], *, async_op: bool = False):
         """Send ``tensor`` to every peer (global ranks) and receive theirs (same shape and dtype).
 
         Symmetric point-to-point (batch_isend_irecv); the group of the operation is the peers plus
         this rank. Raises :class:`PeerTimeoutError` naming the peers if they don't answer within
-        ``timeout_s``.
+        ``timeout_s`` (on ``wait()`` when ``async_op=True``; the handle's result is the list).
         """
         peers = [int(p) for p in peers if int(p) != self.rank]
         start = time.perf_counter()
         payload = _nbytes(tensor)
         received = [torch.empty_like(tensor) for _ in peers]
+        works: list = []
         if peers:
             if not self.distributed:
                 raise RuntimeError("exchange with peers needs an initialised process group")
@@ -329,31 +377,80 @@ class Link:
             # serialise the two directions (measured: twice the link time on emulated links).
             ops = [dist.P2POp(dist.irecv, buf, p) for p, buf in zip(peers, received, strict=True)]
             ops += [dist.P2POp(dist.isend, t, p) for p in peers]
-            works = dist.batch_isend_irecv(ops)
-            for w in works:
-                try:
-                    ok = w.wait(timeout=timedelta(seconds=self.timeout_s))
-                except RuntimeError as e:
-                    raise PeerTimeoutError(
-                        f"rank {self.rank}: peer rank(s) {peers} did not answer within {self.timeout_s:g} s "
-                        f"(node(s) {sorted({self.topology.node_of(p) for p in peers})}); the peer may have "
-                        f"died or its link is down. Underlying error: {e}"
-                    ) from e
-                if ok is False:
-                    raise PeerTimeoutError(
-                        f"rank {self.rank}: peer rank(s) {peers} did not answer within {self.timeout_s:g} s"
-                    )
+            works = list(dist.batch_isend_irecv(ops))
         node = self.topology.node_of
         me = node(self.rank)
         crossing = [p for p in peers if node(p) != me]
         inter = len(crossing) * payload
         # Concurrent exchanges of the other shards of this node share the uplink.
         node_sent = inter * self.topology.shards  # type: ignore[operator]
-        self._finish(
+        return self._launch(
             dict(kind="exchange", group_size=len(peers) + 1, payload_bytes=payload,
                  bytes_sent=len(peers) * payload, bytes_recv=len(peers) * payload,
                  inter_node_bytes_sent=inter, inter_node_bytes_recv=inter,
                  node_inter_node_bytes_sent=node_sent, messages=1 if peers else 0),
-            start,
+            start, works, received, timeout_what=peers, async_op=async_op,
         )
-        return received
+
+
+class LinkHandle:
+    """An operation through the :class:`Link` in flight: ``wait()`` returns its result.
+
+    ``wait()`` blocks until the collective has finished *and*, in shaped mode, until the link's
+    clock says the data would have arrived; the time blocked (and the time the start took) is this
+    rank's *exposed* communication time, added to the record of the step in which it is spent.
+    Waiting twice returns the same result.
+    """
+
+    def __init__(self, link: Link, record: OpRecord, works: list, result, *, start: float, ready_at: float,
+                 extra_delay_s: float, timeout_peers: list[int] | None) -> None:
+        self._link = link
+        self.record = record
+        self._works = works
+        self._result = result
+        self._start = start
+        self._ready_at = ready_at
+        self._extra_delay_s = extra_delay_s
+        self._timeout_peers = timeout_peers
+        self.done = False
+
+    def _exposed(self, seconds: float) -> None:
+        self.record.exposed_s += seconds
+        self._link._current.exposed_comm_time_s += seconds
+
+    def wait(self):
+        if self.done:
+            return self._value
+        link = self._link
+        t0 = time.perf_counter()
+        for w in self._works:
+            if self._timeout_peers is not None:
+                peers = self._timeout_peers
+                try:
+                    ok = w.wait(timeout=timedelta(seconds=link.timeout_s))
+                except RuntimeError as e:
+                    raise PeerTimeoutError(
+                        f"rank {link.rank}: peer rank(s) {peers} did not answer within {link.timeout_s:g} s "
+                        f"(node(s) {sorted({link.topology.node_of(p) for p in peers})}); the peer may have "
+                        f"died or its link is down. Underlying error: {e}"
+                    ) from e
+                if ok is False:
+                    raise PeerTimeoutError(
+                        f"rank {link.rank}: peer rank(s) {peers} did not answer within {link.timeout_s:g} s"
+                    )
+            else:
+                with link._peers_guard(self.record.kind):
+                    w.wait()
+        self._value = self._result() if callable(self._result) else self._result
+        remaining = self._ready_at - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        if self._extra_delay_s > 0:
+            time.sleep(self._extra_delay_s)
+        t1 = time.perf_counter()
+        self.record.time_s = t1 - self._start
+        self._exposed(t1 - t0)
+        self.done = True
+        if self in link._in_flight:
+            link._in_flight.remove(self)
+        return self._value

@@ -30,6 +30,23 @@ sharded = tiny_sharded
 
 
 
+def watch_sends(link: Link, method: str) -> list[bool]:
+    """For every call of ``link.<method>``: True if the tensor this rank sends is finite and, for
+    bytes, all zero apart from the trailing flag byte when the flag is set."""
+    seen: list[bool] = []
+    original = getattr(link, method)
+
+    def wrapper(tensor, *args, **kwargs):
+        if tensor.dtype == torch.uint8:
+            seen.append(bool(tensor[-1] == 0 or not tensor[:-1].any()))
+        else:
+            seen.append(bool(torch.isfinite(tensor).all()))
+        return original(tensor, *args, **kwargs)
+
+    setattr(link, method, wrapper)
+    return seen
+
+
 def replicas_equal(model, topo: Topology) -> bool:
     """All replicas of every shard hold identical values (gathered over the replicate group)."""
     group = topo.replicate_group()
@@ -149,13 +166,12 @@ def test_equivalences_and_bytes_on_2x2_mesh():
         assert r["flex_delta_is_dtensor_2d"] == "DTensor"
         # Deto-Full: equal up to sign flips of near-zero gradient elements.
         assert r["deto_mismatched"] <= 0.01 * r["deto_numel"], r["deto_mismatched"]
-        # Bytes, R = 2 (ring): all-gather sends (R-1)·payload; the NaN flag is a 1-byte all-reduce.
+        # Bytes, R = 2 (ring): one all-gather of (payload + 1 flag byte), (R-1)·(payload + 1); nothing else.
         payload = r["flex_expected_payload"]
         assert r["flex_payload_method"] == payload
         for sent, kinds in r["flex_bytes"]:
-            assert kinds["all_gather"] == {"count": 1, "bytes": payload, "inter_node_bytes": payload,
-                                           "largest_group": 2}
-            assert kinds["all_reduce"]["bytes"] == 1 and kinds["all_reduce"]["count"] == 1
+            assert kinds == {"all_gather": {"count": 1, "bytes": payload + 1, "inter_node_bytes": payload + 1,
+                                            "largest_group": 2}}
             assert sent == payload + 1
         # Full sync: ring all-reduce of n fp32 elements plus the flag element: 2·(R−1)/R·(n+1)·4.
         n = r["adamw_local_numel"]
@@ -194,11 +210,12 @@ def test_demo_counts_only_bytes_that_cross_nodes():
         assert r["replicas"] == 4 and r["shards"] == 1 and r["equal"]
         for inter, node_inter, _total, kinds in r["traffic"]:
             p = r["payload"]
-            assert kinds["all_gather"]["bytes"] == 3 * p  # ring: (R−1)·payload, all hops
+            assert set(kinds) == {"all_gather"} and kinds["all_gather"]["count"] == 1
+            assert kinds["all_gather"]["bytes"] == 3 * (p + 1)  # ring: (R−1)·(payload + flag), all hops
             # Ring 0→1→2→3→0: only ranks 1 and 3 send to the other node.
-            expected_inter = 3 * p + 1 if rank in (1, 3) else 0
+            expected_inter = 3 * (p + 1) if rank in (1, 3) else 0
             assert inter == expected_inter, (rank, inter, expected_inter)
-            assert node_inter == 3 * p + 1  # each node's uplink carries one rank's ring traffic
+            assert node_inter == 3 * (p + 1)  # each node's uplink carries one rank's ring traffic
         per_node[rank // 2] += r["traffic"][0][0]
     assert per_node[0] == per_node[1] > 0
 
@@ -275,7 +292,15 @@ def _nonfinite(rank: int) -> dict:
         model = sharded(topo)
         link = Link(topo)
         opt = cls(model.parameters(), lr=LR, link=link, nonfinite="skip", **kw)
+        if name == "flexdemo":  # one good step first, so that there is momentum a refusal must keep
+            opt.zero_grad()
+            loss_of(model, rank, 5).backward()
+            opt.step()
+            link.end_step()
+        sends = watch_sends(link, "all_gather" if name == "flexdemo" else "all_reduce")
         before = [p.to_local().clone() for p in model.parameters()]
+        state_before = {id(p): {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in st.items()}
+                        for p, st in opt.state.items()}
         opt.zero_grad()
         loss_of(model, rank, 0).backward()
         if rank == 3:  # one rank of node 1 holds a NaN in one gradient shard
@@ -283,12 +308,17 @@ def _nonfinite(rank: int) -> dict:
         opt.step()
         traffic = link.end_step()
         unchanged = all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters(), strict=True))
+        unchanged = unchanged and all(
+            torch.equal(state_before[id(p)][k], v.to_local() if hasattr(v, "to_local") else v)
+            for p, st in opt.state.items() for k, v in st.items()
+        )
         states_finite = all(
             torch.isfinite(v.to_local() if hasattr(v, "to_local") else v).all().item()
             for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.is_floating_point()
         )
         out[name] = {"skipped": opt.skipped_steps, "unchanged": unchanged, "states_finite": states_finite,
-                     "sent": traffic.inter_node_bytes_sent}
+                     "sent": traffic.inter_node_bytes_sent, "ops": len(traffic.ops), "sends": list(sends),
+                     "payload": opt.payload_bytes() if name == "flexdemo" else None}
         # raise policy: every rank raises the same clear error.
         opt.nonfinite = "raise"
         opt.zero_grad()
@@ -313,7 +343,10 @@ def test_nonfinite_gradient_is_refused_everywhere_and_never_sent():
             assert r[name]["unchanged"], name
             assert r[name]["states_finite"], name
             assert r[name]["raised"] and "NaN or Inf" in r[name]["raised"]
-        assert r["flexdemo"]["sent"] == 1  # only the one-byte flag crossed the link
+            assert r[name]["ops"] == 1, name  # the flag travelled inside the one message
+            assert r[name]["sends"] == [True], name  # what left the rank was finite (zeros + flag)
+        # FlexDeMo: one all-gather of payload + flag byte (zeros on the refusing copy).
+        assert r["flexdemo"]["sent"] == r["flexdemo"]["payload"] + 1
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -461,17 +494,16 @@ class _TwoReplicaLink:
         self.topology = SimpleNamespace(shards=1, world_size=2, replicas=2)
         self.peer_message = peer_message
 
-    def all_reduce(self, tensor, *, op="avg"):  # the non-finite flag: nobody is non-finite
-        return tensor
-
-    def all_gather(self, tensor):
+    def all_gather(self, tensor, *, async_op=False):
+        assert not async_op
         return torch.stack([tensor, self.peer_message])
 
 
 def test_flexdemo_decode_is_the_true_mean_with_a_stand_in_link():
-    # The same check without processes: replica 1's message is built with the wire format.
+    # The same check without processes: replica 1's message is built with the wire format, followed
+    # by its non-finite flag byte (0: its step is fine).
     wire = WireFormat(4, 2, "fp32")
-    peer = wire.pack(torch.tensor([[1, 2]]), torch.tensor([[3.0, 5.0]]))
+    peer = torch.cat([wire.pack(torch.tensor([[1, 2]]), torch.tensor([[3.0, 5.0]])), torch.zeros(1, dtype=torch.uint8)])
     before, after = _overlapping_picks_step(0, _TwoReplicaLink(peer))
     torch.testing.assert_close(after, _expected_after(before, _TRUE_MEAN), rtol=0, atol=1e-6)  # fp32 transform
     assert not torch.allclose(after, _expected_after(before, _PICKERS_MEAN), atol=1e-3)

@@ -63,6 +63,8 @@ _LABEL_CHUNK = 128
 
 # Range checks the bench can make before anything starts (the optimizers check everything).
 _CHOICES: dict[str, tuple[str, ...]] = {"values": ("bf16", "fp32", "sign")}
+#: Per family where it differs (DiLoCo/NoLoCo quantise dense outer messages).
+_FAMILY_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {"local": {"values": ("fp32", "bf16", "int8", "int4")}}
 _MINIMUM: dict[str, tuple[float, bool]] = {  # name -> (minimum, exclusive)
     "lr": (0.0, True), "outer_lr": (0.0, True), "weight_decay": (0.0, False), "topk": (1, False),
     "chunk": (1, False), "H": (1, False), "n": (2, False), "decay": (0.0, False), "clip": (0.0, True),
@@ -105,8 +107,9 @@ def _parse_value(method: str, key: str, kind: type, text: str) -> Any:
             raise ValueError(f"{where}: {key} must be {'an integer' if kind is int else 'a number'}") from None
     else:
         value = raw
-    if key in _CHOICES and value not in _CHOICES[key]:
-        raise ValueError(f"{where}: {key} must be one of {', '.join(_CHOICES[key])}")
+    choices = _FAMILY_CHOICES.get(METHODS[method].family, {}).get(key, _CHOICES.get(key))
+    if choices is not None and value not in choices:
+        raise ValueError(f"{where}: {key} must be one of {', '.join(choices)}")
     if key in _MINIMUM:
         low, exclusive = _MINIMUM[key]
         if value < low or (exclusive and value == low):

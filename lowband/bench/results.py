@@ -66,9 +66,17 @@ A run record::
                     node's log, or what was missing from its output; null when ok
     wall_time_s     wall time of the whole launch (start-up, training, validation, exit)
     step_time_s     median seconds per training step (warm-up excluded), mean over ranks
-    compute_time_s  its compute part (forward, backward, optimizer math), mean over ranks
-    comm_time_s     its inter-node communication part (through the link), mean over ranks
-    sync_time_s     diloco/noloco: median seconds of an outer synchronisation; else null
+    compute_time_s  its compute part (forward, backward, optimizer math): step time minus the
+                    exposed communication, mean over ranks
+    comm_time_s     median seconds of the inter-node operations started in a step (start to
+                    result, the part hidden behind compute included), mean over ranks
+    exposed_comm_time_s
+                    median seconds per step that a rank was blocked in the link (blocking
+                    calls, starts and waits of overlapped operations): the communication on the
+                    critical path; equals comm_time_s without overlap; mean over ranks; null
+                    for runs recorded before the field existed
+    sync_time_s     diloco/noloco: median exposed seconds of the steps that start or finish an
+                    outer synchronisation (the outer step's time on the critical path); else null
     outer_steps     diloco/noloco: outer steps taken; else null
     inter_node_bytes_per_step
                     bytes a node sends to other nodes per step (the link's count: a model of
@@ -152,8 +160,8 @@ _MAX_ERROR_CHARS = 6000
 RUN_KEYS: tuple[str, ...] = (
     "id", "label", "method", "spec", "params", "hyperparameters", "batch_size", "topk", "chunk", "shards", "nodes", "ranks_per_node",
     "replicas", "model", "steps", "seed", "data", "num_params", "bandwidth_bps", "latency_s", "emulation",
-    "status", "error", "wall_time_s", "step_time_s", "compute_time_s", "comm_time_s", "sync_time_s",
-    "outer_steps", "inter_node_bytes_per_step", "inter_node_bytes_per_step_by_node",
+    "status", "error", "wall_time_s", "step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_time_s",
+    "sync_time_s", "outer_steps", "inter_node_bytes_per_step", "inter_node_bytes_per_step_by_node",
     "measured_wire_bytes_per_step", "measured_wire_bytes_per_step_by_node", "link_effective_bps",
     "val_loss", "best_val_loss", "train_time_s", "tokens", "steps_to_target", "tokens_to_target",
     "time_to_target_s", "adamw_steps_to_final", "adamw_time_to_final_s", "train_loss", "peak_rss_mb", "peak_rss_mb_by_rank", "link_ops", "val_history", "run_dir",
@@ -297,7 +305,7 @@ def aggregate_run(
         by_node[node] += float(_finite(s.get("inter_node_bytes_per_step")) or 0.0)
     record["inter_node_bytes_per_step_by_node"] = by_node
     record["inter_node_bytes_per_step"] = statistics.fmean(by_node)
-    for key in ("step_time_s", "compute_time_s", "comm_time_s", "sync_time_s"):
+    for key in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_time_s", "sync_time_s"):
         record[key] = _mean([s.get(key) for s in summaries])
     record["outer_steps"] = first.get("outer_steps")
     for key in ("topk", "chunk", "shards", "replicas", "num_params", "model", "batch_size"):

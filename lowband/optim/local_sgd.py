@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Adam, AdamW, Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from lowband.compress.quant import BlockQuant
 from lowband.link import Link, PeerTimeoutError
 from lowband.optim._common import (
     NonFiniteGradientError,
@@ -90,6 +91,8 @@ class _LocalSGD(Optimizer):
     """
 
     _OUTER_KEYS: tuple[str, ...] = ()
+    #: Error-feedback state, one per segment of the outer message (lossy ``values`` only).
+    _ERROR_KEYS: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -101,7 +104,10 @@ class _LocalSGD(Optimizer):
         link: Link | None,
         sync_every: int,
         max_grad_norm: float | None,
+        values: str = "fp32",
+        quant_block: int = 256,
     ) -> None:
+        self.codec = BlockQuant(values, quant_block)  # validates both
         if not isinstance(sync_every, numbers.Integral) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1, got {sync_every!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -162,6 +168,9 @@ class _LocalSGD(Optimizer):
         state["slow"] = replica_state_like(p, self._topology)
         state_view(state["slow"]).copy_(local(p))
         self._init_outer_state(p, state)
+        if self.codec.lossy:
+            for key in self._ERROR_KEYS:
+                state[key] = replica_state_like(p, self._topology)
 
     def _init_outer_state(self, p: torch.Tensor, state: dict) -> None:
         raise NotImplementedError
@@ -351,6 +360,48 @@ class _LocalSGD(Optimizer):
         else:
             flat[-1] = 0.0
 
+    def _error_flat(self) -> torch.Tensor:
+        """The error-feedback states in the message's layout: segment by segment, parameter by parameter."""
+        params = self._params()
+        return torch.cat([state_view(self.state[p][key]).reshape(-1).float()
+                          for key in self._ERROR_KEYS for p in params])
+
+    def _encode_outer(self, flat: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A sealed fp message (``numel`` values + flag) -> (uint8 message, v) in the lossy format.
+
+        v = values + e (error feedback) is what was meant to be sent; the message is its encoding
+        and one flag byte. A flagged message stays zeros + flag: nothing non-finite is sent.
+        """
+        codec = self.codec
+        message = torch.zeros(codec.nbytes(numel) + 1, dtype=torch.uint8, device=flat.device)
+        if flat[-1].item() > 0:
+            message[-1] = 1
+            return message, None
+        v = flat[:numel].float() + self._error_flat()
+        if not bool(torch.isfinite(v).all()):  # cannot happen with finite values and errors
+            message[-1] = 1
+            return message, None
+        message[:-1] = codec.encode(v)
+        return message, v
+
+    @torch.no_grad()
+    def _commit_error(self, message: torch.Tensor, v: torch.Tensor, numel: int) -> None:
+        """e ← v − decode(what was sent), once the outer step is accepted."""
+        err = v - self.codec.decode(message[:-1], numel)
+        offset = 0
+        for key in self._ERROR_KEYS:
+            for p in self._params():
+                e = state_view(self.state[p][key])
+                e.copy_(err[offset:offset + e.numel()].view_as(e))
+                offset += e.numel()
+
+    def _decoded_mean(self, messages: list[torch.Tensor], numel: int) -> torch.Tensor:
+        """The mean of the decoded messages, summed in the given order (the same on every rank)."""
+        mean = self.codec.decode(messages[0][:-1], numel).clone()
+        for m in messages[1:]:
+            mean.add_(self.codec.decode(m[:-1], numel))
+        return mean.div_(len(messages))
+
     @staticmethod
     def _nonfinite_outer(what: str) -> NonFiniteGradientError:
         return NonFiniteGradientError(
@@ -416,6 +467,15 @@ class DiLoCo(_LocalSGD):
         outer_momentum: μ in [0, 1) (paper 0.9).
         nesterov: Nesterov (default, as the paper) or heavy-ball outer momentum.
         max_grad_norm: clip the inner gradient's norm (over the model copy) to this; None: no clipping.
+        values: wire format of the outer message, see :mod:`lowband.compress.quant`: ``"fp32"``
+            (default; one all-reduce), or ``"bf16"``, ``"int8"``, ``"int4"`` (per-block scales):
+            then each replica sends Q(Δ_i + e_i) with error feedback e_i ← Δ_i + e_i − Q(Δ_i + e_i)
+            (kept per replica, checkpointed), the messages are all-gathered and every rank
+            averages the R decoded messages in replica order. Bytes per rank: fp32 all-reduce
+            2(R−1)/R·(4n + 4); lossy all-gather (R−1)·(nbytes(n) + 1), nbytes as in
+            :class:`~lowband.compress.quant.BlockQuant` (int8 ≈ n, int4 ≈ n/2, plus 4 bytes per block).
+            The all-gather grows with R: at R = 2 int8 sends 4× less than fp32, at R ≥ 9 more.
+        quant_block: elements per scale for int8/int4 (default 256).
 
     Attributes:
         inner_optimizer: the inner optimizer. ``last_sync_time_s``: wall time of the last outer step
@@ -423,6 +483,7 @@ class DiLoCo(_LocalSGD):
     """
 
     _OUTER_KEYS = ("outer_lr", "outer_momentum", "nesterov")
+    _ERROR_KEYS = ("error",)
 
     def __init__(
         self,
@@ -435,6 +496,8 @@ class DiLoCo(_LocalSGD):
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         max_grad_norm: float | None = None,
+        values: str = "fp32",
+        quant_block: int = 256,
     ) -> None:
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
@@ -447,6 +510,8 @@ class DiLoCo(_LocalSGD):
             link=link,
             sync_every=sync_every,
             max_grad_norm=max_grad_norm,
+            values=values,
+            quant_block=quant_block,
         )
         for group in self.param_groups:
             if not group["outer_lr"] > 0:
@@ -469,7 +534,17 @@ class DiLoCo(_LocalSGD):
             seg.sub_(x.reshape(-1))
             offset += x.numel()
         self._seal(flat, numel)
-        if self.link is not None:
+        if self.codec.lossy:
+            # Quantised values cannot be summed on the way: all-gather them, every rank decodes
+            # all R and averages them in replica order (identical φ on every replica).
+            message, v = self._encode_outer(flat, numel)
+            gathered = self.link.all_gather(message) if self.link is not None else message.unsqueeze(0)
+            if bool(gathered[:, -1].any()):
+                raise self._nonfinite_outer("pseudo-gradient")
+            self._commit_error(message, v, numel)
+            flat[:numel].copy_(self._decoded_mean(list(gathered), numel))
+            flat[-1] = 0.0
+        elif self.link is not None:
             self.link.all_reduce(flat, op="avg")
         if flat[-1].item() > 0:
             raise self._nonfinite_outer("pseudo-gradient")
@@ -561,6 +636,12 @@ class NoLoCo(_LocalSGD):
         seed: seed of the group draws (the same on every rank).
         timeout_s: how long to wait for a peer (> 0); None: the link's ``timeout_s``.
         max_grad_norm: clip the inner gradient's norm to this (paper 1.0); None: no clipping.
+        values: wire format of the exchanged φ and θ − φ: ``"fp32"`` (default), ``"bf16"``,
+            ``"int8"`` or ``"int4"`` (:mod:`lowband.compress.quant`), each half with its own error
+            feedback (``error_phi``, ``error_delta``, per replica); the group mean is taken over the
+            decoded messages, the sender's own included, so all members compute the same mean.
+            Bytes per peer: 8n + 4 (fp32) or nbytes(2n) + 1.
+        quant_block: elements per scale for int8/int4 (default 256).
 
     Attributes:
         last_group: global ranks of this rank's group in the last outer step.
@@ -568,6 +649,7 @@ class NoLoCo(_LocalSGD):
     """
 
     _OUTER_KEYS = ("alpha", "beta", "gamma", "group_size", "seed")
+    _ERROR_KEYS = ("error_phi", "error_delta")
 
     def __init__(
         self,
@@ -583,6 +665,8 @@ class NoLoCo(_LocalSGD):
         seed: int = 0,
         timeout_s: float | None = None,
         max_grad_norm: float | None = 1.0,
+        values: str = "fp32",
+        quant_block: int = 256,
     ) -> None:
         gamma = beta if gamma is None else gamma
         replicas = link.group_size if link is not None else 1
@@ -602,6 +686,8 @@ class NoLoCo(_LocalSGD):
             link=link,
             sync_every=sync_every,
             max_grad_norm=max_grad_norm,
+            values=values,
+            quant_block=quant_block,
         )
         self.timeout_s = timeout_s
         self.last_group: list[int] = []
@@ -650,6 +736,10 @@ class NoLoCo(_LocalSGD):
             flat[numel + offset:numel + offset + x.numel()].copy_(x).sub_(phi)
             offset += x.numel()
         self._seal(flat, 2 * numel)
+        fp_flat = flat
+        v = None
+        if self.codec.lossy:
+            flat, v = self._encode_outer(fp_flat, 2 * numel)
         received: list[torch.Tensor] = []
         if peers:
             saved_timeout = link.timeout_s  # type: ignore[union-attr]
@@ -668,10 +758,14 @@ class NoLoCo(_LocalSGD):
         if any(by_replica[j][-1].item() > 0 for j in members):
             raise self._nonfinite_outer("slow weights or pseudo-gradient of a group member")
         # The same summation order on every member: identical means.
-        mean = by_replica[members[0]][:-1].clone()
-        for j in members[1:]:
-            mean.add_(by_replica[j][:-1])
-        mean.div_(len(members))
+        if self.codec.lossy:
+            self._commit_error(flat, v, 2 * numel)
+            mean = self._decoded_mean([by_replica[j] for j in members], 2 * numel).to(fp_flat.dtype)
+        else:
+            mean = by_replica[members[0]][:-1].clone()
+            for j in members[1:]:
+                mean.add_(by_replica[j][:-1])
+            mean.div_(len(members))
 
         offset = 0
         for group in self.param_groups:

@@ -18,7 +18,7 @@ HP_FLAGS = {
     "lr": "lr", "weight_decay": "weight_decay", "topk": "topk", "chunk": "chunk", "decay": "decay",
     "sign": "sign", "values": "values", "sync_every": "H", "outer_lr": "outer_lr",
     "outer_momentum": "outer_momentum", "group_size": "n", "alpha": "alpha", "beta": "beta", "gamma": "gamma",
-    "clip": "clip",
+    "clip": "clip", "overlap": "overlap",
 }
 
 
@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk", type=int, help="DeMo/FlexDeMo: DCT chunk size")
     g.add_argument("--decay", type=float, help="DeMo/FlexDeMo: momentum decay beta")
     g.add_argument("--sign", type=parse_bool, help="DeMo/FlexDeMo/Deto-Full: step with sign() (true/false)")
-    g.add_argument("--values", choices=["bf16", "fp32", "sign"], help="DeMo/FlexDeMo: wire format of values")
+    g.add_argument("--values", choices=["bf16", "fp32", "sign", "int8", "int4"],
+                   help="wire format of values: DeMo/FlexDeMo bf16|fp32|sign; DiLoCo/NoLoCo fp32|bf16|int8|int4")
     g.add_argument("--sync-every", type=int, help="DiLoCo/NoLoCo: inner steps H between outer steps")
     g.add_argument("--outer-lr", type=float, help="DiLoCo: outer learning rate (NoLoCo: --beta)")
     g.add_argument("--outer-momentum", type=float, help="DiLoCo: outer Nesterov momentum")
@@ -42,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--beta", type=float, help="NoLoCo: pseudo-gradient weight beta")
     g.add_argument("--gamma", type=float, help="NoLoCo: weight of the pull towards the group mean (default beta)")
     g.add_argument("--clip", type=float, help="DiLoCo/NoLoCo: inner gradient clipping norm")
+    g.add_argument("--overlap", type=parse_bool, help="DeMo/FlexDeMo: apply each exchange one step later, overlapped "
+                   "with the next step's compute (true/false)")
     g.add_argument("--hp", default=None, help="more hyper-parameters as JSON, e.g. '{\"beta1\": 0.9}'")
 
     m = p.add_argument_group("model and data")

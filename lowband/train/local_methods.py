@@ -20,10 +20,11 @@ def build_local_optimizer(method: str, params: list, *, link: Link, hp: dict[str
     if method == "diloco":
         inner = functools.partial(torch.optim.AdamW, lr=hp["lr"], weight_decay=hp["weight_decay"])
         return DiLoCo(params, inner, link=link, sync_every=int(hp["H"]), outer_lr=hp["outer_lr"],
-                      outer_momentum=hp["outer_momentum"], nesterov=bool(hp["nesterov"]), max_grad_norm=clip)
+                      outer_momentum=hp["outer_momentum"], nesterov=bool(hp["nesterov"]), max_grad_norm=clip,
+                      values=hp.get("values", "fp32"))
     if method == "noloco":
         inner = functools.partial(torch.optim.AdamW, lr=hp["lr"], weight_decay=hp["weight_decay"])
         return NoLoCo(params, inner, link=link, sync_every=int(hp["H"]), alpha=hp["alpha"], beta=hp["beta"],
                       gamma=hp["gamma"], group_size=int(hp["n"]), seed=int(hp.get("seed", 0)),
-                      max_grad_norm=clip)
+                      max_grad_norm=clip, values=hp.get("values", "fp32"))
     raise ValueError(f"{method!r} is not a local-update method (diloco, noloco)")

@@ -36,7 +36,7 @@ class MethodSpec:
     family: str = "demo"
 
 
-_DEMO_HP = dict(lr=1e-3, topk=1, chunk=128, decay=0.999, sign=True, weight_decay=0.0, values="bf16")
+_DEMO_HP = dict(lr=1e-3, topk=1, chunk=128, decay=0.999, sign=True, weight_decay=0.0, values="bf16", overlap=False)
 _LOCAL_HP = dict(lr=4e-4, weight_decay=0.1, H=50, clip=1.0)
 
 METHODS: dict[str, MethodSpec] = {
@@ -71,13 +71,14 @@ METHODS: dict[str, MethodSpec] = {
             name="diloco",
             family="local",
             description="DiLoCo: H local AdamW steps, then an all-reduced Nesterov outer step",
-            hyperparameters=dict(_LOCAL_HP, outer_lr=0.7, outer_momentum=0.9, nesterov=True),
+            hyperparameters=dict(_LOCAL_HP, outer_lr=0.7, outer_momentum=0.9, nesterov=True, values="fp32"),
         ),
         MethodSpec(
             name="noloco",
             family="local",
             description="NoLoCo: H local Adam steps, then gossip averaging in random groups of n",
-            hyperparameters=dict(_LOCAL_HP, weight_decay=0.0, n=2, alpha=0.5, beta=0.7, gamma=None, seed=0),
+            hyperparameters=dict(_LOCAL_HP, weight_decay=0.0, n=2, alpha=0.5, beta=0.7, gamma=None, seed=0,
+                                 values="fp32"),
         ),
     )
 }
@@ -141,6 +142,7 @@ def build_optimizer(method: str, named_params: Iterable, *, link: Link, hp: dict
             weight_decay=hp["weight_decay"],
             values=hp["values"],
             link=link,
+            overlap=bool(hp["overlap"]),
         )
     from lowband.train.local_methods import build_local_optimizer
 
