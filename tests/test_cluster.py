@@ -303,7 +303,7 @@ def test_sigterm_tears_the_network_down() -> None:
         child.send_signal(signal.SIGTERM)
         assert child.wait(timeout=20) == 128 + signal.SIGTERM
         assert _our_namespaces(child.pid) == []
-        assert _wait_until(lambda: not is_alive(sleeper_pid), 5.0)
+        assert _wait_until(lambda: not is_alive(sleeper_pid), 15.0)
     finally:
         if child.poll() is None:
             child.kill()
