@@ -161,6 +161,17 @@ def tiny_loss(model, rank: int, step: int):
     return ((model(x) - y) ** 2).mean()
 
 
+def tiny_steps(model, opt, link, rank: int, steps) -> list:
+    """Train ``model`` on :func:`tiny_loss` for ``steps`` (step numbers); the link's record of each step."""
+    traffic = []
+    for step in steps:
+        opt.zero_grad()
+        tiny_loss(model, rank, step).backward()
+        opt.step()
+        traffic.append(link.end_step())
+    return traffic
+
+
 def full_params(model) -> list:
     """Every parameter as a full tensor (gathered from FSDP2 shards), detached copies."""
     return [p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()

@@ -19,7 +19,15 @@ from torch import nn
 from lowband.link import Link, PeerTimeoutError
 from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError, noloco_groups, warmup_cosine
 from lowband.optim._common import state_view
-from lowband.testing import full_params, run_ranks, tiny_batch, tiny_loss, tiny_model, tiny_sharded
+from lowband.testing import (
+    full_params,
+    run_ranks,
+    tiny_batch,
+    tiny_loss,
+    tiny_model,
+    tiny_sharded,
+    tiny_steps,
+)
 from lowband.topology import Topology
 
 INNER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
@@ -53,14 +61,7 @@ def replicas_equal(model, topo: Topology) -> bool:
     return True
 
 
-def run(model, opt, link, rank, steps) -> list:
-    traffic = []
-    for step in steps:
-        opt.zero_grad()
-        loss_of(model, rank, step).backward()
-        opt.step()
-        traffic.append(link.end_step())
-    return traffic
+run = tiny_steps
 
 
 def watch_sends(link: Link, method: str) -> list[bool]:

@@ -12,7 +12,7 @@ from lowband.compress.quant import BlockQuant
 from lowband.link import Link
 from lowband.optim import DiLoCo, NoLoCo
 from lowband.optim._common import state_view
-from lowband.testing import full_params, run_ranks, tiny_loss, tiny_model, tiny_sharded
+from lowband.testing import full_params, run_ranks, tiny_model, tiny_sharded, tiny_steps
 from lowband.topology import Topology
 
 INNER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
@@ -68,14 +68,6 @@ def test_optimizers_reject_unknown_outer_formats():
 
 
 # ----------------------------------------------------------------------------- 2 × 2
-def _run(model, opt, link, rank, steps):
-    traffic = []
-    for step in steps:
-        opt.zero_grad()
-        tiny_loss(model, rank, step).backward()
-        opt.step()
-        traffic.append(link.end_step())
-    return traffic
 
 
 def _replicas_equal(model, topo) -> bool:
@@ -110,7 +102,7 @@ def _quantised_outer(rank: int) -> dict:
                                       for p in params]
                                      + [state_view(opt.state[p]["error"]).reshape(-1).clone() for p in params])
                 opt.inner_optimizer.register_step_post_hook(before)
-            traffic = _run(model, opt, link, rank, range(steps))
+            traffic = tiny_steps(model, opt, link, rank, range(steps))
             outer = [t for t in traffic if t.ops]
             n = sum(p.to_local().numel() for p in params)
             out[(method, values)] = {

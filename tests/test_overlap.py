@@ -92,20 +92,14 @@ def _flex_overlap(rank: int, ckpt_dir: str) -> dict:
 
     from lowband.checkpoint import load_checkpoint, save_checkpoint
     from lowband.optim import FlexDeMo, NonFiniteGradientError
-    from lowband.testing import full_params, tiny_loss, tiny_model, tiny_sharded
+    from lowband.testing import full_params, tiny_loss, tiny_model, tiny_sharded, tiny_steps
 
     topo = Topology.from_env()
     out: dict = {}
     lr = 0.05
 
     def run(model, opt, link, steps):
-        traffic = []
-        for step in steps:
-            opt.zero_grad()
-            tiny_loss(model, rank, step).backward()
-            opt.step()
-            traffic.append(link.end_step())
-        return traffic
+        return tiny_steps(model, opt, link, rank, steps)
 
     # (a) topk = chunk, fp32, sign off: the momentum empties every step, so this is SGD at lr² on
     # the mean gradient, applied one step late: x_{t+1} = x_t − lr²·ḡ_{t−1}.
