@@ -152,10 +152,13 @@ def _modelled_plot(vs: Sequence[Variant], target: float | None, path: Path) -> N
     compute = np.logspace(-3, 1, 60)
     drawn = 0
     measured_compute = []
+    missed = []
     for v in vs:
         steps = v.values("steps_to_target")
         comms = [c for c in (modelled_comm_s(r) for r in v.ok) if c is not None]
         if not steps or not comms:
+            if v.ok:
+                missed.append(v.label)
             continue
         s, m = statistics.fmean(steps), statistics.fmean(comms)
         overlap = str((v.ok[0].get("params") or {}).get("overlap", "false")).lower() in ("true", "1")
@@ -169,6 +172,10 @@ def _modelled_plot(vs: Sequence[Variant], target: float | None, path: Path) -> N
         c = statistics.fmean(measured_compute)
         ax.axvline(c, color="gray", linewidth=0.8, linestyle=":")
         ax.text(c, 0.02, " this machine's compute", transform=ax.get_xaxis_transform(), fontsize=7, color="gray")
+    if missed and drawn:
+        ax.text(0.01, 0.80, "did not reach the target (no line; the report compares them at their own\n"
+                "final loss): " + ", ".join(missed), transform=ax.transAxes, ha="left", va="top",
+                fontsize=7, color="dimgray")  # fmt: skip
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("compute time per step (s), MODELLED")
