@@ -263,16 +263,22 @@ def _check_data(data: str, model: str) -> None:
         )
 
 
-def _parse_seeds(seeds: int | str | Sequence[int | str]) -> tuple[int, ...]:
-    items = [str(seeds)] if isinstance(seeds, int) else _split_list(seeds)
+def _parse_ints(value: int | str | Sequence[int | str], *, flag: str, example: str) -> list[int]:
+    """A comma-separated list of integers (or a sequence of them); ValueError naming the flag."""
+    items = [str(value)] if isinstance(value, int) else _split_list(value)
+    if not items:
+        raise ValueError(f"{flag} is empty; e.g. {flag} {example}")
     values = []
     for item in items:
         try:
             values.append(int(item))
         except ValueError:
-            raise ValueError(f"--seeds: {item!r} is not an integer; e.g. --seeds 0,1,2") from None
-    if not values:
-        raise ValueError("--seeds is empty; e.g. --seeds 0,1,2")
+            raise ValueError(f"{flag}: {item!r} is not an integer; e.g. {flag} {example}") from None
+    return values
+
+
+def _parse_seeds(seeds: int | str | Sequence[int | str]) -> tuple[int, ...]:
+    values = _parse_ints(seeds, flag="--seeds", example="0,1,2")
     if len(set(values)) != len(values):
         raise ValueError(f"--seeds {','.join(map(str, values))} names a seed twice; give each seed once")
     return tuple(values)
@@ -337,16 +343,7 @@ def make_config(
     bandwidths_bps = tuple(dict.fromkeys(parse_bandwidth(b) for b in bw_items))
     shard_values: tuple[int, ...] | None = None
     if shards is not None:
-        items = _split_list(shards)
-        if not items:
-            raise ValueError("--shards is empty; e.g. --shards 1,2")
-        values = []
-        for item in items:
-            try:
-                values.append(int(item))
-            except ValueError:
-                raise ValueError(f"--shards: {item!r} is not an integer; e.g. --shards 1,2") from None
-        shard_values = tuple(dict.fromkeys(values))
+        shard_values = tuple(dict.fromkeys(_parse_ints(shards, flag="--shards", example="1,2")))
     divisors = [d for d in range(1, ranks_per_node + 1) if ranks_per_node % d == 0]
     for s in [*(shard_values or ()), *(spec.get("shards") for spec in specs if spec.get("shards") is not None)]:
         try:
