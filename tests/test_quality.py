@@ -128,6 +128,18 @@ def test_seeds_multiply_the_runs_seed_major() -> None:
             make_config(methods="adamw", seeds=bad, steps=5, model="t5-tiny")
 
 
+def test_nseeds_runs_a_variant_at_the_first_seeds_only() -> None:
+    config = make_config(methods=["adamw:lr=0.001,nseeds=1", "flexdemo"], seeds="0,1", steps=5, model="t5-tiny")
+    plans = plan_runs(config)
+    assert [(p.method, p.seed) for p in plans] == [("adamw", 0), ("flexdemo", 0), ("flexdemo", 1)]
+    assert "nseeds" not in plans[0].params  # a bench key: it never reaches the trainer
+    assert "--nseeds" not in " ".join(plans[0].train_args(config, __import__("pathlib").Path("/x")))
+    with pytest.raises(ValueError, match="nseeds=3 exceeds the 2 seed"):
+        make_config(methods="adamw:nseeds=3", seeds="0,1", steps=5, model="t5-tiny")
+    with pytest.raises(ValueError, match="nseeds must be >= 1"):
+        make_config(methods="adamw:nseeds=0", seeds="0,1", steps=5, model="t5-tiny")
+
+
 def test_meaningless_benches_are_refused_with_the_fix() -> None:
     with pytest.raises(ValueError) as err:
         make_config(methods="diloco,noloco", steps=40, model="t5-tiny")  # registry H = 50 > 40 steps

@@ -358,6 +358,10 @@ def make_config(
         model = str(Path(model).expanduser().resolve())
     latency_s = parse_duration(latency)
     seed_values = _parse_seeds(seeds)
+    for spec in specs:
+        if spec.get("nseeds", 1) > len(seed_values):
+            raise ValueError(f"{spec}: nseeds={spec.get('nseeds')} exceeds the {len(seed_values)} seed(s) of the bench "
+                             f"(--seeds {','.join(map(str, seed_values))}); lower nseeds or add seeds")
     if target_loss is not None and not (math.isfinite(target_loss) and target_loss > 0):
         raise ValueError(f"--target-loss {target_loss}: give a positive validation loss, e.g. --target-loss 6.5")
     _check_meaningful(specs, steps)
@@ -452,6 +456,8 @@ def plan_runs(config: BenchConfig) -> list[RunPlan]:
     runs = ((bw, seed, spec) for bw in config.bandwidths_bps for seed in config.seeds for spec in config.methods)
     for bw, seed, spec in runs:
         given = dict(spec.params)
+        if seed not in config.seeds[:given.pop("nseeds", len(config.seeds))]:
+            continue
         if "shards" in given:
             shard_values: Sequence[int] = [given.pop("shards")]
         elif config.shards is not None and spec.name in SHARD_SWEEP:

@@ -68,7 +68,7 @@ _FAMILY_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {"local": {"values": ("
 _MINIMUM: dict[str, tuple[float, bool]] = {  # name -> (minimum, exclusive)
     "lr": (0.0, True), "outer_lr": (0.0, True), "weight_decay": (0.0, False), "topk": (1, False),
     "chunk": (1, False), "H": (1, False), "n": (2, False), "decay": (0.0, False), "clip": (0.0, True),
-    "shards": (1, False), "eps": (0.0, True),
+    "shards": (1, False), "eps": (0.0, True), "nseeds": (1, False),
 }  # fmt: skip
 _BELOW_ONE = ("decay", "beta1", "beta2")
 
@@ -83,12 +83,18 @@ def format_value(value: Any) -> str:
 
 
 def accepted_params(method: str) -> dict[str, type]:
-    """Hyper-parameters ``method`` accepts in a spec, with their types (``shards`` included)."""
+    """Keys ``method`` accepts in a spec, with their types.
+
+    The method's hyper-parameters, and two keys of the bench itself: ``shards`` (FlexDeMo-family
+    methods other than DeMo) and ``nseeds`` (run at the first N of the bench's seeds only, e.g. a
+    reference variant that needs no spread).
+    """
     out: dict[str, type] = {}
     for name, default in METHODS[method].hyperparameters.items():
         out[name] = float if default is None else type(default)
     if METHODS[method].shards_per_node != 1:
         out["shards"] = int
+    out["nseeds"] = int
     return out
 
 
