@@ -166,3 +166,19 @@ def test_preset_settings_and_the_users_options_win() -> None:
                                           "--train-args=--val-every 7"))  # fmt: skip
     assert config.steps == 60 and config.seeds == (5,)
     assert config.train_args[-2:] == ("--val-every", "7")  # the user's train args come last and win
+
+
+def test_a_variant_that_misses_the_target_is_explained_by_loss_and_time_per_step() -> None:
+    from lowband.bench.report import why_not_reached_notes
+
+    runs = [_run("adamw", [8.0, 6.0, 5.0], label="AdamW", compute=0.5),
+            _run("flexdemo", [8.0, 6.5, 5.5], label="FlexDeMo Top1", dt=1.0, compute=0.6),
+            _run("diloco", [8.0, 5.5, 4.5], label="DiLoCo H=10", dt=1.0)]
+    for r, exposed in zip(runs, (0.7, 0.01, 0.0), strict=True):
+        r["exposed_comm_time_s"] = exposed
+    results = quality.annotate_time_to_target({"runs": runs})
+    notes = why_not_reached_notes(results)
+    assert len(notes) == 1  # DiLoCo reached the target; AdamW is the reference
+    assert notes[0].startswith("FlexDeMo Top1 did not reach the target in 20 steps: it ends +0.500")
+    assert "computes 0.600 s and waits 0.010 s on the link, against 0.500 s and 0.700 s for AdamW" in notes[0]
+    assert "FlexDeMo Top1 did not reach" in render_markdown(results)

@@ -299,6 +299,37 @@ def modelled_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
     return headers, rows
 
 
+def why_not_reached_notes(results: Mapping[str, Any]) -> list[str]:
+    """For each variant that missed the target: its loss per step against its time per step, measured.
+
+    Two things decide time to target: the loss a method gets per step, and the time a step
+    takes (compute, and the communication it waits on). The note says which one kept the
+    variant from the target, with this machine's figures, so a reader sees why.
+    """
+    vs = quality.variants(results["runs"])
+    ref = next((u for u in vs if u.label == _target_label(vs) and u.ok), None)
+    if ref is None or ref.stat("compute_time_s") is None:
+        return []
+    rc, re_ = ref.stat("compute_time_s")[0], ref.stat("exposed_comm_time_s") or ref.stat("comm_time_s")
+    notes = []
+    for v in vs:
+        if v is ref or not v.ok or v.values("time_to_target_s") or v.stat("compute_time_s") is None:
+            continue
+        c = v.stat("compute_time_s")[0]
+        e = (v.stat("exposed_comm_time_s") or v.stat("comm_time_s") or (0.0,))[0]
+        delta = v.stat("val_loss")[0] - ref.stat("val_loss")[0]
+        steps = int(statistics.fmean(float(r.get("steps") or 0) for r in v.ok))
+        text = (f"{v.label} did not reach the target in {steps} steps: it ends {delta:+.3f} from {ref.label}'s "
+                f"final loss, so its loss per step is what it lacks. Per step it computes {c:.3f} s and waits "
+                f"{e:.3f} s on the link, against {rc:.3f} s and {re_[0] if re_ else 0.0:.3f} s for {ref.label}")
+        ref_final, own = v.stat("adamw_time_to_final_s"), v.stat("train_time_s")
+        if ref_final is not None and own is not None:
+            text += (f"; {ref.label} needed {ref_final[0]:.0f} s of training to get to the loss this run ends at, "
+                     f"this run {own[0]:.0f} s ({ref_final[0] / own[0]:.2f}×)")
+        notes.append(text + ".")
+    return notes
+
+
 def _noloco_notes(results: Mapping[str, Any]) -> list[str]:
     notes = []
     for r in results["runs"]:
@@ -348,7 +379,7 @@ def quality_section(results: Mapping[str, Any]) -> list[str]:
             markdown_table(headers, rows),
             "",
         ]  # fmt: skip
-    notes = _noloco_notes(results)
+    notes = why_not_reached_notes(results) + _noloco_notes(results)
     if notes:
         out += [f"- {n}" for n in notes] + [""]
     return out
