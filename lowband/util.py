@@ -1,4 +1,4 @@
-"""Small helpers that several layers share: durations and yes/no values from text, atomic file writes.
+"""Small helpers that several layers share: durations and yes/no values from text and back, atomic file writes.
 
 Each exists once, here; the CLI parsers, the bench's spec parser and the caches call these.
 """
@@ -13,8 +13,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-__all__ = ["BoolParseError", "atomic_path", "parse_bool", "parse_duration"]
+__all__ = ["BoolParseError", "atomic_path", "format_value", "parse_bool", "parse_duration"]
 
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
 _NUMBER_UNIT = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
@@ -73,3 +74,14 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def format_value(value: Any) -> str:
+    """A value as it is written in a spec or on a command line (floats round-trip exactly: repr)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)

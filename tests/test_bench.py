@@ -28,7 +28,7 @@ from lowband.bench.config import make_config, plan_runs
 from lowband.bench.methods import METHODS, parse_method_list, parse_method_spec
 from lowband.bench.plots import PLOT_FILES
 from lowband.bench.report import table1, table2
-from lowband.bench.results import SCHEMA_VERSION, aggregate_run, load_results, new_run_record
+from lowband.bench.results import SCHEMA_VERSION, aggregate_run, load_results, new_run_record, read_summaries
 from lowband.cluster import list_namespaces, netns_available
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,6 +41,8 @@ FAKE_TRAINER = textwrap.dedent(
     """
     import json, os, sys
     from pathlib import Path
+
+    from lowband.train.summary import RunSummary
 
     def main(args, env):
         assert args[0] == "train", args
@@ -80,9 +82,12 @@ FAKE_TRAINER = textwrap.dedent(
             "peak_rss_mb": 100.0 + rank, "val_loss": history[-1]["val_loss"], "val_history": history,
             "train_time_s": history[-1]["train_time_s"], "tokens": 100 * steps,
             "train_loss": 4.0, "shaping": {"bandwidth_bps": bw, "latency_s": 0.0},
+            "start_step": 0, "data": "fake", "grad_accum": 1, "precision": "fp32", "activation_checkpointing": False,
+            "memory": {}, "exposed_comm_time_s": comm, "sync_time_s": None, "outer_steps": None,
+            "wall_time_s": 1.0, "config": {},
         }
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"summary_rank{rank}.json").write_text(json.dumps(summary))
+        RunSummary(**summary).write(out)  # the trainer's schema: a missing field fails here
         if rank == 0:
             with open(out / "metrics.jsonl", "w") as f:
                 for point in history:
@@ -150,7 +155,11 @@ def test_method_spec_parsing() -> None:
     assert str(spec) == "flexdemo:topk=8,chunk=64"
     assert parse_method_spec(" AdamW ").name == "adamw"
     noloco = parse_method_spec("noloco:H=10,n=2,alpha=0.5")
-    assert dict(noloco.params) == {"H": 10, "n": 2, "alpha": 0.5}
+    # Aliases resolve to the config's field names; the spec prints with the aliases.
+    assert dict(noloco.params) == {"sync_every": 10, "group_size": 2, "alpha": 0.5}
+    assert str(noloco) == "noloco:H=10,n=2,alpha=0.5"
+    assert dict(parse_method_spec("diloco:sync_every=10,clip=none").params) == {"sync_every": 10,
+                                                                               "max_grad_norm": None}
     assert dict(parse_method_spec("deto-full:sign=false").params) == {"sign": False}
     # Commas separate specs and a spec's keys alike: key=value pieces belong to the spec before them.
     specs = parse_method_list("adamw,flexdemo:topk=8,chunk=64,demo")
@@ -164,6 +173,8 @@ def test_method_spec_parsing() -> None:
         ("flexdemo:values=int4", ["bf16", "fp32", "sign"]),
         ("demo:shards=2", ["shards", "flexdemo:shards"]),
         ("diloco:lr=0", ["lr", "> 0"]),
+        ("diloco:H=5,sync_every=6", ["twice"]),
+        ("adamw:nonfinite=maybe", ["raise", "skip"]),
     ]:
         with pytest.raises(ValueError) as err:
             parse_method_spec(bad)
@@ -238,16 +249,17 @@ def test_aggregation_of_rank_summaries(tmp_path: Path, fake_trainer: Path) -> No
         argv = ["train", "--method", "flexdemo", "--topk", "8", "--chunk", "128", "--shards", "2",
                 "--model", "m", "--steps", "6", "--out", str(tmp_path), "--link-bandwidth", "1e8"]  # fmt: skip
         assert fake(argv, env) == 0
-    summaries = [json.loads((tmp_path / f"summary_rank{r}.json").read_text()) for r in range(4)]
-    summaries[3]["inter_node_bytes_per_step"] = 500.0  # node 1's ranks differ: per-node sums
-    summaries[2]["inter_node_bytes_per_step"] = 100.0
-    summaries[1]["step_time_s"] = summaries[0]["step_time_s"] + 0.2
+    summaries = read_summaries(tmp_path, 4)
+    summaries[3].inter_node_bytes_per_step = 500.0  # node 1's ranks differ: per-node sums
+    summaries[2].inter_node_bytes_per_step = 100.0
+    summaries[1].step_time_s = summaries[0].step_time_s + 0.2
     record = new_run_record(method="flexdemo", nodes=2, ranks_per_node=2, steps=6, status="failed")
-    aggregate_run(record, summaries, run_dir=tmp_path, wire_bytes_by_node=[6000, 12000])
-    per_rank = summaries[0]["inter_node_bytes_per_step"]
+    aggregate_run(record, summaries, wire_bytes_by_node=[6000, 12000])
+    s0 = summaries[0]
+    per_rank = s0.inter_node_bytes_per_step
     assert record["inter_node_bytes_per_step_by_node"] == [2 * per_rank, 600.0]
     assert record["inter_node_bytes_per_step"] == pytest.approx((2 * per_rank + 600.0) / 2)
-    assert record["step_time_s"] == pytest.approx(summaries[0]["step_time_s"] + 0.05)
+    assert record["step_time_s"] == pytest.approx(s0.step_time_s + 0.05)
     assert record["measured_wire_bytes_per_step_by_node"] == [1000.0, 2000.0]
     assert record["measured_wire_bytes_per_step"] == 1500.0
     assert record["peak_rss_mb"] == 103.0 and record["peak_rss_mb_by_rank"] == [100.0, 101.0, 102.0, 103.0]
@@ -255,21 +267,26 @@ def test_aggregation_of_rank_summaries(tmp_path: Path, fake_trainer: Path) -> No
     assert record["link_ops"]["all_gather"]["largest_group"] == 2
     assert record["topk"] == 8 and record["chunk"] == 128 and record["shards"] == 2 and record["replicas"] == 2
     assert record["hyperparameters"] == {"lr": 0.001, "topk": 8, "chunk": 128} and record["batch_size"] == 8
-    assert record["val_loss"] == summaries[0]["val_loss"]
-    assert [p["step"] for p in record["val_history"]] == [p["step"] for p in summaries[0]["val_history"]]
-    assert [p["val_loss"] for p in record["val_history"]] == [p["val_loss"] for p in summaries[0]["val_history"]]
+    assert record["val_loss"] == s0.val_loss
+    assert [p["step"] for p in record["val_history"]] == [p["step"] for p in s0.val_history]
+    assert [p["val_loss"] for p in record["val_history"]] == [p["val_loss"] for p in s0.val_history]
     # Tokens are every rank's: summed over the 4 ranks; the training clock is rank 0's.
-    assert [p["tokens"] for p in record["val_history"]] == [4 * p["tokens"] for p in summaries[0]["val_history"]]
-    assert record["tokens"] == 4 * summaries[0]["tokens"] and record["train_time_s"] == summaries[0]["train_time_s"]
+    assert [p["tokens"] for p in record["val_history"]] == [4 * p["tokens"] for p in s0.val_history]
+    assert record["tokens"] == 4 * s0.tokens and record["train_time_s"] == s0.train_time_s
     assert record["status"] == "ok" and record["error"] is None
     assert record["link_effective_bps"] == pytest.approx(
         record["inter_node_bytes_per_step"] * 8 / record["comm_time_s"]
     )
-    # val_history falls back to rank 0's metrics.jsonl.
-    del summaries[0]["val_history"]
-    record = aggregate_run(new_run_record(method="adamw", nodes=2, ranks_per_node=2), summaries, run_dir=tmp_path)
+    record = aggregate_run(new_run_record(method="adamw", nodes=2, ranks_per_node=2), summaries)
     assert [h["step"] for h in record["val_history"]] == [0, 2, 4, 6]
     assert record["topk"] is None and record["chunk"] is None
+    # A summary that lacks a field the trainer always writes is refused, naming the field and the file.
+    path = tmp_path / "summary_rank0.json"
+    broken = json.loads(path.read_text())
+    del broken["val_history"]
+    path.write_text(json.dumps(broken))
+    with pytest.raises(ValueError, match=r"summary_rank0\.json.*missing val_history"):
+        read_summaries(tmp_path, 4)
 
 
 # ------------------------------------------------------------------------------------ report and plots

@@ -88,7 +88,7 @@ def _train_all(rank: int, out: str, cache: str) -> dict:
 
     os.environ["LOWBAND_CACHE"] = cache
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    from lowband.train.loop import TrainConfig, run_training
+    from lowband.train.loop import TrainConfig, Trainer
 
     results = {}
     for method in METHODS:
@@ -97,10 +97,10 @@ def _train_all(rank: int, out: str, cache: str) -> dict:
             hp.update(H=2)
         if method in ("flexdemo", "demo", "deto-full"):
             hp = {"lr": 1e-2}
-        s = run_training(TrainConfig(
+        s = Trainer(TrainConfig(
             method=method, model="t5-tiny", max_examples=300, val_size=16, val_batches=2, batch_size=4,
             max_source_len=32, max_target_len=8, vocab_size=512, progress=False, steps=6, precision="bf16",
-            hp=hp, out=f"{out}/{method}"))
+            hp=hp, out=f"{out}/{method}")).run().to_dict()
         results[method] = {k: s[k] for k in ("val_history", "train_loss", "precision", "memory", "status")}
     return results
 

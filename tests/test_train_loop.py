@@ -14,15 +14,15 @@ def _train(rank: int, out: str, cache: str, method: str) -> dict:
 
     os.environ["LOWBAND_CACHE"] = cache
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    from lowband.train.loop import TrainConfig, run_training
+    from lowband.train.loop import TrainConfig, Trainer
 
     common = dict(method=method, model="t5-tiny", max_examples=300, val_size=16, val_batches=2, batch_size=2,
                   max_source_len=32, max_target_len=8, vocab_size=512, progress=False, val_every=2,
                   hp={"H": 2} if method in ("diloco", "noloco") else {})
-    straight = run_training(TrainConfig(steps=5, out=f"{out}/straight", **common))
-    run_training(TrainConfig(steps=3, out=f"{out}/resumed", ckpt_every=3, **common))
-    resumed = run_training(TrainConfig(steps=5, out=f"{out}/resumed", resume="auto", **common))
-    return {"straight": straight, "resumed": resumed}
+    straight = Trainer(TrainConfig(steps=5, out=f"{out}/straight", **common)).run()
+    Trainer(TrainConfig(steps=3, out=f"{out}/resumed", ckpt_every=3, **common)).run()
+    resumed = Trainer(TrainConfig(steps=5, out=f"{out}/resumed", resume="auto", **common)).run()
+    return {"straight": straight.to_dict(), "resumed": resumed.to_dict()}
 
 
 @pytest.mark.multiprocess

@@ -291,8 +291,8 @@ def _check_meaningful(specs: Sequence[BenchMethod], steps: int) -> None:
     """Refuse a configuration whose runs could not show what they claim (no outer step at all)."""
     for spec in specs:
         hp = METHODS[spec.name].hyperparameters
-        if "H" in hp:
-            h = int(spec.get("H", hp["H"]))
+        if "sync_every" in hp:
+            h = int(spec.get("sync_every", hp["sync_every"]))
             if h > steps:
                 raise ValueError(
                     f"{spec}: H={h} inner steps per outer step with --steps {steps} means no outer step "

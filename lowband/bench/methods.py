@@ -11,11 +11,13 @@ some of its hyper-parameters::
     diloco:H=100                  DiLoCo, 100 inner steps per outer step
     noloco:H=10,n=2               NoLoCo, pairs of replicas average every 10 steps
 
-The methods, their hyper-parameters and their defaults come from the trainer's registry (one
-registry for ``lowband train`` and ``lowband bench``); a value's type is its default's type.
-``shards`` is accepted too (ranks of a node that shard one model copy), except by ``demo``,
-which is defined with one. Values are checked here, before any process starts; the trainer
-checks them again.
+The methods, their hyper-parameters, types, defaults and checks come from the method configs
+(:mod:`lowband.train.methods`, one per optimizer, for ``lowband train`` and ``lowband bench``
+alike). Keys are the configs' field names or their short aliases (``H`` = ``sync_every``, ``n`` =
+``group_size``, ``clip`` = ``max_grad_norm``); a parsed spec holds field names, and prints and
+labels with the aliases. ``shards`` is accepted too (ranks of a node that shard one model copy),
+except by ``demo``, which is defined with one. Values are checked here, by building the config,
+before any process starts.
 
 ``demo`` and ``flexdemo`` are one algorithm: a FlexDeMo run with ``shards=1`` *is* DeMo, and is
 recorded under the name ``demo`` (:func:`canonical_method`).
@@ -23,19 +25,26 @@ recorded under the name ``demo`` (:func:`canonical_method`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lowband.train.cli import HP_FLAGS
-from lowband.train.methods import METHODS
-from lowband.util import parse_bool
+from lowband.train.methods import (
+    ALIASES,
+    METHODS,
+    canonical_names,
+    hp_fields,
+    hp_flag,
+    method_config,
+    parse_hp_value,
+)
+from lowband.util import format_value
 
 __all__ = [
     "DISPLAY_NAMES",
     "METHODS",
     "SHARD_SWEEP",
+    "BENCH_KEYS",
     "BenchMethod",
     "accepted_params",
     "canonical_method",
@@ -60,69 +69,27 @@ SHARD_SWEEP: tuple[str, ...] = ("deto-full", "demo", "flexdemo")
 RUN_DEFINING: tuple[str, ...] = ("topk", "chunk")
 #: The default chunk: labels leave it out ("FlexDeMo Top8", not "FlexDeMo Top8 c128").
 _LABEL_CHUNK = 128
-
-# Range checks the bench can make before anything starts (the optimizers check everything).
-_CHOICES: dict[str, tuple[str, ...]] = {"values": ("bf16", "fp32", "sign")}
-#: Per family where it differs (DiLoCo/NoLoCo quantise dense outer messages).
-_FAMILY_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {"local": {"values": ("fp32", "bf16", "int8", "int4")}}
-_MINIMUM: dict[str, tuple[float, bool]] = {  # name -> (minimum, exclusive)
-    "lr": (0.0, True), "outer_lr": (0.0, True), "weight_decay": (0.0, False), "topk": (1, False),
-    "chunk": (1, False), "H": (1, False), "n": (2, False), "decay": (0.0, False), "clip": (0.0, True),
-    "shards": (1, False), "eps": (0.0, True), "nseeds": (1, False),
-}  # fmt: skip
-_BELOW_ONE = ("decay", "beta1", "beta2")
+_SHORT: dict[str, str] = {name: alias for alias, name in ALIASES.items()}
+#: Keys of the bench itself, not hyper-parameters: ``shards`` (FlexDeMo-family methods other than
+#: DeMo) and ``nseeds`` (run at the first N of the bench's seeds only, e.g. a reference variant
+#: that needs no spread).
+BENCH_KEYS: tuple[str, ...] = ("shards", "nseeds")
 
 
-def format_value(value: Any) -> str:
-    """A value as it is written in a spec or on a command line (floats round-trip exactly: repr)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)
-    return str(value)
+def accepted_params(method: str) -> dict[str, str]:
+    """Keys ``method`` accepts in a spec with their types, e.g. ``{"sync_every (H)": "int"}``.
 
-
-def accepted_params(method: str) -> dict[str, type]:
-    """Keys ``method`` accepts in a spec, with their types.
-
-    The method's hyper-parameters, and two keys of the bench itself: ``shards`` (FlexDeMo-family
-    methods other than DeMo) and ``nseeds`` (run at the first N of the bench's seeds only, e.g. a
-    reference variant that needs no spread).
+    The fields of the method's config (with their short aliases) and the bench's own keys
+    (:data:`BENCH_KEYS`; DeMo takes no ``shards``).
     """
-    out: dict[str, type] = {}
-    for name, default in METHODS[method].hyperparameters.items():
-        out[name] = float if default is None else type(default)
+    out: dict[str, str] = {}
+    for name, f in hp_fields(method).items():
+        key = name + (f" ({f.metadata['alias']})" if f.metadata["alias"] else "")
+        out[key] = f.type
     if METHODS[method].shards_per_node != 1:
-        out["shards"] = int
-    out["nseeds"] = int
+        out["shards"] = "int"
+    out["nseeds"] = "int"
     return out
-
-
-def _parse_value(method: str, key: str, kind: type, text: str) -> Any:
-    where = f"{method}:{key}={text}"
-    raw = text.strip()
-    if kind is bool:
-        try:
-            return parse_bool(raw)
-        except ValueError:
-            raise ValueError(f"{where}: {key} is a yes/no setting; use true or false") from None
-    if kind in (int, float):
-        try:
-            value: Any = kind(raw)
-        except ValueError:
-            raise ValueError(f"{where}: {key} must be {'an integer' if kind is int else 'a number'}") from None
-    else:
-        value = raw
-    choices = _FAMILY_CHOICES.get(METHODS[method].family, {}).get(key, _CHOICES.get(key))
-    if choices is not None and value not in choices:
-        raise ValueError(f"{where}: {key} must be one of {', '.join(choices)}")
-    if key in _MINIMUM:
-        low, exclusive = _MINIMUM[key]
-        if value < low or (exclusive and value == low):
-            raise ValueError(f"{where}: {key} must be {'>' if exclusive else '>='} {low:g}")
-    if key in _BELOW_ONE and not value < 1.0:
-        raise ValueError(f"{where}: {key} must be below 1")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +105,7 @@ class BenchMethod:
     def __str__(self) -> str:
         if not self.params:
             return self.name
-        return self.name + ":" + ",".join(f"{k}={format_value(v)}" for k, v in self.params)
+        return self.name + ":" + ",".join(f"{_SHORT.get(k, k)}={format_value(v)}" for k, v in self.params)
 
 
 def _listing() -> str:
@@ -161,7 +128,8 @@ def parse_method_spec(text: str) -> BenchMethod:
             f"unknown method {name or raw!r}; accepted methods (with their hyper-parameters): {_listing()}. "
             "Write a spec as NAME or NAME:key=value,key=value, e.g. flexdemo:topk=8,chunk=64"
         )
-    accepted = accepted_params(name)
+    accepted = ", ".join(accepted_params(name))
+    fields = hp_fields(name)
     values: dict[str, Any] = {}
     if sep:
         items = [item.strip() for item in rest.split(",")]
@@ -170,23 +138,39 @@ def parse_method_spec(text: str) -> BenchMethod:
         for item in items:
             key, eq, value = (part.strip() for part in item.partition("="))
             if not eq or not key or not value:
-                raise ValueError(
-                    f"spec {text!r}: {item!r} is not key=value; accepted keys for {name}: {', '.join(accepted)}"
-                )
-            if key not in accepted:
+                raise ValueError(f"spec {text!r}: {item!r} is not key=value; accepted keys for {name}: {accepted}")
+            if key in BENCH_KEYS and (key != "shards" or METHODS[name].shards_per_node != 1):
+                field_name = key
+            else:
                 hint = " (demo is FlexDeMo with shards=1; write flexdemo:shards=N for others)" if key == "shards" else ""
-                raise ValueError(
-                    f"method {name!r} has no hyper-parameter {key!r}{hint}; accepted: "
-                    + ", ".join(f"{k} ({t.__name__})" for k, t in accepted.items())
-                )
-            if key in values:
+                if ALIASES.get(key, key) not in fields and key not in fields:
+                    raise ValueError(f"method {name!r} has no hyper-parameter {key!r}{hint}; accepted: "
+                                     + ", ".join(f"{k} ({t})" for k, t in accepted_params(name).items()))
+                field_name = next(iter(canonical_names(name, {key: None})))
+            if field_name in values:
                 raise ValueError(f"spec {text!r} sets {key} twice")
-            values[key] = _parse_value(name, key, accepted[key], value)
-    defaults = METHODS[name].hyperparameters
-    topk, chunk = values.get("topk", defaults.get("topk")), values.get("chunk", defaults.get("chunk"))
-    if topk is not None and chunk is not None and topk > chunk:
-        raise ValueError(f"spec {text!r}: topk={topk} exceeds chunk={chunk}; topk must lie in 1..chunk")
+            try:
+                if field_name in BENCH_KEYS:
+                    values[field_name] = _parse_count(field_name, value)
+                else:
+                    values[field_name] = parse_hp_value(name, field_name, value)
+            except ValueError as e:
+                raise ValueError(f"{name}:{key}={value}: {e}") from None
+    try:
+        method_config(name, {k: v for k, v in values.items() if k not in BENCH_KEYS})
+    except ValueError as e:
+        raise ValueError(f"spec {text!r}: {e}") from None
     return BenchMethod(name, tuple(values.items()))
+
+
+def _parse_count(key: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{key} must be an integer") from None
+    if value < 1:
+        raise ValueError(f"{key} must be >= 1")
+    return value
 
 
 def parse_method_list(items: str | Sequence[str]) -> list[BenchMethod]:
@@ -233,8 +217,9 @@ def run_params(method: str, given: Mapping[str, Any], shards: int) -> dict[str, 
 def method_label(name: str, params: Mapping[str, Any]) -> str:
     """A short label for tables and plots: ``FlexDeMo Top8``, ``DeMo Top1 c64``, ``NoLoCo H=10 n=2``.
 
-    The label names the method and every hyper-parameter in ``params`` except ``shards`` (tables
-    show it in a column of its own) and the default chunk.
+    The label names the method and every hyper-parameter in ``params`` (by its short alias where
+    it has one: ``H``, ``n``) except ``shards`` (tables show it in a column of its own) and the
+    default chunk.
     """
     parts = [DISPLAY_NAMES.get(name, name)]
     rest = {k: v for k, v in params.items() if k != "shards"}
@@ -242,27 +227,16 @@ def method_label(name: str, params: Mapping[str, Any]) -> str:
         parts[0] += f" Top{rest.pop('topk')}"
     if rest.get("chunk") == _LABEL_CHUNK:
         rest.pop("chunk")
-    parts += [f"c{v}" if k == "chunk" else f"{k}={format_value(v)}" for k, v in rest.items()]
+    parts += [f"c{v}" if k == "chunk" else f"{_SHORT.get(k, k)}={format_value(v)}" for k, v in rest.items()]
     return " ".join(parts)
 
 
-_FLAG_OF: dict[str, str] = {hp: "--" + flag.replace("_", "-") for flag, hp in HP_FLAGS.items()}
-
-
 def train_hp_args(params: Mapping[str, Any]) -> list[str]:
-    """``lowband train`` arguments for ``params``: a flag each where the trainer has one
-    (``--topk 8``, ``--sign false``, ``--shards 2``), the rest as ``--hp '{"beta1": 0.95}'``."""
+    """``lowband train`` arguments for ``params`` (field names): a flag each (``--topk 8``,
+    ``--sign false``, ``--sync-every 10``, ``--shards 2``); every hyper-parameter has one."""
     argv: list[str] = []
-    extra: dict[str, Any] = {}
     for key, value in params.items():
-        if key == "shards":
-            argv += ["--shards", str(value)]
-        elif key in _FLAG_OF:
-            argv += [_FLAG_OF[key], format_value(value)]
-        else:
-            extra[key] = value
-    if extra:
-        argv += ["--hp", json.dumps(extra)]
+        argv += ["--shards" if key == "shards" else hp_flag(key), format_value(value)]
     return argv
 
 

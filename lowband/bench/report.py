@@ -333,9 +333,9 @@ def why_not_reached_notes(results: Mapping[str, Any]) -> list[str]:
 def _noloco_notes(results: Mapping[str, Any]) -> list[str]:
     notes = []
     for r in results["runs"]:
-        if r["method"] != "noloco" or r.get("replicas") is None:
+        if r["method"] != "noloco" or r.get("replicas") is None or r["hyperparameters"] is None:
             continue
-        n = int(((r.get("hyperparameters") or {}).get("n")) or (r.get("params") or {}).get("n") or 2)
+        n = int(r["hyperparameters"]["group_size"])
         if r["replicas"] < 2 * n:
             notes.append(f"{r['label']}: with {r['replicas']} replicas and groups of n = {n}, NoLoCo's only group "
                          "is every replica: it is DiLoCo with heavy-ball momentum (α, β) and no gossip. Compare "

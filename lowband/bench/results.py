@@ -117,7 +117,8 @@ A run record::
     logs            node log files, relative to the bench directory
     command         the arguments after the entry module (["train", "--method", ...])
 
-The trainer's per-rank ``summary_rank<R>.json`` files are the source of every training field;
+The trainer's per-rank ``summary_rank<R>.json`` files (:class:`lowband.train.summary.RunSummary`,
+one schema for the writer and this reader) are the source of every training field;
 :func:`aggregate_run` turns them into the fields above.
 """
 
@@ -136,6 +137,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from lowband.train.summary import RunSummary, summary_path
 from lowband.util import atomic_path
 
 __all__ = [
@@ -213,29 +215,24 @@ def _mean(values: Sequence[Any]) -> float | None:
     return statistics.fmean(nums) if nums else None
 
 
-def read_summaries(run_dir: Path, world_size: int) -> list[dict[str, Any]]:
+def read_summaries(run_dir: Path, world_size: int) -> list[RunSummary]:
     """Read ``summary_rank{R}.json`` for every rank, in rank order.
 
     Raises:
-        ValueError: a summary is missing, unreadable, not an object, or not ``status: ok``
-            (the message names the file).
+        ValueError: a summary is missing, unreadable, not a run summary of this version, or not
+            ``status: ok`` (the message names the file).
     """
     summaries = []
     missing = []
     for rank in range(world_size):
-        path = run_dir / f"summary_rank{rank}.json"
+        path = summary_path(run_dir, rank)
         if not path.is_file():
             missing.append(path.name)
             continue
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read {path}: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} does not hold a JSON object")
-        if data.get("status", "ok") != "ok":
-            raise ValueError(f"{path} reports status {data.get('status')!r}: {data.get('error', '')}")
-        summaries.append(data)
+        summary = RunSummary.read(path)
+        if summary.status != "ok":
+            raise ValueError(f"{path} reports status {summary.status!r}")
+        summaries.append(summary)
     if missing:
         raise ValueError(
             f"the trainer exited successfully but wrote no {', '.join(missing)} in {run_dir} "
@@ -244,42 +241,29 @@ def read_summaries(run_dir: Path, world_size: int) -> list[dict[str, Any]]:
     return summaries
 
 
-_POINT_KEYS = ("step", "epoch", "tokens", "train_time_s", "wall_s", "val_loss")
-
-
-def _val_history_from_metrics(path: Path) -> list[dict[str, Any]]:
-    history = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and rec.get("type") == "val" and _finite(rec.get("val_loss")) is not None:
-            history.append({k: rec.get(k) for k in _POINT_KEYS})
-    return history
-
-
-def _merge_link_ops(summaries: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+def _merge_link_ops(summaries: Sequence[RunSummary]) -> dict[str, dict[str, int]]:
     merged: dict[str, dict[str, int]] = {}
     for s in summaries:
-        for kind, ops in (s.get("link_ops") or {}).items():
+        for kind, ops in s.link_ops.items():
             d = merged.setdefault(kind, {"count": 0, "bytes": 0, "inter_node_bytes": 0, "largest_group": 0})
-            d["count"] += int(ops.get("count", 0))
-            d["bytes"] += int(ops.get("bytes", 0))
-            d["inter_node_bytes"] += int(ops.get("inter_node_bytes", 0))
-            d["largest_group"] = max(d["largest_group"], int(ops.get("largest_group", 0)))
+            d["count"] += int(ops["count"])
+            d["bytes"] += int(ops["bytes"])
+            d["inter_node_bytes"] += int(ops["inter_node_bytes"])
+            d["largest_group"] = max(d["largest_group"], int(ops["largest_group"]))
     return dict(sorted(merged.items()))
+
+
+_POINT_KEYS = ("step", "epoch", "tokens", "train_time_s", "wall_s", "val_loss")
+#: Run-record fields copied from rank 0's summary as they are.
+_FROM_RANK0 = ("outer_steps", "shards", "replicas", "num_params", "model", "batch_size", "train_time_s")
+#: Run-record fields that are the mean over the ranks' summaries.
+_MEAN_OVER_RANKS = ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_time_s", "sync_time_s")
 
 
 def aggregate_run(
     record: dict[str, Any],
-    summaries: Sequence[Mapping[str, Any]],
+    summaries: Sequence[RunSummary],
     *,
-    run_dir: Path | None = None,
     wire_bytes_by_node: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Fill a run record's training fields from the per-rank summaries (in rank order).
@@ -287,56 +271,43 @@ def aggregate_run(
     Args:
         record: a record from :func:`new_run_record` with ``nodes`` and ``ranks_per_node`` set;
             updated in place and returned.
-        summaries: one ``summary_rank{R}.json`` object per rank, rank 0 first.
-        run_dir: the run's directory; rank 0's ``metrics.jsonl`` there supplies ``val_history``
-            when the summary lacks it.
+        summaries: one :class:`~lowband.train.summary.RunSummary` per rank, rank 0 first.
         wire_bytes_by_node: netns mode: bytes each node's interface sent during the launch.
     """
     nodes, per_node = int(record["nodes"]), int(record["ranks_per_node"])
     if len(summaries) != nodes * per_node:
         raise ValueError(f"expected {nodes * per_node} rank summaries ({nodes} nodes × {per_node}), got {len(summaries)}")
     first = summaries[0]
-    steps = int(first.get("steps") or record.get("steps") or 0)
     by_node = [0.0] * nodes
     for rank, s in enumerate(summaries):
-        node = int(s.get("node", rank // per_node))
-        if not 0 <= node < nodes:
-            raise ValueError(f"summary of rank {rank} names node {node}, but there are {nodes} nodes")
-        by_node[node] += float(_finite(s.get("inter_node_bytes_per_step")) or 0.0)
+        if not 0 <= s.node < nodes:
+            raise ValueError(f"summary of rank {rank} names node {s.node}, but there are {nodes} nodes")
+        by_node[s.node] += float(_finite(s.inter_node_bytes_per_step) or 0.0)
     record["inter_node_bytes_per_step_by_node"] = by_node
     record["inter_node_bytes_per_step"] = statistics.fmean(by_node)
-    for key in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_time_s", "sync_time_s"):
-        record[key] = _mean([s.get(key) for s in summaries])
-    record["outer_steps"] = first.get("outer_steps")
-    for key in ("topk", "chunk", "shards", "replicas", "num_params", "model", "batch_size"):
-        if first.get(key) is not None:
-            record[key] = first[key]
-    if isinstance(first.get("hp"), Mapping):
-        record["hyperparameters"] = dict(first["hp"])
-    if record["method"] not in ("demo", "flexdemo"):
-        record["topk"] = record["chunk"] = None
-    record["val_loss"] = _finite(first.get("val_loss"))
-    record["train_loss"] = _finite(first.get("train_loss"))
-    rss = [_finite(s.get("peak_rss_mb")) for s in summaries]
+    for key in _MEAN_OVER_RANKS:
+        record[key] = _mean([getattr(s, key) for s in summaries])
+    for key in _FROM_RANK0:
+        record[key] = getattr(first, key)
+    record["hyperparameters"] = dict(first.hp)
+    demo = record["method"] in ("demo", "flexdemo")
+    record["topk"], record["chunk"] = (first.topk, first.chunk) if demo else (None, None)
+    record["val_loss"] = _finite(first.val_loss)
+    record["train_loss"] = _finite(first.train_loss)
+    rss = [_finite(s.peak_rss_mb) for s in summaries]
     record["peak_rss_mb_by_rank"] = rss
     record["peak_rss_mb"] = max((r for r in rss if r is not None), default=None)
     record["link_ops"] = _merge_link_ops(summaries)
-    history = first.get("val_history")
-    if not history and run_dir is not None:
-        history = _val_history_from_metrics(run_dir / "metrics.jsonl")
-    history = [{k: dict(h).get(k) for k in _POINT_KEYS} for h in (history or [])]
+    history = [{k: h[k] for k in _POINT_KEYS} for h in first.val_history]
     # Tokens: every rank trained on its own slice of the global batch; sum them over the ranks.
-    per_rank = [s.get("val_history") or [] for s in summaries]
+    per_rank = [s.val_history for s in summaries]
     if all(len(h) == len(history) for h in per_rank):
         for i, point in enumerate(history):
-            counts = [h[i].get("tokens") if isinstance(h[i], Mapping) else None for h in per_rank]
-            point["tokens"] = sum(counts) if None not in counts else None
+            point["tokens"] = sum(h[i]["tokens"] for h in per_rank)
     record["val_history"] = history
-    record["train_time_s"] = _finite(first.get("train_time_s"))
-    counts = [s.get("tokens") for s in summaries]
-    record["tokens"] = sum(counts) if None not in counts else None
-    if wire_bytes_by_node is not None and steps > 0:
-        wire = [b / steps for b in wire_bytes_by_node]
+    record["tokens"] = sum(s.tokens for s in summaries)
+    if wire_bytes_by_node is not None and first.steps > 0:
+        wire = [b / first.steps for b in wire_bytes_by_node]
         record["measured_wire_bytes_per_step_by_node"] = wire
         record["measured_wire_bytes_per_step"] = statistics.fmean(wire)
     comm = record["comm_time_s"]

@@ -236,7 +236,7 @@ def _run_one(
         wire = [net.tx_bytes(i) - before for i, before in enumerate(tx_before)]
     try:
         summaries = read_summaries(run_dir, plan.world_size)
-        aggregate_run(record, summaries, run_dir=run_dir, wire_bytes_by_node=wire)
+        aggregate_run(record, summaries, wire_bytes_by_node=wire)
     except (ValueError, KeyError, TypeError) as exc:
         record["status"] = "failed"
         record["error"] = f"the run's output is unusable: {exc}"

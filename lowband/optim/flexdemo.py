@@ -403,7 +403,7 @@ class FlexDeMo(Optimizer):
             raise NonFiniteGradientError(
                 "a gradient holds NaN or Inf on at least one rank; the step was refused before anything "
                 "non-finite was sent or anything was changed. Lower the learning rate, clip gradients, or "
-                "pass nonfinite='skip' to skip such steps."
+                "pass nonfinite='skip' (lowband train: --nonfinite skip) to skip such steps."
             )
         self.skipped_steps += 1
         log.warning("non-finite gradient: step skipped (%d skipped so far)", self.skipped_steps)

@@ -88,7 +88,7 @@ class _FullSyncMixin:
                 raise NonFiniteGradientError(
                     "a gradient holds NaN or Inf on at least one rank; the step was refused before any "
                     "value was sent or changed. Lower the learning rate, clip gradients, or pass "
-                    "nonfinite='skip'."
+                    "nonfinite='skip' (lowband train: --nonfinite skip)."
                 )
             self.skipped_steps += 1
             log.warning("non-finite gradient: step skipped (%d skipped so far)", self.skipped_steps)

@@ -46,9 +46,14 @@ from lowband.optim._common import (
     state_view,
 )
 
-__all__ = ["DiLoCo", "NoLoCo", "noloco_groups", "warmup_cosine", "warmup_cosine_factor"]
+__all__ = ["DILOCO_INNER_DEFAULTS", "NOLOCO_INNER_DEFAULTS", "DiLoCo", "NoLoCo", "noloco_groups", "warmup_cosine", "warmup_cosine_factor"]
 
 log = logging.getLogger(__name__)
+
+#: The inner optimizer each method builds when given none (DiLoCo: AdamW as in the paper; NoLoCo:
+#: Adam), also the defaults of ``lowband train``'s inner lr and weight decay.
+DILOCO_INNER_DEFAULTS: dict[str, float] = {"lr": 4e-4, "weight_decay": 0.1}
+NOLOCO_INNER_DEFAULTS: dict[str, float] = {"lr": 4e-4, "weight_decay": 0.0}
 
 InnerOptimizer = Optimizer | Callable[[list[dict[str, Any]]], Optimizer] | None
 
@@ -505,7 +510,7 @@ class DiLoCo(_LocalSGD):
         super().__init__(
             params,
             inner_optimizer,
-            default_inner=lambda groups: AdamW(groups, lr=4e-4, weight_decay=0.1),
+            default_inner=lambda groups: AdamW(groups, **DILOCO_INNER_DEFAULTS),
             outer_defaults=dict(outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov),
             link=link,
             sync_every=sync_every,
@@ -681,7 +686,7 @@ class NoLoCo(_LocalSGD):
         super().__init__(
             params,
             inner_optimizer,
-            default_inner=lambda groups: Adam(groups, lr=4e-4),
+            default_inner=lambda groups: Adam(groups, **NOLOCO_INNER_DEFAULTS),
             outer_defaults=dict(alpha=alpha, beta=beta, gamma=gamma, group_size=group_size, seed=seed),
             link=link,
             sync_every=sync_every,

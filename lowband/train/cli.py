@@ -3,49 +3,60 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import logging
+from typing import Any
 
 from lowband.link import parse_bandwidth
-from lowband.train.loop import TrainConfig, run_training
-from lowband.train.methods import METHODS
-from lowband.util import parse_bool, parse_duration
+from lowband.train.loop import TrainConfig, Trainer
+from lowband.train.methods import ALIASES, METHODS, canonical_names, hp_flag, parse_hp_value
+from lowband.util import format_value, parse_duration
 
-__all__ = ["add_arguments", "main", "config_from_args", "HP_FLAGS"]
+__all__ = ["add_arguments", "main", "config_from_args"]
 
-# flag -> hyper-parameter name (each method accepts a subset; see METHODS).
-HP_FLAGS = {
-    "lr": "lr", "weight_decay": "weight_decay", "topk": "topk", "chunk": "chunk", "decay": "decay",
-    "sign": "sign", "values": "values", "sync_every": "H", "outer_lr": "outer_lr",
-    "outer_momentum": "outer_momentum", "group_size": "n", "alpha": "alpha", "beta": "beta", "gamma": "gamma",
-    "clip": "clip", "overlap": "overlap",
-}
+
+def _hp_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per hyper-parameter of any method, derived from the method configs (their help, type
+    and choices); ``dest`` is ``hp_<field>``, so a hyper-parameter never collides with a run option."""
+    g = p.add_argument_group("method hyper-parameters (default: the method's own, see --method; "
+                             "each flag applies to the methods named in its help)")
+    uses: dict[str, list[tuple[str, dataclasses.Field]]] = {}  # field -> (methods, field) per config
+    configs: dict[type, list[str]] = {}
+    for method, spec in METHODS.items():
+        configs.setdefault(spec.config, []).append(method)
+    for config, methods in configs.items():
+        for f in dataclasses.fields(config):
+            uses.setdefault(f.name, []).append(("/".join(methods), f))
+    for name, per_config in uses.items():
+        methods, f = per_config[0]
+        helps = "; ".join(f"{m}: {fl.metadata['help']} (default {format_value(fl.default)})"
+                          for m, fl in per_config).replace("%", "%%")
+        choices = list(dict.fromkeys(c for _, fl in per_config for c in (fl.metadata["choices"] or ()))) or None
+        flags = [hp_flag(name)]
+        alias = f.metadata["alias"]
+        if alias and len(alias) > 1:
+            flags.append("--" + alias)  # --clip: the flag's old name
+        # SUPPRESS: an option not given is absent, so "--max-grad-norm none" can set None.
+        g.add_argument(*flags, dest=f"hp_{name}", default=argparse.SUPPRESS, choices=choices, help=helps,
+                       type=functools.partial(_hp_value, methods.split("/")[0], name))
+    g.add_argument("--hp", default=None, help="hyper-parameters as JSON, field names or aliases "
+                   f"({', '.join(f'{a}={n}' for a, n in ALIASES.items())}), e.g. '{{\"beta1\": 0.9}}'")
+
+
+def _hp_value(method: str, name: str, text: str) -> Any:
+    try:
+        return parse_hp_value(method, name, text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     p.add_argument("--method", default=d.method, choices=list(METHODS),
                    help="; ".join(f"{m.name}: {m.description}" for m in METHODS.values()))
-    g = p.add_argument_group("method hyper-parameters (default: the method's own; see docs)")
-    g.add_argument("--lr", type=float, help="learning rate")
-    g.add_argument("--weight-decay", type=float, help="decoupled weight decay")
-    g.add_argument("--topk", type=int, help="DeMo/FlexDeMo: DCT coefficients kept per chunk")
-    g.add_argument("--chunk", type=int, help="DeMo/FlexDeMo: DCT chunk size")
-    g.add_argument("--decay", type=float, help="DeMo/FlexDeMo: momentum decay beta")
-    g.add_argument("--sign", type=parse_bool, help="DeMo/FlexDeMo/Deto-Full: step with sign() (true/false)")
-    g.add_argument("--values", choices=["bf16", "fp32", "sign", "int8", "int4"],
-                   help="wire format of values: DeMo/FlexDeMo bf16|fp32|sign; DiLoCo/NoLoCo fp32|bf16|int8|int4")
-    g.add_argument("--sync-every", type=int, help="DiLoCo/NoLoCo: inner steps H between outer steps")
-    g.add_argument("--outer-lr", type=float, help="DiLoCo: outer learning rate (NoLoCo: --beta)")
-    g.add_argument("--outer-momentum", type=float, help="DiLoCo: outer Nesterov momentum")
-    g.add_argument("--group-size", type=int, help="NoLoCo: replicas per gossip group n")
-    g.add_argument("--alpha", type=float, help="NoLoCo: momentum alpha")
-    g.add_argument("--beta", type=float, help="NoLoCo: pseudo-gradient weight beta")
-    g.add_argument("--gamma", type=float, help="NoLoCo: weight of the pull towards the group mean (default beta)")
-    g.add_argument("--clip", type=float, help="DiLoCo/NoLoCo: inner gradient clipping norm")
-    g.add_argument("--overlap", type=parse_bool, help="DeMo/FlexDeMo: apply each exchange one step later, overlapped "
-                   "with the next step's compute (true/false)")
-    g.add_argument("--hp", default=None, help="more hyper-parameters as JSON, e.g. '{\"beta1\": 0.9}'")
+    _hp_arguments(p)
 
     m = p.add_argument_group("model and data")
     m.add_argument("--model", default=d.model, help="named size (t5-tiny, t5-mini, t5-small, gpt-mini, ...) "
@@ -100,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    hp = {HP_FLAGS[k]: v for k, v in vars(args).items() if k in HP_FLAGS and v is not None}
+    hp = {k.removeprefix("hp_"): v for k, v in vars(args).items() if k.startswith("hp_")}
     if args.hp:
         try:
             extra = json.loads(args.hp)
@@ -108,6 +119,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise ValueError(f"--hp must be a JSON object, e.g. '{{\"beta1\": 0.9}}': {e}") from e
         if not isinstance(extra, dict):
             raise ValueError("--hp must be a JSON object")
+        extra = canonical_names(args.method, extra)
+        twice = sorted(set(extra) & set(hp))
+        if twice:
+            raise ValueError(f"{', '.join(twice)} given both as a flag and in --hp; give each once")
         hp.update(extra)
     val_size: float | int = args.val_size
     if val_size >= 1:
@@ -134,8 +149,8 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "1")))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = config_from_args(args)
-    summary = run_training(cfg)
-    if summary["rank"] == 0:
-        print(json.dumps({k: summary[k] for k in ("method", "steps", "step_time_s", "comm_time_s",
-                                                  "inter_node_bytes_per_step", "val_loss", "peak_rss_mb")}))
+    summary = Trainer(cfg).run()
+    if summary.rank == 0:
+        print(json.dumps({k: getattr(summary, k) for k in ("method", "steps", "step_time_s", "comm_time_s",
+                                                           "inter_node_bytes_per_step", "val_loss", "peak_rss_mb")}))
     return 0

@@ -46,9 +46,10 @@ from lowband.link import Link
 from lowband.memory import PhaseMemory
 from lowband.optim.local_sgd import warmup_cosine_factor
 from lowband.topology import Topology
-from lowband.train.methods import METHODS, build_optimizer, check_hyperparameters, method_shards
+from lowband.train.methods import METHODS, MethodConfig, method_config, method_shards
+from lowband.train.summary import RunSummary
 
-__all__ = ["TrainConfig", "run_training", "WARMUP_STEPS_EXCLUDED"]
+__all__ = ["TrainConfig", "Trainer", "run_training", "WARMUP_STEPS_EXCLUDED"]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,9 @@ class TrainConfig:
 
     Args:
         method: a key of :data:`lowband.train.methods.METHODS`.
-        hp: hyper-parameter overrides for the method (see ``METHODS[method].hyperparameters``).
+        hp: hyper-parameter overrides for the method: field names of its config (or their aliases
+            H, n, clip), e.g. ``{"sync_every": 10}``; or the config itself
+            (:mod:`lowband.train.methods`).
         model: a named size (:data:`lowband.train.models.MODEL_SIZES`) or a local model directory.
         data: a local data file, or None for the embedded default (Wikipedia vital articles).
         val_data: a separate validation file (then all of ``data`` is for training).
@@ -98,7 +101,7 @@ class TrainConfig:
     """
 
     method: str = "flexdemo"
-    hp: dict[str, Any] = field(default_factory=dict)
+    hp: dict[str, Any] | MethodConfig = field(default_factory=dict)
     model: str = "t5-mini"
     data: str | None = None
     val_data: str | None = None
@@ -136,7 +139,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Check everything that can be checked before any process group exists."""
-        check_hyperparameters(self.method, self.hp)
+        method_config(self.method, self.hp)
         for name in ("steps", "batch_size", "val_batches", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -242,51 +245,117 @@ class _Metrics:
 
 
 # --------------------------------------------------------------------------- the run
-def run_training(cfg: TrainConfig) -> dict:
-    """Train on this rank; return this rank's summary (also written to ``summary_rank{R}.json``)."""
-    cfg.validate()
-    _init_distributed()
-    if cfg.precision != "fp32" and not dist.is_initialized():
-        # FSDP2 applies the precision policy; a single process gets a one-rank group (no ports).
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(),
-                                rank=0, world_size=1)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    shards = method_shards(cfg.method, local_world, cfg.shards)
-    topology = Topology.from_env(shards=shards)
-    topology.check_launch()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    # T5 blocks return views; FSDP2 warns that an in-place op on them would skip its hook. Neither
-    # model does one: tests/test_sharding.py checks sharded T5 gradients against unsharded ones.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    t_start = time.perf_counter()
+@dataclass
+class _Tally:
+    """What the steps and validations of a run add up to, for its summary."""
 
-    from lowband.sharding import shard_model
-    from lowband.train.data import DataConfig, epoch_of, load_data, steps_per_epoch, train_batch
-    from lowband.train.models import build_model, model_kind, transformer_blocks
-    from lowband.train.step import split_batch, train_step
+    step_times: list[float] = field(default_factory=list)  # warm-up steps excluded (these four)
+    compute_times: list[float] = field(default_factory=list)
+    comm_times: list[float] = field(default_factory=list)
+    exposed_times: list[float] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)  # every step (these two)
+    node_sent: list[int] = field(default_factory=list)
+    sync_times: list[float] = field(default_factory=list)  # DiLoCo/NoLoCo: steps with an outer step
+    link_ops: dict[str, dict[str, int]] = field(default_factory=dict)
+    val_history: list[dict[str, float]] = field(default_factory=list)
+    train_loss: float = float("nan")
 
-    data = load_data(DataConfig(
-        path=cfg.data, kind=model_kind(cfg.model), val_path=cfg.val_data, tokenizer=cfg.tokenizer, source_column=cfg.source_column,
-        target_column=cfg.target_column, text_column=cfg.text_column, val_size=cfg.val_size,
-        max_source_len=cfg.max_source_len, max_target_len=cfg.max_target_len, max_len=cfg.max_len,
-        vocab_size=cfg.vocab_size, seed=cfg.seed, max_examples=cfg.max_examples,
-    ))
-    spec = build_model(cfg.model, vocab_size=data.vocab_size, seed=cfg.seed)
-    model = spec.model.to(device)
-    model = shard_model(model, topology, blocks=transformer_blocks(model), precision=cfg.precision,
-                        activation_checkpointing=cfg.activation_checkpointing)
-    link = Link(topology, bandwidth_bps=cfg.link_bandwidth_bps, latency_s=cfg.link_latency_s)
-    hp = check_hyperparameters(cfg.method, cfg.hp)
-    optimizer = build_optimizer(cfg.method, model.named_parameters(), link=link, hp=cfg.hp, model=model)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    def add_ops(self, by_kind: dict[str, dict[str, int]]) -> None:
+        for kind, d in by_kind.items():
+            acc = self.link_ops.setdefault(kind, {"count": 0, "bytes": 0, "inter_node_bytes": 0, "largest_group": 0})
+            acc["count"] += d["count"]
+            acc["bytes"] += d["bytes"]
+            acc["inter_node_bytes"] += d["inter_node_bytes"]
+            acc["largest_group"] = max(acc["largest_group"], d["largest_group"])
 
-    start_step = 0
-    resumed: dict[str, Any] = {}
-    if cfg.resume:
+
+class Trainer:
+    """One rank's training run, in named phases.
+
+    :meth:`run` is ``build`` → ``evaluate(0)`` → ``train_step`` per step (with ``evaluate`` and
+    ``checkpoint`` where due) → final ``evaluate`` and ``checkpoint`` → ``summarize``:
+
+    - :meth:`build`: the process group, topology, data, model (FSDP2 inside a node), link,
+      optimizer (from the method's config), lr schedule, a resume, the outputs.
+    - :meth:`train_step`: one optimizer step: this rank's slice of the global batch → forward and
+      backward (``grad_accum`` micro-batches) → ``optimizer.step()`` (the inter-node part, through
+      the link) → the link's record of the step, written to ``metrics.jsonl``.
+    - :meth:`evaluate`: validation loss of this rank's model copy, recorded.
+    - :meth:`checkpoint`: a DCP checkpoint with the schedule, step and training clock.
+    - :meth:`summarize`: this rank's :class:`~lowband.train.summary.RunSummary`, written.
+
+    Args:
+        cfg: the run (checked at once: :meth:`TrainConfig.validate`).
+    """
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.method = method_config(cfg.method, cfg.hp)
+        self.local = METHODS[cfg.method].family == "local"
+        self.tally = _Tally()
+        self.start_step = 0
+
+    # ------------------------------------------------------------------ build
+    def build(self) -> None:
+        """Everything a step needs, in order: processes, topology, data, model, link, optimizer, resume, outputs."""
+        self._start_processes()
+        self._build_model()
+        self._build_optimizer()
+        if self.cfg.resume:
+            self._resume()
+        self._open_outputs()
+
+    def _start_processes(self) -> None:
+        cfg = self.cfg
+        _init_distributed()
+        if cfg.precision != "fp32" and not dist.is_initialized():
+            # FSDP2 applies the precision policy; a single process gets a one-rank group (no ports).
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        self.topology = Topology.from_env(shards=method_shards(cfg.method, local_world, cfg.shards))
+        self.topology.check_launch()
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                       else torch.device("cpu"))
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        # T5 blocks return views; FSDP2 warns that an in-place op on them would skip its hook. Neither
+        # model does one: tests/test_sharding.py checks sharded T5 gradients against unsharded ones.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        self.t_start = time.perf_counter()
+
+    def _build_model(self) -> None:
+        from lowband.sharding import shard_model
+        from lowband.train.data import DataConfig, load_data
+        from lowband.train.models import build_model, model_kind, transformer_blocks
+
+        cfg = self.cfg
+        self.data = load_data(DataConfig(
+            path=cfg.data, kind=model_kind(cfg.model), val_path=cfg.val_data, tokenizer=cfg.tokenizer,
+            source_column=cfg.source_column, target_column=cfg.target_column, text_column=cfg.text_column,
+            val_size=cfg.val_size, max_source_len=cfg.max_source_len, max_target_len=cfg.max_target_len,
+            max_len=cfg.max_len, vocab_size=cfg.vocab_size, seed=cfg.seed, max_examples=cfg.max_examples,
+        ))  # fmt: skip
+        self.spec = build_model(cfg.model, vocab_size=self.data.vocab_size, seed=cfg.seed)
+        model = self.spec.model.to(self.device)
+        self.model = shard_model(model, self.topology, blocks=transformer_blocks(model), precision=cfg.precision,
+                                 activation_checkpointing=cfg.activation_checkpointing)
+
+    def _build_optimizer(self) -> None:
+        cfg = self.cfg
+        self.link = Link(self.topology, bandwidth_bps=cfg.link_bandwidth_bps, latency_s=cfg.link_latency_s)
+        self.optimizer = self.method.build(list(self.model.named_parameters()), link=self.link, model=self.model)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        # The training clock and token count (see the module docstring); a resumed run goes on from
+        # the checkpoint's, so its curves continue the interrupted run's.
+        self.clock: dict[str, float] = {"train_time_s": 0.0, "tokens": 0}
+
+    def _resume(self) -> None:
+        cfg, out, model, optimizer, scheduler, link = (self.cfg, self.out, self.model, self.optimizer,
+                                                       self.scheduler, self.link)
         from lowband.checkpoint import latest_checkpoint, load_checkpoint
 
         path = latest_checkpoint(out / "checkpoints") if cfg.resume == "auto" else Path(cfg.resume)
@@ -300,133 +369,165 @@ def run_training(cfg: TrainConfig) -> dict:
         link.end_step()  # loading may run a zero-lr step (DCP initialises optimizer state): not traffic
         link.history.clear()
         log.info("resumed from %s at step %d", path, start_step)
+        self.start_step = start_step
+        self.clock = {"train_time_s": float(resumed.get("train_time_s", 0.0)), "tokens": int(resumed.get("tokens", 0))}
 
-    step_batch = cfg.batch_size * cfg.grad_accum  # examples per rank per optimizer step
-    profile = PhaseMemory(device, return_freed=cfg.memory_profile)
-    metrics = _Metrics(out, enabled=rank == 0, tensorboard=cfg.tensorboard, append=start_step > 0)
-    spe = steps_per_epoch(data, world_size=world, batch_size=step_batch)
-    bar = None
-    if rank == 0 and cfg.progress:
-        from tqdm import tqdm
+    def _open_outputs(self) -> None:
+        from lowband.train.data import steps_per_epoch
 
-        bar = tqdm(total=cfg.steps, initial=start_step, desc=f"{cfg.method}", file=sys.stderr,
-                   dynamic_ncols=True, mininterval=1.0)
+        cfg = self.cfg
+        self.step_batch = cfg.batch_size * cfg.grad_accum  # examples per rank per optimizer step
+        self.profile = PhaseMemory(self.device, return_freed=cfg.memory_profile)
+        self.metrics = _Metrics(self.out, enabled=self.rank == 0, tensorboard=cfg.tensorboard,
+                                append=self.start_step > 0)
+        self.steps_per_epoch = steps_per_epoch(self.data, world_size=self.world, batch_size=self.step_batch)
+        self.bar = None
+        if self.rank == 0 and cfg.progress:
+            from tqdm import tqdm
 
-    step_times, compute_times, comm_times, sent, node_sent, sync_times = [], [], [], [], [], []
-    exposed_times: list[float] = []
-    ops_total: dict[str, dict[str, int]] = {}
-    val_history: list[dict[str, float]] = []
-    train_loss = float("nan")
-    wall0 = time.perf_counter()
-    # The training clock and token count (see the module docstring); a resumed run goes on from
-    # the checkpoint's, so its curves continue the interrupted run's.
-    clock = {"train_time_s": float(resumed.get("train_time_s", 0.0)), "tokens": int(resumed.get("tokens", 0))}
+            self.bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"{cfg.method}", file=sys.stderr,
+                            dynamic_ncols=True, mininterval=1.0)
+        self.wall0 = time.perf_counter()
 
-    def validate(step: int) -> float:
-        v = evaluate(model, data, batch_size=cfg.batch_size, max_batches=cfg.val_batches, device=device)
-        point = {"step": step, "epoch": epoch_of(max(step - 1, 0), data=data, world_size=world,
-                                                 batch_size=step_batch),
-                 "tokens": clock["tokens"], "train_time_s": clock["train_time_s"],
-                 "wall_s": time.perf_counter() - wall0, "val_loss": v}  # fmt: skip
-        val_history.append(point)
-        metrics.write({"type": "val", **point})
+    # ------------------------------------------------------------------ phases
+    def train_step(self, step: int) -> float:
+        """Optimizer step ``step`` (0-based) on this rank; record it; return its training loss."""
+        from lowband.train.data import epoch_of, train_batch
+        from lowband.train.step import split_batch, train_step
+
+        cfg, kind, t = self.cfg, self.spec.kind, self.tally
+        t_batch = time.perf_counter()
+        batch = {k: v.to(self.device) for k, v in
+                 train_batch(self.data, step=step, rank=self.rank, world_size=self.world,
+                             batch_size=self.step_batch, seed=cfg.seed).items()}
+        # Dropout masks as a function of (seed, step, rank): a resumed run repeats them exactly.
+        torch.manual_seed((cfg.seed * 1_000_003 + step) * self.world + self.rank)
+        t0 = time.perf_counter()
+        self.clock["tokens"] += _batch_tokens(batch, seq2seq=kind == "seq2seq")
+        loss = train_step(self.model, self.optimizer, split_batch(batch, cfg.grad_accum, kind=kind), kind=kind,
+                          profile=self.profile)
+        self.scheduler.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - t0
+        self.clock["train_time_s"] += time.perf_counter() - t_batch
+        traffic = self.link.end_step()
+        self.link.history.clear()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training loss is {loss} at step {step}; lower --lr")
+        t.train_loss = loss
+        # Blocked in the link this step (an overlapped exchange counts only its wait).
+        exposed = traffic.exposed_comm_time_s
+        if step - self.start_step >= WARMUP_STEPS_EXCLUDED:
+            t.step_times.append(step_time)
+            t.comm_times.append(traffic.comm_time_s)
+            t.exposed_times.append(exposed)
+            t.compute_times.append(step_time - exposed)
+        t.sent.append(traffic.inter_node_bytes_sent)
+        t.node_sent.append(traffic.node_inter_node_bytes_sent)
+        if (traffic.ops or exposed > 0) and self.local:
+            t.sync_times.append(exposed)  # the outer step's time on the critical path
+        t.add_ops(traffic.by_kind())
+        epoch = epoch_of(step, data=self.data, world_size=self.world, batch_size=self.step_batch)
+        self.metrics.write({"type": "train", "step": step + 1, "epoch": epoch, "loss": loss,
+                            "step_time_s": step_time, "compute_time_s": step_time - exposed,
+                            "comm_time_s": traffic.comm_time_s, "exposed_comm_time_s": exposed,
+                            "inter_node_bytes_sent": traffic.inter_node_bytes_sent, "tokens": self.clock["tokens"],
+                            "train_time_s": self.clock["train_time_s"], "wall_s": time.perf_counter() - self.wall0,
+                            "lr": self.scheduler.get_last_lr()[0]})  # fmt: skip
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", s_step=f"{step_time:.3f}", comm=f"{traffic.comm_time_s:.3f}",
+                                 refresh=False)
+            self.bar.update(1)
+        return loss
+
+    def evaluate(self, step: int) -> float:
+        """Validation loss after ``step`` steps, recorded in the history and ``metrics.jsonl``."""
+        from lowband.train.data import epoch_of
+
+        cfg = self.cfg
+        v = evaluate(self.model, self.data, batch_size=cfg.batch_size, max_batches=cfg.val_batches,
+                     device=self.device)
+        point = {"step": step, "epoch": epoch_of(max(step - 1, 0), data=self.data, world_size=self.world,
+                                                 batch_size=self.step_batch),
+                 "tokens": self.clock["tokens"], "train_time_s": self.clock["train_time_s"],
+                 "wall_s": time.perf_counter() - self.wall0, "val_loss": v}  # fmt: skip
+        self.tally.val_history.append(point)
+        self.metrics.write({"type": "val", **point})
         return v
 
-    if start_step == 0:
-        validate(0)
-    try:
-        for step in range(start_step, cfg.steps):
-            t_batch = time.perf_counter()
-            batch = {k: v.to(device) for k, v in
-                     train_batch(data, step=step, rank=rank, world_size=world, batch_size=step_batch,
-                                 seed=cfg.seed).items()}
-            # Dropout masks as a function of (seed, step, rank): a resumed run repeats them exactly.
-            torch.manual_seed((cfg.seed * 1_000_003 + step) * world + rank)
-            t0 = time.perf_counter()
-            clock["tokens"] += _batch_tokens(batch, seq2seq=spec.kind == "seq2seq")
-            train_loss = train_step(model, optimizer, split_batch(batch, cfg.grad_accum, kind=spec.kind),
-                                    kind=spec.kind, profile=profile)
-            scheduler.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_time = time.perf_counter() - t0
-            clock["train_time_s"] += time.perf_counter() - t_batch
-            traffic = link.end_step()
-            link.history.clear()
-            if not math.isfinite(train_loss):
-                raise FloatingPointError(f"training loss is {train_loss} at step {step}; lower --lr")
-            comm = traffic.comm_time_s
-            # Blocked in the link this step (an overlapped exchange counts only its wait).
-            exposed = traffic.exposed_comm_time_s
-            if step - start_step >= WARMUP_STEPS_EXCLUDED:
-                step_times.append(step_time)
-                comm_times.append(comm)
-                exposed_times.append(exposed)
-                compute_times.append(step_time - exposed)
-            sent.append(traffic.inter_node_bytes_sent)
-            node_sent.append(traffic.node_inter_node_bytes_sent)
-            if (traffic.ops or exposed > 0) and METHODS[cfg.method].family == "local":
-                sync_times.append(exposed)  # the outer step's time on the critical path
-            for kind, d in traffic.by_kind().items():
-                acc = ops_total.setdefault(kind, {"count": 0, "bytes": 0, "inter_node_bytes": 0, "largest_group": 0})
-                acc["count"] += d["count"]
-                acc["bytes"] += d["bytes"]
-                acc["inter_node_bytes"] += d["inter_node_bytes"]
-                acc["largest_group"] = max(acc["largest_group"], d["largest_group"])
-            epoch = epoch_of(step, data=data, world_size=world, batch_size=step_batch)
-            metrics.write({"type": "train", "step": step + 1, "epoch": epoch, "loss": train_loss,
-                           "step_time_s": step_time, "compute_time_s": step_time - exposed, "comm_time_s": comm,
-                           "exposed_comm_time_s": exposed,
-                           "inter_node_bytes_sent": traffic.inter_node_bytes_sent, "tokens": clock["tokens"],
-                           "train_time_s": clock["train_time_s"], "wall_s": time.perf_counter() - wall0,
-                           "lr": scheduler.get_last_lr()[0]})
-            done = step + 1
-            end_of_epoch = done % spe == 0
-            if done < cfg.steps and ((cfg.val_every and done % cfg.val_every == 0) or end_of_epoch):
-                validate(done)
-            if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < cfg.steps:
-                _save(out, done, model, optimizer, scheduler, clock)
-            if bar is not None:
-                bar.set_postfix(loss=f"{train_loss:.3f}", s_step=f"{step_time:.3f}",
-                                comm=f"{comm:.3f}", refresh=False)
-                bar.update(1)
-        if hasattr(optimizer, "flush"):  # an overlapped exchange still in flight: apply it
-            optimizer.flush()
-        final_val = validate(cfg.steps)
-        if cfg.ckpt_at_end or cfg.ckpt_every:
-            _save(out, cfg.steps, model, optimizer, scheduler, clock)
-    finally:
-        if bar is not None:
-            bar.close()
-        metrics.close()
+    def checkpoint(self, step: int) -> None:
+        """A DCP checkpoint after ``step`` steps (model, optimizer, schedule, training clock)."""
+        from lowband.checkpoint import save_checkpoint
 
-    med = statistics.median
-    summary = {
-        "rank": rank, "node": topology.node_of(rank), "method": cfg.method, "hp": hp,
-        "topk": hp.get("topk"), "chunk": hp.get("chunk"), "shards": topology.shards,
-        "nodes": topology.num_nodes, "ranks_per_node": topology.ranks_per_node, "replicas": topology.replicas,
-        "steps": cfg.steps, "start_step": start_step, "model": cfg.model, "num_params": spec.num_params,
-        "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "precision": cfg.precision,
-        "activation_checkpointing": cfg.activation_checkpointing, "memory": profile.summary(), "status": "ok",
-        "step_time_s": med(step_times) if step_times else None,
-        "compute_time_s": med(compute_times) if compute_times else None,
-        "comm_time_s": med(comm_times) if comm_times else None,
-        "exposed_comm_time_s": med(exposed_times) if exposed_times else None,
-        "inter_node_bytes_per_step": sum(sent) / max(len(sent), 1),
-        "node_inter_node_bytes_per_step": sum(node_sent) / max(len(node_sent), 1),
-        "link_ops": ops_total, "peak_rss_mb": max(_peak_rss_mb(), profile.process_peak_mb()), "val_loss": final_val,
-        "val_history": val_history, "train_loss": train_loss, "train_time_s": clock["train_time_s"],
-        "tokens": clock["tokens"],
-        "shaping": {"bandwidth_bps": link.bandwidth_bps, "latency_s": link.latency_s} if link.shaping else None,
-        "wall_time_s": time.perf_counter() - t_start, "data": data.name, "config": asdict(cfg),
-    }
-    if METHODS[cfg.method].family == "local":
-        summary["sync_time_s"] = med(sync_times) if sync_times else None
-        summary["outer_steps"] = getattr(optimizer, "outer_steps", len(sync_times))
-    (out / f"summary_rank{rank}.json").write_text(json.dumps(summary, indent=1, default=str))
-    if dist.is_initialized():
-        dist.barrier()
-    return summary
+        save_checkpoint(self.out / "checkpoints" / f"step_{step:06d}", model=self.model, optimizer=self.optimizer,
+                        extra={"step": step, "scheduler": self.scheduler.state_dict(), **self.clock})
+
+    def summarize(self) -> RunSummary:
+        """This rank's summary of the run, written to ``summary_rank{R}.json``."""
+        cfg, t, topo = self.cfg, self.tally, self.topology
+        hp = self.method.as_dict()
+
+        def med(values: list[float]) -> float | None:
+            return statistics.median(values) if values else None
+
+        summary = RunSummary(
+            rank=self.rank, node=topo.node_of(self.rank), method=cfg.method, hp=hp, topk=hp.get("topk"),
+            chunk=hp.get("chunk"), shards=topo.shards, nodes=topo.num_nodes, ranks_per_node=topo.ranks_per_node,
+            replicas=topo.replicas, steps=cfg.steps, start_step=self.start_step, model=cfg.model,
+            num_params=self.spec.num_params, data=self.data.name, batch_size=cfg.batch_size,
+            grad_accum=cfg.grad_accum, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
+            memory=self.profile.summary(), status="ok", step_time_s=med(t.step_times),
+            compute_time_s=med(t.compute_times), comm_time_s=med(t.comm_times),
+            exposed_comm_time_s=med(t.exposed_times),
+            sync_time_s=med(t.sync_times) if self.local else None,
+            outer_steps=getattr(self.optimizer, "outer_steps", len(t.sync_times)) if self.local else None,
+            inter_node_bytes_per_step=sum(t.sent) / max(len(t.sent), 1),
+            node_inter_node_bytes_per_step=sum(t.node_sent) / max(len(t.node_sent), 1),
+            link_ops=t.link_ops, peak_rss_mb=max(_peak_rss_mb(), self.profile.process_peak_mb()),
+            val_loss=t.val_history[-1]["val_loss"], val_history=t.val_history, train_loss=t.train_loss,
+            train_time_s=self.clock["train_time_s"], tokens=self.clock["tokens"],
+            shaping=({"bandwidth_bps": self.link.bandwidth_bps, "latency_s": self.link.latency_s}
+                     if self.link.shaping else None),
+            wall_time_s=time.perf_counter() - self.t_start, config=asdict(cfg),
+        )  # fmt: skip
+        summary.write(self.out)
+        return summary
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> RunSummary:
+        """Build, train ``cfg.steps`` steps (validating and checkpointing where due), summarize."""
+        cfg = self.cfg
+        self.build()
+        if self.start_step == 0:
+            self.evaluate(0)
+        try:
+            for step in range(self.start_step, cfg.steps):
+                self.train_step(step)
+                done = step + 1
+                end_of_epoch = done % self.steps_per_epoch == 0
+                if done < cfg.steps and ((cfg.val_every and done % cfg.val_every == 0) or end_of_epoch):
+                    self.evaluate(done)
+                if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < cfg.steps:
+                    self.checkpoint(done)
+            if hasattr(self.optimizer, "flush"):  # an overlapped exchange still in flight: apply it
+                self.optimizer.flush()
+            self.evaluate(cfg.steps)
+            if cfg.ckpt_at_end or cfg.ckpt_every:
+                self.checkpoint(cfg.steps)
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            self.metrics.close()
+        summary = self.summarize()
+        if dist.is_initialized():
+            dist.barrier()
+        return summary
+
+
+def run_training(cfg: TrainConfig) -> RunSummary:
+    """Train on this rank (``Trainer(cfg).run()``); return this rank's summary."""
+    return Trainer(cfg).run()
 
 
 def _batch_tokens(batch: dict[str, torch.Tensor], *, seq2seq: bool) -> int:
@@ -435,10 +536,3 @@ def _batch_tokens(batch: dict[str, torch.Tensor], *, seq2seq: bool) -> int:
     if seq2seq:
         n += int((batch["labels"] != -100).sum())
     return n
-
-
-def _save(out: Path, step: int, model, optimizer, scheduler, clock: dict[str, float]) -> None:
-    from lowband.checkpoint import save_checkpoint
-
-    save_checkpoint(out / "checkpoints" / f"step_{step:06d}", model=model, optimizer=optimizer,
-                    extra={"step": step, "scheduler": scheduler.state_dict(), **clock})

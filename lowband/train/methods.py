@@ -1,19 +1,314 @@
-"""The training methods by name, their hyper-parameters, and how each builds its optimizer.
+"""The training methods by name, their typed hyper-parameter configs, and how each builds its optimizer.
 
-One registry serves ``lowband train``, ``lowband bench`` (validation before any process starts)
-and the docs. Every method runs through the same pipeline: FSDP2 inside a node, the link between
-nodes.
+One config dataclass per optimizer is the single source of a method's hyper-parameters: its
+fields are the optimizer's keyword names, with their defaults and a help text each. Everything
+else is derived from it:
+
+- ``lowband train``'s flags (``--sync-every``, ``--nonfinite``, ...; :func:`hp_flag`),
+- the bench's method specs (``diloco:H=10``; :mod:`lowband.bench.methods`), value parsing by the
+  field's type (:func:`parse_hp_value`),
+- validation (:meth:`MethodConfig.__post_init__`: type, choices, range, run before any process
+  starts), help texts and report labels (a field's short ``alias``).
+
+Defaults live once. Where a config's default is the optimizer's own, the field reads it from the
+optimizer's signature (:func:`_signature_default`); the few defaults that ``lowband train`` sets
+differently say so in their field, with the reason (:data:`TRAINER_DEFAULTS` lists them).
+
+Adding a hyper-parameter is one field in the method's config (see docs/architecture.md).
+
+Short aliases (spec keys, ``--hp`` keys and report labels; :data:`ALIASES`)::
+
+    H       sync_every       DiLoCo, NoLoCo: inner steps per outer step
+    n       group_size       NoLoCo: replicas per gossip group
+    clip    max_grad_norm    DiLoCo, NoLoCo: inner gradient clipping (flag --clip kept too)
+
+One command-line spelling differs from its field: NoLoCo's ``seed`` is ``--gossip-seed``
+(``--seed`` is the run's seed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lowband.link import Link
+import torch
 
-__all__ = ["METHODS", "MethodSpec", "build_optimizer", "method_shards", "check_hyperparameters"]
+from lowband.compress.quant import OUTER_VALUE_FORMATS
+from lowband.compress.wire import VALUE_FORMATS
+from lowband.link import Link
+from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo
+from lowband.optim._common import NONFINITE_POLICIES
+from lowband.optim.local_sgd import DILOCO_INNER_DEFAULTS, NOLOCO_INNER_DEFAULTS
+from lowband.util import parse_bool
+
+__all__ = [
+    "ALIASES",
+    "METHODS",
+    "TRAINER_DEFAULTS",
+    "AdamWConfig",
+    "DetoFullConfig",
+    "DiLoCoConfig",
+    "FlexDeMoConfig",
+    "MethodConfig",
+    "MethodSpec",
+    "NoLoCoConfig",
+    "build_optimizer",
+    "check_hyperparameters",
+    "hp_fields",
+    "hp_flag",
+    "method_config",
+    "method_shards",
+    "parse_hp_value",
+]
+
+
+def _signature_default(fn: Any, name: str) -> Any:
+    """The default of keyword ``name`` in ``fn``'s signature (a class: its ``__init__``)."""
+    target = fn.__init__ if isinstance(fn, type) else fn
+    default = inspect.signature(target).parameters[name].default
+    if default is inspect.Parameter.empty:
+        raise TypeError(f"{fn.__qualname__}({name}) has no default")
+    return default
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    alias: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    minimum: float | None = None,
+    exclusive: bool = False,
+    below_one: bool = False,
+    flag: str | None = None,
+) -> Any:
+    """A config field: its default, help text and the checks :class:`MethodConfig` runs.
+
+    Args:
+        default: the default (read it from the optimizer with :func:`_signature_default`).
+        help: one line for ``--help`` and the docs.
+        alias: a short spelling accepted in specs and ``--hp`` and used in report labels.
+        choices: the accepted values of a string field.
+        minimum: the lowest accepted value (``exclusive``: the value must exceed it).
+        below_one: the value must be below 1.
+        flag: the ``lowband train`` flag when ``--<name>`` is taken by a run option.
+    """
+    meta = dict(help=help, alias=alias, choices=choices, minimum=minimum, exclusive=exclusive,
+                below_one=below_one, flag=flag)
+    return field(default=default, metadata=meta)
+
+
+@functools.cache
+def _types(cls: type) -> dict[str, tuple[type, bool]]:
+    """Field name -> (base type, accepts None) of a config class."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        if name not in {f.name for f in dataclasses.fields(cls)}:
+            continue
+        args = typing.get_args(hint)
+        if args:  # X | None
+            base = next(a for a in args if a is not type(None))
+            out[name] = (base, type(None) in args)
+        else:
+            out[name] = (hint, False)
+    return out
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodConfig:
+    """Base of the per-method configs: checks every field on construction, builds the optimizer.
+
+    A subclass lists the optimizer's keyword arguments as fields made with :func:`option` and
+    implements :meth:`build`. Construction checks each value's type (an int is accepted for a
+    float and converted), its choices and range, then :meth:`check` (relations between fields);
+    a bad value is a ValueError that names the field and what it accepts.
+    """
+
+    def __post_init__(self) -> None:
+        types = _types(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            base, optional = types[f.name]
+            if value is None:
+                if not optional:
+                    raise ValueError(f"{f.name} must be {_TYPE_WORDS[base]}, got None")
+                continue
+            if base is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+                object.__setattr__(self, f.name, value)
+            if not isinstance(value, base) or (base is not bool and isinstance(value, bool)):
+                raise ValueError(f"{f.name} must be {_TYPE_WORDS[base]}, got {value!r}")
+            _check_range(f, value)
+        self.check()
+
+    def check(self) -> None:
+        """Checks between fields (a subclass's); each field alone is checked already."""
+
+    def build(self, params: list, *, link: Link, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_range(f: dataclasses.Field, value: Any) -> None:
+    m = f.metadata
+    if m["choices"] is not None and value not in m["choices"]:
+        raise ValueError(f"{f.name} must be one of {', '.join(m['choices'])}, got {value!r}")
+    low = m["minimum"]
+    if low is not None and (value < low or (m["exclusive"] and value == low)):
+        raise ValueError(f"{f.name} must be {'>' if m['exclusive'] else '>='} {low:g}, got {value!r}")
+    if m["below_one"] and not value < 1.0:
+        raise ValueError(f"{f.name} must be below 1, got {value!r}")
+
+
+def _lr(default: float) -> Any:
+    return option(default, "learning rate", minimum=0.0, exclusive=True)
+
+
+def _nonfinite(owner: Any) -> Any:
+    return option(_signature_default(owner, "nonfinite"), "a gradient with NaN/Inf: raise (stop the run) or skip "
+              "the step on every rank", choices=NONFINITE_POLICIES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamWConfig(MethodConfig):
+    """AdamW on the all-reduced gradient (:class:`lowband.optim.AdamWFullSync`); beta1, beta2 are its ``betas``."""
+
+    lr: float = _lr(_signature_default(AdamWFullSync, "lr"))
+    # Trainer's choice: no weight decay, as the FlexDeMo paper's AdamW baseline (torch's default: 0.01).
+    weight_decay: float = option(0.0, "decoupled weight decay", minimum=0.0)
+    beta1: float = option(_signature_default(torch.optim.AdamW, "betas")[0], "Adam's first-moment decay",
+                      minimum=0.0, below_one=True)
+    beta2: float = option(_signature_default(torch.optim.AdamW, "betas")[1], "Adam's second-moment decay",
+                      minimum=0.0, below_one=True)
+    eps: float = option(_signature_default(torch.optim.AdamW, "eps"), "Adam's epsilon", minimum=0.0, exclusive=True)
+    nonfinite: str = _nonfinite(AdamWFullSync)
+
+    def build(self, params, *, link, model=None):
+        return AdamWFullSync(params, lr=self.lr, link=link, weight_decay=self.weight_decay,
+                             betas=(self.beta1, self.beta2), eps=self.eps, nonfinite=self.nonfinite)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetoFullConfig(MethodConfig):
+    """Sign-SGD on the all-reduced gradient (:class:`lowband.optim.DetoFull`)."""
+
+    lr: float = _lr(_signature_default(DetoFull, "lr"))
+    sign: bool = option(_signature_default(DetoFull, "sign"), "step with sign() of the update (true/false)")
+    weight_decay: float = option(_signature_default(DetoFull, "weight_decay"), "decoupled weight decay", minimum=0.0)
+    nonfinite: str = _nonfinite(DetoFull)
+
+    def build(self, params, *, link, model=None):
+        return DetoFull(params, link=link, **self.as_dict())
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlexDeMoConfig(MethodConfig):
+    """FlexDeMo / DeMo (:class:`lowband.optim.FlexDeMo`): top-k DCT of the momentum between nodes."""
+
+    lr: float = _lr(_signature_default(FlexDeMo, "lr"))
+    topk: int = option(_signature_default(FlexDeMo, "topk"), "DCT coefficients kept per chunk (1..chunk)", minimum=1)
+    chunk: int = option(_signature_default(FlexDeMo, "chunk"), "DCT chunk size", minimum=1)
+    decay: float = option(_signature_default(FlexDeMo, "decay"), "momentum decay beta, in [0, 1)", minimum=0.0,
+                      below_one=True)
+    sign: bool = option(_signature_default(FlexDeMo, "sign"), "step with sign() of the update (true/false)")
+    weight_decay: float = option(_signature_default(FlexDeMo, "weight_decay"), "decoupled weight decay", minimum=0.0)
+    values: str = option(_signature_default(FlexDeMo, "values"), "wire format of the kept values", choices=VALUE_FORMATS)
+    nonfinite: str = _nonfinite(FlexDeMo)
+    overlap: bool = option(_signature_default(FlexDeMo, "overlap"), "apply each exchange one step later, overlapped "
+                       "with the next step's compute (true/false)")
+
+    def check(self) -> None:
+        if self.topk > self.chunk:
+            raise ValueError(f"topk={self.topk} exceeds chunk={self.chunk}; topk must lie in 1..chunk")
+
+    def build(self, params, *, link, model=None):
+        return FlexDeMo(params, link=link, **self.as_dict())
+
+
+def _local_fields(owner: type, inner: Mapping[str, float]) -> dict[str, Any]:
+    return dict(
+        lr=_lr(inner["lr"]),
+        weight_decay=option(inner["weight_decay"], "the inner optimizer's weight decay", minimum=0.0),
+        values=option(_signature_default(owner, "values"), "wire format of the outer messages",
+                  choices=OUTER_VALUE_FORMATS),
+        quant_block=option(_signature_default(owner, "quant_block"), "elements per scale for int8/int4", minimum=1),
+    )
+
+
+_DILOCO = _local_fields(DiLoCo, DILOCO_INNER_DEFAULTS)
+_NOLOCO = _local_fields(NoLoCo, NOLOCO_INNER_DEFAULTS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiLoCoConfig(MethodConfig):
+    """DiLoCo (:class:`lowband.optim.DiLoCo`) with an inner AdamW(lr, weight_decay)."""
+
+    lr: float = _DILOCO["lr"]
+    weight_decay: float = _DILOCO["weight_decay"]
+    # Trainer's choice: H = 50 (DiLoCo's own default is the paper's 500, longer than most runs here).
+    sync_every: int = option(50, "inner steps H between outer steps", alias="H", minimum=1)
+    outer_lr: float = option(_signature_default(DiLoCo, "outer_lr"), "outer learning rate", minimum=0.0,
+                         exclusive=True)
+    outer_momentum: float = option(_signature_default(DiLoCo, "outer_momentum"), "outer momentum", minimum=0.0,
+                               below_one=True)
+    nesterov: bool = option(_signature_default(DiLoCo, "nesterov"), "Nesterov outer momentum (true/false)")
+    # Trainer's choice: clip the inner gradient at 1.0 as NoLoCo does (DiLoCo's own default: no clipping).
+    max_grad_norm: float | None = option(1.0, "clip the inner gradient's norm to this (none: no clipping)",
+                                     alias="clip", minimum=0.0, exclusive=True)
+    values: str = _DILOCO["values"]
+    quant_block: int = _DILOCO["quant_block"]
+
+    def build(self, params, *, link, model=None):
+        kw = self.as_dict()
+        inner = functools.partial(torch.optim.AdamW, lr=kw.pop("lr"), weight_decay=kw.pop("weight_decay"))
+        return DiLoCo(params, inner, link=link, **kw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoLoCoConfig(MethodConfig):
+    """NoLoCo (:class:`lowband.optim.NoLoCo`) with an inner AdamW(lr, weight_decay) (Adam at weight_decay 0)."""
+
+    lr: float = _NOLOCO["lr"]
+    weight_decay: float = _NOLOCO["weight_decay"]
+    sync_every: int = option(_signature_default(NoLoCo, "sync_every"), "inner steps H between outer steps", alias="H",
+                         minimum=1)
+    alpha: float = option(_signature_default(NoLoCo, "alpha"), "momentum alpha, in [0, 1)", minimum=0.0, below_one=True)
+    beta: float = option(_signature_default(NoLoCo, "beta"), "weight beta of the mean pseudo-gradient, in [0, 1)",
+                     minimum=0.0, below_one=True)
+    gamma: float | None = option(_signature_default(NoLoCo, "gamma"), "weight of the pull towards the group's mean "
+                             "(none: beta)", minimum=0.0)
+    group_size: int = option(_signature_default(NoLoCo, "group_size"), "replicas n per gossip group", alias="n",
+                         minimum=2)
+    seed: int = option(_signature_default(NoLoCo, "seed"), "seed of the gossip group draws", flag="gossip-seed")
+    timeout_s: float | None = option(_signature_default(NoLoCo, "timeout_s"), "seconds to wait for a peer (none: the "
+                                 "link's timeout)", minimum=0.0, exclusive=True)
+    max_grad_norm: float | None = option(_signature_default(NoLoCo, "max_grad_norm"), "clip the inner gradient's norm "
+                                     "to this (none: no clipping)", alias="clip", minimum=0.0, exclusive=True)
+    values: str = _NOLOCO["values"]
+    quant_block: int = _NOLOCO["quant_block"]
+
+    def build(self, params, *, link, model=None):
+        kw = self.as_dict()
+        inner = functools.partial(torch.optim.AdamW, lr=kw.pop("lr"), weight_decay=kw.pop("weight_decay"))
+        return NoLoCo(params, inner, link=link, **kw)
+
+
+#: Defaults that ``lowband train`` sets differently from the optimizer class: (config, field) -> why.
+TRAINER_DEFAULTS: dict[tuple[str, str], str] = {
+    ("AdamWConfig", "weight_decay"): "0.0 as the paper's AdamW baseline; torch.optim.AdamW's is 0.01",
+    ("DiLoCoConfig", "sync_every"): "50 for runs of hundreds of steps; DiLoCo's own is the paper's 500",
+    ("DiLoCoConfig", "max_grad_norm"): "1.0 as NoLoCo; DiLoCo's own is None (no clipping)",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,7 +318,7 @@ class MethodSpec:
     Args:
         name: the name on the command line.
         description: one line for --help and reports.
-        hyperparameters: accepted hyper-parameters with their defaults.
+        config: its hyper-parameters' config class (a :class:`MethodConfig`).
         shards_per_node: "all" (shard a copy over all ranks of a node) or 1 (every rank a replica).
         family: "demo" for the decoupled-momentum family, "full" for full sync, "local" for
             DiLoCo/NoLoCo.
@@ -31,73 +326,110 @@ class MethodSpec:
 
     name: str
     description: str
-    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    config: type[MethodConfig]
     shards_per_node: int | str = "all"
     family: str = "demo"
 
+    @property
+    def hyperparameters(self) -> dict[str, Any]:
+        """The defaults, by field name."""
+        return self.config().as_dict()
 
-_DEMO_HP = dict(lr=1e-3, topk=1, chunk=128, decay=0.999, sign=True, weight_decay=0.0, values="bf16", overlap=False)
-_LOCAL_HP = dict(lr=4e-4, weight_decay=0.1, H=50, clip=1.0)
 
 METHODS: dict[str, MethodSpec] = {
     m.name: m
     for m in (
-        MethodSpec(
-            name="adamw",
-            family="full",
-            description="AdamW, gradients all-reduced between nodes every step (HSDP-equivalent)",
-            hyperparameters=dict(lr=1e-3, weight_decay=0.0, beta1=0.9, beta2=0.999, eps=1e-8),
-        ),
-        MethodSpec(
-            name="deto-full",
-            family="full",
-            description="sign-SGD on gradients all-reduced between nodes every step (the paper's Deto-Full)",
-            hyperparameters=dict(lr=1e-3, sign=True, weight_decay=0.0),
-        ),
-        MethodSpec(
-            name="flexdemo",
-            family="demo",
-            description="FlexDeMo: copy sharded over a node's ranks; top-k DCT of the momentum between nodes",
-            hyperparameters=dict(_DEMO_HP),
-        ),
-        MethodSpec(
-            name="demo",
-            family="demo",
-            shards_per_node=1,
-            description="DeMo: FlexDeMo with one shard (every rank a replica)",
-            hyperparameters=dict(_DEMO_HP),
-        ),
-        MethodSpec(
-            name="diloco",
-            family="local",
-            description="DiLoCo: H local AdamW steps, then an all-reduced Nesterov outer step",
-            hyperparameters=dict(_LOCAL_HP, outer_lr=0.7, outer_momentum=0.9, nesterov=True, values="fp32"),
-        ),
-        MethodSpec(
-            name="noloco",
-            family="local",
-            description="NoLoCo: H local Adam steps, then gossip averaging in random groups of n",
-            hyperparameters=dict(_LOCAL_HP, weight_decay=0.0, n=2, alpha=0.5, beta=0.7, gamma=None, seed=0,
-                                 values="fp32"),
-        ),
+        MethodSpec(name="adamw", family="full", config=AdamWConfig,
+                   description="AdamW, gradients all-reduced between nodes every step (HSDP-equivalent)"),
+        MethodSpec(name="deto-full", family="full", config=DetoFullConfig,
+                   description="sign-SGD on gradients all-reduced between nodes every step (the paper's Deto-Full)"),
+        MethodSpec(name="flexdemo", family="demo", config=FlexDeMoConfig,
+                   description="FlexDeMo: copy sharded over a node's ranks; top-k DCT of the momentum between nodes"),
+        MethodSpec(name="demo", family="demo", shards_per_node=1, config=FlexDeMoConfig,
+                   description="DeMo: FlexDeMo with one shard (every rank a replica)"),
+        MethodSpec(name="diloco", family="local", config=DiLoCoConfig,
+                   description="DiLoCo: H local AdamW steps, then an all-reduced Nesterov outer step"),
+        MethodSpec(name="noloco", family="local", config=NoLoCoConfig,
+                   description="NoLoCo: H local Adam steps, then gossip averaging in random groups of n"),
     )
-}
+}  # fmt: skip
 
 
-def check_hyperparameters(method: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """Merge overrides into the method's defaults; unknown names or methods are a ValueError."""
+def hp_fields(method: str) -> dict[str, dataclasses.Field]:
+    """The config fields of ``method`` by name."""
+    return {f.name: f for f in dataclasses.fields(_spec(method).config)}
+
+
+#: Short spelling -> field name (spec keys, ``--hp`` keys, labels); from the fields' ``alias``.
+ALIASES: dict[str, str] = {
+    f.metadata["alias"]: f.name
+    for m in METHODS.values() for f in dataclasses.fields(m.config) if f.metadata["alias"]
+}  # fmt: skip
+
+
+def hp_flag(name: str) -> str:
+    """The ``lowband train`` flag of hyper-parameter ``name`` (``sync_every`` -> ``--sync-every``)."""
+    flags = {f.metadata["flag"] for m in METHODS.values() for f in dataclasses.fields(m.config)
+             if f.name == name and f.metadata["flag"]}
+    return "--" + (flags.pop() if flags else name.replace("_", "-"))
+
+
+def parse_hp_value(method: str, name: str, text: str) -> Any:
+    """``text`` as the type of ``method``'s field ``name`` (bool: true/false; optional: none)."""
+    base, optional = _types(_spec(method).config)[name]
+    raw = text.strip()
+    if optional and raw.lower() in ("none", "null"):
+        return None
+    if base is bool:
+        try:
+            return parse_bool(raw)
+        except ValueError:
+            raise ValueError(f"{name} is a yes/no setting; use true or false") from None
+    if base in (int, float):
+        try:
+            return base(raw)
+        except ValueError:
+            raise ValueError(f"{name} must be {_TYPE_WORDS[base]}" + (" (or none)" if optional else "")) from None
+    return raw
+
+
+def _spec(method: str) -> MethodSpec:
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
-    spec = METHODS[method]
-    unknown = sorted(set(overrides) - set(spec.hyperparameters))
-    if unknown:
-        raise ValueError(
-            f"method {method!r} has no hyper-parameter {', '.join(map(repr, unknown))}; "
-            f"accepted: {', '.join(spec.hyperparameters)}"
-        )
-    hp = dict(spec.hyperparameters)
-    hp.update(overrides)
-    return hp
+    return METHODS[method]
+
+
+def canonical_names(method: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``overrides`` with aliases (H, n, clip) replaced by field names; unknown names are a ValueError."""
+    fields = hp_fields(method)
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        name = ALIASES.get(key, key) if key not in fields else key
+        if name not in fields:
+            raise ValueError(
+                f"method {method!r} has no hyper-parameter {key!r}; accepted: "
+                + ", ".join(f + (f" ({fields[f].metadata['alias']})" if fields[f].metadata["alias"] else "")
+                            for f in fields)
+            )
+        if name in out:
+            raise ValueError(f"{name} is given twice (as {name} and its alias {fields[name].metadata['alias']})")
+        out[name] = value
+    return out
+
+
+def method_config(method: str, overrides: Mapping[str, Any] | MethodConfig | None = None) -> MethodConfig:
+    """``method``'s config with ``overrides`` (field names or aliases); bad names or values are a ValueError."""
+    spec = _spec(method)
+    if isinstance(overrides, MethodConfig):
+        if not isinstance(overrides, spec.config):
+            raise ValueError(f"method {method!r} takes a {spec.config.__name__}, got {type(overrides).__name__}")
+        return overrides
+    return spec.config(**canonical_names(method, overrides or {}))
+
+
+def check_hyperparameters(method: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Every hyper-parameter of ``method`` by field name: its defaults with ``overrides`` (checked)."""
+    return method_config(method, overrides).as_dict()
 
 
 def method_shards(method: str, ranks_per_node: int, shards: int | None) -> int:
@@ -110,40 +442,7 @@ def method_shards(method: str, ranks_per_node: int, shards: int | None) -> int:
     return ranks_per_node if shards is None else shards
 
 
-def build_optimizer(method: str, named_params: Iterable, *, link: Link, hp: dict[str, Any], model=None):
-    """The optimizer for ``method`` with hyper-parameters ``hp`` (see :func:`check_hyperparameters`)."""
-    hp = check_hyperparameters(method, hp)
-    params = list(named_params)
-    if method == "adamw":
-        from lowband.optim import AdamWFullSync
-
-        return AdamWFullSync(
-            params,
-            lr=hp["lr"],
-            link=link,
-            weight_decay=hp["weight_decay"],
-            betas=(hp["beta1"], hp["beta2"]),
-            eps=hp["eps"],
-        )
-    if method == "deto-full":
-        from lowband.optim import DetoFull
-
-        return DetoFull(params, lr=hp["lr"], sign=hp["sign"], weight_decay=hp["weight_decay"], link=link)
-    if method in ("flexdemo", "demo"):
-        from lowband.optim import FlexDeMo
-
-        return FlexDeMo(
-            params,
-            lr=hp["lr"],
-            topk=int(hp["topk"]),
-            chunk=int(hp["chunk"]),
-            decay=hp["decay"],
-            sign=bool(hp["sign"]),
-            weight_decay=hp["weight_decay"],
-            values=hp["values"],
-            link=link,
-            overlap=bool(hp["overlap"]),
-        )
-    from lowband.train.local_methods import build_local_optimizer
-
-    return build_local_optimizer(method, params, link=link, hp=hp, model=model)
+def build_optimizer(method: str, named_params: Iterable, *, link: Link,
+                    hp: Mapping[str, Any] | MethodConfig, model=None):
+    """The optimizer for ``method`` with hyper-parameters ``hp`` (overrides, or a config)."""
+    return method_config(method, hp).build(list(named_params), link=link, model=model)

@@ -1,0 +1,115 @@
+"""The typed method configs: one source for defaults, flags, spec keys, checks and labels (no processes)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from lowband.bench.methods import method_label, parse_method_spec, train_hp_args
+from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo
+from lowband.optim.local_sgd import DILOCO_INNER_DEFAULTS, NOLOCO_INNER_DEFAULTS
+from lowband.train.cli import add_arguments, config_from_args
+from lowband.train.methods import (
+    ALIASES,
+    METHODS,
+    TRAINER_DEFAULTS,
+    build_optimizer,
+    check_hyperparameters,
+    hp_flag,
+)
+
+OPTIMIZER = {"AdamWConfig": AdamWFullSync, "DetoFullConfig": DetoFull, "FlexDeMoConfig": FlexDeMo,
+             "DiLoCoConfig": DiLoCo, "NoLoCoConfig": NoLoCo}
+INNER = {"DiLoCoConfig": DILOCO_INNER_DEFAULTS, "NoLoCoConfig": NOLOCO_INNER_DEFAULTS}
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def _optimizer_default(config: type, name: str):
+    """The default the optimizer class itself has for ``name`` (inner lr/weight_decay, AdamW's betas)."""
+    cls = OPTIMIZER[config.__name__]
+    if name in ("lr", "weight_decay") and config.__name__ in INNER:
+        return INNER[config.__name__][name]
+    if name in ("beta1", "beta2"):
+        return inspect.signature(torch.optim.AdamW).parameters["betas"].default[name == "beta2"]
+    params = inspect.signature(cls.__init__).parameters
+    if name not in params:  # AdamWFullSync passes the rest on to torch.optim.AdamW
+        params = inspect.signature(torch.optim.AdamW).parameters
+    return params[name].default
+
+
+def test_defaults_are_the_optimizers_except_the_documented_trainer_choices():
+    differs = set()
+    for config in {m.config for m in METHODS.values()}:
+        for f in dataclasses.fields(config):
+            if f.default != _optimizer_default(config, f.name):
+                differs.add((config.__name__, f.name))
+    assert differs == set(TRAINER_DEFAULTS)
+
+
+def test_every_field_is_a_flag_and_reaches_the_config():
+    for method, spec in METHODS.items():
+        for f in dataclasses.fields(spec.config):
+            value = {bool: "false", int: "3", float: "0.25", str: (f.metadata["choices"] or ("x",))[-1]}
+            base = {"bool": bool, "int": int, "float": float, "str": str}[f.type.split(" |")[0]]
+            args = _parse("--method", method, hp_flag(f.name), value[base])
+            cfg = config_from_args(args)
+            assert cfg.hp == {f.name: base(value[base]) if base is not bool else False}, (method, f.name)
+    assert config_from_args(_parse("--method", "flexdemo", "--nonfinite", "skip")).hp == {"nonfinite": "skip"}
+    # Old flag names stay as aliases; --hp takes field names or aliases, a value given twice is an error.
+    assert config_from_args(_parse("--method", "diloco", "--clip", "0.5")).hp == {"max_grad_norm": 0.5}
+    assert config_from_args(_parse("--method", "noloco", "--gossip-seed", "3")).hp == {"seed": 3}
+    assert config_from_args(_parse("--method", "diloco", "--max-grad-norm", "none")).hp == {"max_grad_norm": None}
+    assert config_from_args(_parse("--method", "noloco", "--hp", '{"n": 4}')).hp == {"group_size": 4}
+    with pytest.raises(ValueError, match="sync_every given both"):
+        config_from_args(_parse("--method", "diloco", "--sync-every", "4", "--hp", '{"H": 5}'))
+    with pytest.raises(SystemExit):
+        _parse("--method", "flexdemo", "--nonfinite", "sometimes")
+
+
+def test_bench_spec_trainer_flags_and_labels_agree():
+    spec = parse_method_spec("noloco:H=10,n=4,clip=0.5,seed=2,lr=0.003")
+    params = dict(spec.params)
+    assert params == {"sync_every": 10, "group_size": 4, "max_grad_norm": 0.5, "seed": 2, "lr": 0.003}
+    cfg = config_from_args(_parse("--method", "noloco", *train_hp_args(params)))
+    assert cfg.hp == params
+    assert method_label("noloco", params) == "NoLoCo H=10 n=4 clip=0.5 seed=2 lr=0.003"
+    assert set(ALIASES) == {"H", "n", "clip"}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_each_config_builds_its_optimizer_with_its_values(method):
+    model = torch.nn.Linear(4, 4)
+    hp = check_hyperparameters(method, {"lr": 0.0123})
+    opt = build_optimizer(method, model.named_parameters(), link=None, hp={"lr": 0.0123})
+    group = opt.param_groups[0]
+    assert group["lr"] == 0.0123
+    for key in set(hp) & set(group) - {"lr", "gamma"}:  # NoLoCo stores gamma=None as beta
+        assert group[key] == hp[key], (method, key)
+    if method == "adamw":
+        assert group["betas"] == (hp["beta1"], hp["beta2"])
+    if method in ("diloco", "noloco"):
+        assert opt.sync_every == hp["sync_every"] and opt.max_grad_norm == hp["max_grad_norm"]
+
+
+@pytest.mark.parametrize(("method", "hp", "words"), [
+    ("flexdemo", {"topk": 9, "chunk": 8}, ["topk=9", "chunk=8"]),
+    ("flexdemo", {"topk": "8"}, ["topk", "integer"]),
+    ("diloco", {"H": 0}, ["sync_every", ">= 1"]),
+    ("noloco", {"n": 1}, ["group_size", ">= 2"]),
+    ("adamw", {"beta2": 1.0}, ["beta2", "below 1"]),
+    ("deto-full", {"nonfinite": "ignore"}, ["raise", "skip"]),
+    ("adamw", {"topk": 1}, ["no hyper-parameter 'topk'", "lr"]),
+])  # fmt: skip
+def test_bad_values_are_refused_naming_the_field(method, hp, words):
+    with pytest.raises(ValueError) as err:
+        check_hyperparameters(method, hp)
+    assert all(w in str(err.value) for w in words), str(err.value)
