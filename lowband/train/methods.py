@@ -194,8 +194,8 @@ class AdamWConfig(MethodConfig):
     nonfinite: str = _nonfinite(AdamWFullSync)
 
     def build(self, params, *, link, model=None):
-        return AdamWFullSync(params, lr=self.lr, link=link, weight_decay=self.weight_decay,
-                             betas=(self.beta1, self.beta2), eps=self.eps, nonfinite=self.nonfinite)
+        kw = self.as_dict()
+        return AdamWFullSync(params, link=link, betas=(kw.pop("beta1"), kw.pop("beta2")), **kw)
 
 
 @dataclass(frozen=True, kw_only=True)
