@@ -94,6 +94,11 @@ class FlexDeMo(Optimizer):
     effective step on the gradient is lr². With topk = chunk, fp32 values and sign off, the
     momentum empties every step and this is SGD with learning rate lr² on the mean gradient.
 
+    Cost: the forward DCT is the one c × c product per element and step. Both inverse transforms
+    (q, and the mean Q) gather the basis rows that a chunk's k (or R·k) coefficients select,
+    IDCT(scatter(I, V)) = Σ_j v_j·B[i_j] (:func:`lowband.compress.idct_sparse`, the dense product
+    above a few terms per chunk), and Top-1 is an argmax.
+
     All parameters' payloads travel as one flat uint8 message per step through the link (one
     all-gather over the replicate group: one round trip between nodes). R = 1: nothing is
     exchanged (plain sign-SGD on shards).
