@@ -287,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n3. compression throughput on the same shards ({cost.elements:,} fp32 momentum elements)")
     tp = compression_throughput(big, device=device, replicas=args.replicas, topk=1, chunk=128, repeats=args.repeats)
-    print(f"  encode (DCT, top-1, pack): {tp['encode_gb_s']:.2f} GB/s   "
-          f"decode ({args.replicas} replicas, unpack, sparse IDCT): {tp['decode_gb_s']:.2f} GB/s")
+    print(f"  encode (DCT, top-1, pack): {tp['encode_gb_s']:.3g} GB/s   "
+          f"decode ({args.replicas} replicas, unpack, sparse IDCT): {tp['decode_gb_s']:.3g} GB/s")
     report["compression"] = tp
     del big
 
