@@ -198,7 +198,7 @@ def _train_each(methods, *, model_name: str, steps: int, device: str, batch_size
         net = build_model(model_name, vocab_size=REVERSE_VOCAB, seed=0).model.to(device)
         net = shard_model(net, topology, blocks=transformer_blocks(net), precision="bf16")
         link = Link(topology)
-        hp = {"sync_every": 2} if method in ("diloco", "noloco") else {}
+        hp = {"H": 2} if method in ("diloco", "noloco") else {}
         opt = build_optimizer(method, net.named_parameters(), link=link, hp=hp, model=net)
         losses = []
         t0 = time.perf_counter()
