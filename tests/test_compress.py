@@ -15,6 +15,7 @@ from lowband.compress import (
     dct_basis,
     from_chunks,
     idct,
+    idct_sparse,
     num_chunks,
     scatter_chunks,
     to_chunks,
@@ -112,6 +113,38 @@ def test_pack_unpack_round_trip_and_payload_size(values, chunk, topk):
     stacked = torch.stack([buf, buf])
     idx3, vals3 = wire.unpack(stacked, n)
     assert idx3.shape == (2, n, topk) and torch.equal(idx3[1], idx) and torch.equal(vals3[0], vals2)
+    # FlexDeMo takes the values as sent from sent_values, without unpacking: they must be the same floats.
+    assert torch.equal(wire.sent_values(vals), vals2)
+
+
+@pytest.mark.parametrize("terms", [1, 2, 3, 6, 7, 20])
+@pytest.mark.parametrize("replicas", [None, 2, 3])
+def test_sparse_inverse_dct_equals_the_dense_one(terms, replicas):
+    # idct_sparse gathers basis rows (up to SPARSE_TERMS_MAX terms per chunk, else the dense product):
+    # the same result as scattering and multiplying, exactly with one term, to float rounding otherwise.
+    g = torch.Generator().manual_seed(terms)
+    chunk, n = 32, 50
+    shape = (n, terms) if replicas is None else (replicas, n, terms)
+    idx = torch.stack([torch.randperm(chunk, generator=g)[:terms] for _ in range(math.prod(shape[:-1]))])
+    idx = idx.view(shape)
+    vals = torch.randn(shape, generator=g)
+    dense = idct(scatter_chunks(idx, vals, chunk))
+    sparse = idct_sparse(idx, vals, chunk)
+    assert sparse.shape == (n, chunk)
+    if terms == 1 and replicas is None:
+        assert torch.equal(sparse, dense)
+    torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-5)
+    # Replicas' terms in replica order, duplicates added: the true sum also where replicas picked alike.
+    if replicas is not None:
+        same = idct_sparse(idx[:1].expand(replicas, -1, -1), vals[:1].expand(replicas, -1, -1), chunk)
+        torch.testing.assert_close(same, replicas * idct(scatter_chunks(idx[0], vals[0], chunk)), rtol=0, atol=1e-5)
+
+
+def test_top1_is_the_largest_magnitude_as_topk_picks_it():
+    coeffs = torch.randn(200, 128, generator=torch.Generator().manual_seed(3))
+    idx, vals = topk_per_chunk(coeffs, 1)
+    ref = coeffs.abs().topk(1, dim=-1).indices
+    assert torch.equal(idx, ref) and torch.equal(vals, coeffs.gather(-1, ref))
 
 
 def test_index_dtype_is_the_smallest_that_fits():
@@ -150,3 +183,14 @@ def test_empty_tensor_packs_to_nothing_but_the_sign_scale():
 def test_wire_format_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         WireFormat(**kwargs)
+
+
+def test_all_finite_sees_nan_and_inf_in_any_tensor_and_ignores_empty_ones():
+    from lowband.optim._common import all_finite
+
+    ok = [torch.randn(5), torch.empty(0), torch.tensor([3e38, -3e38]), torch.ones(2, dtype=torch.float64)]
+    assert all_finite(ok) and all_finite([]) and all_finite([torch.empty(0)])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.zeros(4)
+        t[2] = bad
+        assert not all_finite(ok + [t]) and not all_finite([t.double()] + ok)

@@ -15,7 +15,17 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["dct_basis", "num_chunks", "to_chunks", "from_chunks", "dct", "idct", "topk_per_chunk", "scatter_chunks"]
+__all__ = [
+    "dct_basis", "num_chunks", "to_chunks", "from_chunks", "dct", "idct", "idct_sparse", "topk_per_chunk",
+    "scatter_chunks",
+]
+
+# idct_sparse gathers basis rows up to this many coefficients per chunk; above it, it scatters them into
+# a dense (n_chunks, c) tensor and multiplies by the basis (c multiply-adds per element). Measured on a
+# block of 8192 chunks of 128 (one thread, the loaded 2-core development machine, median of 5): the
+# dense path 8 to 11 ms whatever the number of terms, the gathers about 1.4 ms per term (1.4, 3.3,
+# 5.5, 11.7 ms for 1, 2, 4, 8 terms). So gathers up to 6 terms.
+SPARSE_TERMS_MAX = 6
 
 
 @lru_cache(maxsize=64)
@@ -70,7 +80,10 @@ def topk_per_chunk(coeffs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     c = coeffs.shape[-1]
     if not 1 <= k <= c:
         raise ValueError(f"topk must be in [1, chunk={c}], got {k}")
-    idx = coeffs.abs().topk(k, dim=-1, sorted=False).indices
+    if k == 1:  # a reduction instead of a selection: the same pick except among exact ties
+        idx = coeffs.abs().argmax(dim=-1, keepdim=True)
+    else:
+        idx = coeffs.abs().topk(k, dim=-1, sorted=False).indices
     return idx, coeffs.gather(-1, idx)
 
 
@@ -90,3 +103,37 @@ def scatter_chunks(idx: torch.Tensor, vals: torch.Tensor, chunk: int) -> torch.T
     elif idx.dim() != 2:
         raise ValueError(f"indices must be (n_chunks, k) or (R, n_chunks, k), got {tuple(idx.shape)}")
     return out.scatter_add_(-1, idx.long(), vals)
+
+
+def idct_sparse(idx: torch.Tensor, vals: torch.Tensor, chunk: int) -> torch.Tensor:
+    r"""``idct(scatter_chunks(idx, vals, chunk))`` without the dense product, up to float rounding.
+
+    A chunk with coefficients (i_j, v_j), j = 1..k, decodes to x = Σ_j v_j·B[i_j] (B's rows are the
+    basis vectors), so the inverse transform costs k row gathers instead of a (c × c) product::
+
+        x ← v_1·B[i_1];  x ← x + v_j·B[i_j]  for j = 2..k        (per chunk, all chunks at once)
+
+    ``idx``/``vals`` are (n_chunks, k) or, with a leading replica dimension, (R, n_chunks, k): then the
+    result is the sum over replicas, terms in replica order (replica 0's k terms, then replica 1's, ...;
+    every rank that decodes the same bytes gets the same floats). Above :data:`SPARSE_TERMS_MAX`
+    terms per chunk it falls back to the dense product. With one term per chunk the result is exactly
+    the dense one (the product of one non-zero coefficient with a basis row, plus zeros); with more,
+    the sum is taken in another order than the matrix product's, a difference of float rounding.
+    """
+    if idx.dim() == 3:
+        n_chunks = idx.shape[1]
+        idx = idx.permute(1, 0, 2).reshape(n_chunks, -1)
+        vals = vals.permute(1, 0, 2).reshape(n_chunks, -1)
+    elif idx.dim() != 2:
+        raise ValueError(f"indices must be (n_chunks, k) or (R, n_chunks, k), got {tuple(idx.shape)}")
+    terms = idx.shape[-1]
+    if terms > SPARSE_TERMS_MAX:
+        return idct(scatter_chunks(idx, vals, chunk))
+    b = dct_basis(chunk, vals.dtype, vals.device)
+    out = b.index_select(0, idx[:, 0]).mul_(vals[:, :1])
+    if terms > 1:
+        row = torch.empty_like(out)
+        for j in range(1, terms):
+            torch.index_select(b, 0, idx[:, j], out=row)
+            out.add_(row.mul_(vals[:, j:j + 1]))
+    return out

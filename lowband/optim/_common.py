@@ -19,6 +19,7 @@ __all__ = [
     "replica_state_like",
     "check_sharded",
     "grads_nonfinite",
+    "all_finite",
     "param_label",
     "NONFINITE_POLICIES",
 ]
@@ -86,6 +87,21 @@ def state_view(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DTensor):
         return t.to_local()[0]
     return t
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """True if no tensor holds NaN or Inf: one max-|x| reduction per tensor, one host sync in all.
+
+    The infinity norm max |x| is finite exactly when every element is (NaN and Inf propagate; it
+    cannot overflow, unlike a sum of squares). Empty tensors are finite.
+    """
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return True
+    norms = torch._foreach_norm(tensors, float("inf"))
+    if len({n.dtype for n in norms}) == 1:
+        return bool(torch.isfinite(torch.stack(norms)).all())
+    return all(bool(torch.isfinite(n)) for n in norms)
 
 
 def grads_nonfinite(grads: list[torch.Tensor], link: Link | None, *, shard_group=None) -> bool:

@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lowband.compress import WireFormat, dct, idct, scatter_chunks, to_chunks, topk_per_chunk
+from lowband.compress import WireFormat, dct, idct_sparse, to_chunks, topk_per_chunk
 from lowband.link import Link
 from lowband.optim._common import (
     NONFINITE_POLICIES,
     NonFiniteGradientError,
+    all_finite,
     check_sharded,
     local,
     replica_state_like,
@@ -92,6 +93,11 @@ class FlexDeMo(Optimizer):
     lr enters twice (in δ and in the step), as in DeMo and DeToNATION: with sign off the
     effective step on the gradient is lr². With topk = chunk, fp32 values and sign off, the
     momentum empties every step and this is SGD with learning rate lr² on the mean gradient.
+
+    Cost: the forward DCT is the one c × c product per element and step. Both inverse transforms
+    (q, and the mean Q) gather the basis rows that a chunk's k (or R·k) coefficients select,
+    IDCT(scatter(I, V)) = Σ_j v_j·B[i_j] (:func:`lowband.compress.idct_sparse`, the dense product
+    above a few terms per chunk), and Top-1 is an argmax.
 
     All parameters' payloads travel as one flat uint8 message per step through the link (one
     all-gather over the replicate group: one round trip between nodes). R = 1: nothing is
@@ -339,7 +345,7 @@ class FlexDeMo(Optimizer):
         not finite on any rank of this model copy (the node's ranks agree over the fast shard
         group, so every rank of a copy sends the same verdict).
         """
-        bad = any(not bool(torch.isfinite(g).all()) for g in grads)
+        bad = not all_finite(grads)
         picks: list | None = None
         if not bad:
             picks = []
@@ -348,11 +354,9 @@ class FlexDeMo(Optimizer):
                 delta = self._delta_or_none(p)
                 idx, vals = self._topk_of_momentum(delta, g, group)
                 payload = wire.pack(idx, vals)
-                _, sent_vals = wire.unpack(payload, idx.shape[0])  # exactly what peers will see
-                if not bool(torch.isfinite(sent_vals).all()):
-                    bad = True
-                    break
+                sent_vals = wire.sent_values(vals)  # exactly what peers will unpack
                 picks.append((idx, sent_vals, payload))
+            bad = not all_finite([sv for _, sv, _ in picks])  # one host sync for every parameter
         shard_group = self._shard_group()
         if shard_group is not None:
             device = grads[0].device if grads else torch.device("cpu")
@@ -376,6 +380,8 @@ class FlexDeMo(Optimizer):
         if not picks:  # an empty shard (FSDP2 gives the last ranks nothing of a tiny parameter)
             return (torch.empty(0, group["topk"], dtype=torch.long, device=g.device),
                     torch.empty(0, group["topk"], device=g.device))
+        if len(picks) == 1:
+            return picks[0]
         return torch.cat([i for i, _ in picks]), torch.cat([v for _, v in picks])
 
     def _message(self, picks: list | None, device: torch.device) -> torch.Tensor:
@@ -411,18 +417,20 @@ class FlexDeMo(Optimizer):
 
     def _commit(self, work: list, grads: list[torch.Tensor], picks: list) -> None:
         """Phase 2 (every replica accepted the step): δ ← β·δ + lr·g − q, with q what was sent."""
-        for (group, p), g, (idx, sent_vals, _) in zip(work, grads, picks, strict=True):
+        for _, p in work:
             state = self.state[p]
             if len(state) == 0:
                 state["step"] = torch.tensor(0.0)
                 state["delta"] = replica_state_like(p, self._topology)
-            state["step"] += 1
+        torch._foreach_add_([self.state[p]["step"] for _, p in work], 1.0)
+        for (group, p), g, (idx, sent_vals, _) in zip(work, grads, picks, strict=True):
+            state = self.state[p]
             chunk = group["chunk"]
             flat = state_view(state["delta"]).view(-1)  # a view: writes go through
             for (blk, rows), r0 in _block_rows(flat, chunk):
                 gblk = _rows_of(g.reshape(-1), r0, rows, chunk, blk)
-                blk.copy_(_momentum(blk, gblk, group))  # the same arithmetic as in _compress
-                q = idct(scatter_chunks(idx[r0:r0 + rows], sent_vals[r0:r0 + rows], chunk))
+                blk.mul_(group["decay"]).add_(gblk, alpha=group["lr"])  # _momentum's arithmetic, in place
+                q = idct_sparse(idx[r0:r0 + rows], sent_vals[r0:r0 + rows], chunk)
                 blk.sub_(q.view(-1)[:blk.numel()].view_as(blk).to(blk.dtype))
 
     def _apply(self, work: list, gathered: torch.Tensor, into: dict | None = None) -> None:
@@ -441,9 +449,10 @@ class FlexDeMo(Optimizer):
                 continue
             lr = group["lr"]
             sink = x if target is None else target
+            vals = vals.div_(replicas)  # (Σ_r v_r)/R·B[i] as (Σ_r v_r/R)·B[i]: the same floats for R = 2^j
             for (blk, rows), r0 in _block_rows(sink.view(-1), wire.chunk):  # in place: x must be contiguous
-                coeffs = scatter_chunks(idx[:, r0:r0 + rows], vals[:, r0:r0 + rows], wire.chunk).div_(replicas)
-                update = idct(coeffs).view(-1)[:blk.numel()].view_as(blk).to(blk.dtype)
+                update = idct_sparse(idx[:, r0:r0 + rows], vals[:, r0:r0 + rows], wire.chunk)
+                update = update.view(-1)[:blk.numel()].view_as(blk).to(blk.dtype)
                 if group["sign"]:
                     update.sign_()
                 if target is None:
