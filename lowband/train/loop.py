@@ -293,8 +293,9 @@ def run_training(cfg: TrainConfig) -> dict:
         if path is None:
             raise FileNotFoundError(f"--resume auto: no checkpoint under {out / 'checkpoints'}; "
                                     "drop --resume to start afresh")
-        extra = load_checkpoint(path, model=model, optimizer=optimizer)
+        extra = load_checkpoint(path, model=model, optimizer=optimizer, method=cfg.method)
         start_step = int(extra["step"])
+        _log_topology_change(extra, topology, cfg=cfg)
         resumed = extra
         scheduler.load_state_dict(extra["scheduler"])
         link.end_step()  # loading may run a zero-lr step (DCP initialises optimizer state): not traffic
@@ -385,7 +386,7 @@ def run_training(cfg: TrainConfig) -> dict:
             if done < cfg.steps and ((cfg.val_every and done % cfg.val_every == 0) or end_of_epoch):
                 validate(done)
             if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < cfg.steps:
-                _save(out, done, model, optimizer, scheduler, clock)
+                _save(out, done, model, optimizer, scheduler, clock, cfg=cfg, topology=topology)
             if bar is not None:
                 bar.set_postfix(loss=f"{train_loss:.3f}", s_step=f"{step_time:.3f}",
                                 comm=f"{comm:.3f}", refresh=False)
@@ -394,7 +395,7 @@ def run_training(cfg: TrainConfig) -> dict:
             optimizer.flush()
         final_val = validate(cfg.steps)
         if cfg.ckpt_at_end or cfg.ckpt_every:
-            _save(out, cfg.steps, model, optimizer, scheduler, clock)
+            _save(out, cfg.steps, model, optimizer, scheduler, clock, cfg=cfg, topology=topology)
     finally:
         if bar is not None:
             bar.close()
@@ -437,8 +438,34 @@ def _batch_tokens(batch: dict[str, torch.Tensor], *, seq2seq: bool) -> int:
     return n
 
 
-def _save(out: Path, step: int, model, optimizer, scheduler, clock: dict[str, float]) -> None:
-    from lowband.checkpoint import save_checkpoint
+def _log_topology_change(extra: dict, topology: Topology, *, cfg: TrainConfig) -> None:
+    """Say what a resume on another topology changes: the replicas' state, the data position."""
+    from lowband.checkpoint import topology_record
+
+    old, new = extra.get("topology"), topology_record(topology)
+    if old is None or (old["replicas"], old["shards"]) == (new["replicas"], new["shards"]):
+        return
+    r0, r1 = old["replicas"], new["replicas"]
+    log.warning("resuming a checkpoint of %d replica(s) × %d shard(s) on %d × %d: the model is resharded, "
+                "per-replica state %s", r0, old["shards"], r1, new["shards"],
+                "averaged" if r1 < r0 else "copied" if r1 > r0 else "kept")
+    per_rank = cfg.batch_size * cfg.grad_accum
+    old_batch, batch = extra.get("global_batch"), topology.world_size * per_rank
+    if old_batch is not None and old_batch != batch:
+        same = (f"--batch-size {old_batch // (topology.world_size * cfg.grad_accum)}"
+                if old_batch % (topology.world_size * cfg.grad_accum) == 0
+                else f"ranks × --batch-size × --grad-accum = {old_batch}")
+        log.warning("the global batch changes from %d to %d examples per step: step k reads positions "
+                    "[k·%d, (k+1)·%d) of its epoch's permutation, so part of this epoch is read again (smaller "
+                    "batch) or skipped (larger), and epochs end at other steps; %s keeps the data order exactly",
+                    old_batch, batch, batch, batch, same)
+
+
+def _save(out: Path, step: int, model, optimizer, scheduler, clock: dict[str, float], *, cfg: TrainConfig,
+          topology: Topology) -> None:
+    from lowband.checkpoint import save_checkpoint, topology_record
 
     save_checkpoint(out / "checkpoints" / f"step_{step:06d}", model=model, optimizer=optimizer,
-                    extra={"step": step, "scheduler": scheduler.state_dict(), **clock})
+                    extra={"step": step, "scheduler": scheduler.state_dict(), **clock, "method": cfg.method,
+                           "model": cfg.model, "topology": topology_record(topology),
+                           "global_batch": topology.world_size * cfg.batch_size * cfg.grad_accum})
