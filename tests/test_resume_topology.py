@@ -248,3 +248,37 @@ def test_replica_sources_mean_when_fewer_copy_when_more():
     assert [replica_sources(saved=3, new=3, replica=j) for j in range(3)] == [[0], [1], [2]]
     with pytest.raises(ValueError, match="0 <= replica < new"):
         replica_sources(saved=2, new=1, replica=1)
+
+
+def _loop(rank: int, out: str, cache: str, steps: int, resume: str | None) -> dict:
+    import os
+
+    os.environ["LOWBAND_CACHE"] = cache
+    from lowband.train.loop import TrainConfig, run_training
+
+    return run_training(TrainConfig(method="flexdemo", model="t5-tiny", max_examples=300, val_size=16, val_batches=2,
+                                    batch_size=2, max_source_len=32, max_target_len=8, vocab_size=512,
+                                    progress=False, steps=steps, ckpt_every=3, out=out, resume=resume))
+
+
+@pytest.mark.multiprocess
+def test_lowband_train_resumes_on_one_node_with_resume_auto(tmp_path, tmp_path_factory):
+    import json
+
+    cache = str(tmp_path_factory.getbasetemp() / "lowband-cache")
+    out = str(tmp_path / "run")
+    first = run_ranks(_loop, world_size=4, ranks_per_node=2, args=(out, cache, 3, None), timeout_s=400)
+    assert first[0]["replicas"] == 2
+    extra = json.loads((tmp_path / "run" / "checkpoints" / "step_000003" / "lowband_extra.json").read_text())
+    assert extra["method"] == "flexdemo" and extra["topology"]["replicas"] == 2 and extra["global_batch"] == 8
+    second = run_ranks(_loop, world_size=2, ranks_per_node=2, args=(out, cache, 5, "auto"), timeout_s=400)
+    for s in second:
+        assert s["start_step"] == 3 and s["replicas"] == 1 and s["shards"] == 2 and s["status"] == "ok"
+        assert math.isfinite(s["train_loss"]) and math.isfinite(s["val_loss"])
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in lines if x["type"] == "train"]
+    assert [x["step"] for x in train] == [1, 2, 3, 4, 5]  # the global step goes on
+    assert all(math.isfinite(x["loss"]) for x in train)
+    vals = [x["val_loss"] for x in lines if x["type"] == "val"]
+    assert vals[-1] < vals[0], vals  # it went on learning: below the untrained model's loss
+    assert train[3]["tokens"] > train[2]["tokens"]  # the token count continues from the checkpoint's
