@@ -24,7 +24,10 @@ R′ × S′ (e.g. a job that lost a node goes on with the nodes it has):
   are kept.
 - What cannot be resumed is refused with a ValueError before any training step: a different
   method than the checkpoint's, a model whose parameters differ in name or shape, optimizer
-  state of another layout (other hyper-parameters that shape the state, e.g. ``values``).
+  state of another layout (other hyper-parameters that shape the state, e.g. ``values``); NoLoCo
+  refuses a group size above the new replica count in its ``load_state_dict``.
+- The step, lr schedule and training clock are in ``extra`` and go on; what a changed global
+  batch does to the data order is the loop's (it warns, docs/architecture.md explains).
 """
 
 from __future__ import annotations
@@ -236,7 +239,8 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: Opt
     :func:`replica_sources`) or copied (R′ > R). ``method``: this run's method name, refused with
     a ValueError if the checkpoint's ``extra["method"]`` names another. Everything that cannot be
     loaded (another method, model or optimizer-state layout) is a ValueError raised on every rank
-    before anything is changed.
+    before anything is read into the model or the optimizer (an optimizer may refuse the loaded
+    hyper-parameters later, e.g. NoLoCo's group size: still before any training step).
     """
     path = Path(path)
     if not (path / ".metadata").exists():
