@@ -712,6 +712,23 @@ class NoLoCo(_LocalSGD):
         if replicas > 1 and group_size > replicas:
             raise ValueError(f"group_size (n) must be in [2, R={replicas}] (the replicas), got {group_size}")
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint; its group size n (kept with the state) must fit this run's replicas.
+
+        A run resumed on fewer replicas than n (e.g. after losing nodes) is refused here, before any
+        step, rather than at its first outer step.
+        """
+        replicas = self.link.group_size if self.link is not None else 1
+        for group in state_dict.get("param_groups", []):
+            n = group.get("group_size")
+            if n is not None and replicas > 1 and n > replicas:
+                raise ValueError(
+                    f"the checkpoint's NoLoCo group size n={n} is larger than this run's {replicas} replicas "
+                    f"(a checkpoint keeps its hyper-parameters). Resume on at least {n} replicas (nodes × ranks "
+                    "per node / --shards), or on a single replica, which exchanges nothing"
+                )
+        super().load_state_dict(state_dict)
+
     def _init_outer_state(self, p: torch.Tensor, state: dict) -> None:
         state["delta"] = replica_state_like(p, self._topology)
 

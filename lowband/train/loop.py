@@ -362,8 +362,9 @@ class Trainer:
         if path is None:
             raise FileNotFoundError(f"--resume auto: no checkpoint under {out / 'checkpoints'}; "
                                     "drop --resume to start afresh")
-        extra = load_checkpoint(path, model=model, optimizer=optimizer)
+        extra = load_checkpoint(path, model=model, optimizer=optimizer, method=cfg.method)
         start_step = int(extra["step"])
+        _log_topology_change(extra, self.topology, cfg=cfg)
         resumed = extra
         scheduler.load_state_dict(extra["scheduler"])
         link.end_step()  # loading may run a zero-lr step (DCP initialises optimizer state): not traffic
@@ -458,10 +459,13 @@ class Trainer:
 
     def checkpoint(self, step: int) -> None:
         """A DCP checkpoint after ``step`` steps (model, optimizer, schedule, training clock)."""
-        from lowband.checkpoint import save_checkpoint
+        from lowband.checkpoint import save_checkpoint, topology_record
 
+        cfg, topo = self.cfg, self.topology
         save_checkpoint(self.out / "checkpoints" / f"step_{step:06d}", model=self.model, optimizer=self.optimizer,
-                        extra={"step": step, "scheduler": self.scheduler.state_dict(), **self.clock})
+                        extra={"step": step, "scheduler": self.scheduler.state_dict(), **self.clock,
+                               "method": cfg.method, "model": cfg.model, "topology": topology_record(topo),
+                               "global_batch": topo.world_size * cfg.batch_size * cfg.grad_accum})
 
     def summarize(self) -> RunSummary:
         """This rank's summary of the run, written to ``summary_rank{R}.json``."""
@@ -536,3 +540,26 @@ def _batch_tokens(batch: dict[str, torch.Tensor], *, seq2seq: bool) -> int:
     if seq2seq:
         n += int((batch["labels"] != -100).sum())
     return n
+
+
+def _log_topology_change(extra: dict, topology: Topology, *, cfg: TrainConfig) -> None:
+    """Say what a resume on another topology changes: the replicas' state, the data position."""
+    from lowband.checkpoint import topology_record
+
+    old, new = extra.get("topology"), topology_record(topology)
+    if old is None or (old["replicas"], old["shards"]) == (new["replicas"], new["shards"]):
+        return
+    r0, r1 = old["replicas"], new["replicas"]
+    log.warning("resuming a checkpoint of %d replica(s) × %d shard(s) on %d × %d: the model is resharded, "
+                "per-replica state %s", r0, old["shards"], r1, new["shards"],
+                "averaged" if r1 < r0 else "copied" if r1 > r0 else "kept")
+    per_rank = cfg.batch_size * cfg.grad_accum
+    old_batch, batch = extra.get("global_batch"), topology.world_size * per_rank
+    if old_batch is not None and old_batch != batch:
+        same = (f"--batch-size {old_batch // (topology.world_size * cfg.grad_accum)}"
+                if old_batch % (topology.world_size * cfg.grad_accum) == 0
+                else f"ranks × --batch-size × --grad-accum = {old_batch}")
+        log.warning("the global batch changes from %d to %d examples per step: step k reads positions "
+                    "[k·%d, (k+1)·%d) of its epoch's permutation, so part of this epoch is read again (smaller "
+                    "batch) or skipped (larger), and epochs end at other steps; %s keeps the data order exactly",
+                    old_batch, batch, batch, batch, same)
