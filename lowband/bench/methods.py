@@ -10,6 +10,8 @@ some of its hyper-parameters::
     flexdemo:topk=8,chunk=64      ... of every chunk of 64
     diloco:H=100                  DiLoCo, 100 inner steps per outer step
     noloco:H=10,n=2               NoLoCo, pairs of replicas average every 10 steps
+    diloco:H=10,overlap=true      DiLoCo whose outer step is merged 1 inner step after it starts
+    diloco:H=10,delay=3           ... 3 inner steps after it starts (delay=τ, 1 <= τ < H)
 
 The methods, their hyper-parameters and their defaults come from the trainer's registry (one
 registry for ``lowband train`` and ``lowband bench``); a value's type is its default's type.
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lowband.train.cli import HP_FLAGS
+from lowband.train.local_methods import outer_delay
 from lowband.train.methods import METHODS
 from lowband.util import parse_bool
 
@@ -68,7 +71,7 @@ _FAMILY_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {"local": {"values": ("
 _MINIMUM: dict[str, tuple[float, bool]] = {  # name -> (minimum, exclusive)
     "lr": (0.0, True), "outer_lr": (0.0, True), "weight_decay": (0.0, False), "topk": (1, False),
     "chunk": (1, False), "H": (1, False), "n": (2, False), "decay": (0.0, False), "clip": (0.0, True),
-    "shards": (1, False), "eps": (0.0, True), "nseeds": (1, False),
+    "shards": (1, False), "eps": (0.0, True), "nseeds": (1, False), "delay": (0, False),
 }  # fmt: skip
 _BELOW_ONE = ("decay", "beta1", "beta2")
 
@@ -186,6 +189,11 @@ def parse_method_spec(text: str) -> BenchMethod:
     topk, chunk = values.get("topk", defaults.get("topk")), values.get("chunk", defaults.get("chunk"))
     if topk is not None and chunk is not None and topk > chunk:
         raise ValueError(f"spec {text!r}: topk={topk} exceeds chunk={chunk}; topk must lie in 1..chunk")
+    if METHODS[name].family == "local":
+        try:
+            outer_delay({**defaults, **values})
+        except ValueError as e:
+            raise ValueError(f"spec {text!r}: {e}") from None
     return BenchMethod(name, tuple(values.items()))
 
 

@@ -18,7 +18,7 @@ HP_FLAGS = {
     "lr": "lr", "weight_decay": "weight_decay", "topk": "topk", "chunk": "chunk", "decay": "decay",
     "sign": "sign", "values": "values", "sync_every": "H", "outer_lr": "outer_lr",
     "outer_momentum": "outer_momentum", "group_size": "n", "alpha": "alpha", "beta": "beta", "gamma": "gamma",
-    "clip": "clip", "overlap": "overlap",
+    "clip": "clip", "overlap": "overlap", "delay": "delay",
 }
 
 
@@ -44,7 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gamma", type=float, help="NoLoCo: weight of the pull towards the group mean (default beta)")
     g.add_argument("--clip", type=float, help="DiLoCo/NoLoCo: inner gradient clipping norm")
     g.add_argument("--overlap", type=parse_bool, help="DeMo/FlexDeMo: apply each exchange one step later, overlapped "
-                   "with the next step's compute (true/false)")
+                   "with the next step's compute; DiLoCo/NoLoCo: merge each outer step one inner step after "
+                   "it starts (delay 1) (true/false)")
+    g.add_argument("--delay", type=int, help="DiLoCo/NoLoCo: inner steps tau (1 <= tau < H) between the start of an "
+                   "outer step's exchange and its merge (0: blocking)")
     g.add_argument("--hp", default=None, help="more hyper-parameters as JSON, e.g. '{\"beta1\": 0.9}'")
 
     m = p.add_argument_group("model and data")

@@ -37,7 +37,7 @@ class MethodSpec:
 
 
 _DEMO_HP = dict(lr=1e-3, topk=1, chunk=128, decay=0.999, sign=True, weight_decay=0.0, values="bf16", overlap=False)
-_LOCAL_HP = dict(lr=4e-4, weight_decay=0.1, H=50, clip=1.0)
+_LOCAL_HP = dict(lr=4e-4, weight_decay=0.1, H=50, clip=1.0, overlap=False, delay=0)
 
 METHODS: dict[str, MethodSpec] = {
     m.name: m
