@@ -110,6 +110,8 @@ def test_modelled_time_and_break_even() -> None:
     # An overlapping variant costs max(compute, comm) per step.
     overlapped = flex | {"params": {"overlap": True}}
     assert quality.modelled_time_to_target_s(overlapped, 1.0) == pytest.approx(40 * 1.0)
+    # So does DiLoCo/NoLoCo with a delayed merge, whether written overlap=true or delay=τ.
+    assert quality.overlaps({"params": {"delay": 2}}) and not quality.overlaps({"params": {"delay": 0}})
     headers, rows = modelled_rows({"runs": [adamw, flex], "target_loss": 5.0})
     assert rows[1][0] == "flexdemo" and rows[1][-1] == f"sooner when compute < {c:.3g} s/step"
 

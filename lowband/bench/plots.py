@@ -27,7 +27,7 @@ from typing import Any
 
 from lowband.bench.config import format_bandwidth
 from lowband.bench.methods import column_labels
-from lowband.bench.quality import Variant, crossing, modelled_comm_s, variants
+from lowband.bench.quality import Variant, crossing, modelled_comm_s, overlaps, variants
 
 __all__ = ["PLOT_FILES", "write_plots"]
 
@@ -161,7 +161,7 @@ def _modelled_plot(vs: Sequence[Variant], target: float | None, path: Path) -> N
                 missed.append(v.label)
             continue
         s, m = statistics.fmean(steps), statistics.fmean(comms)
-        overlap = str((v.ok[0].get("params") or {}).get("overlap", "false")).lower() in ("true", "1")
+        overlap = overlaps(v.ok[0])
         times = s * (np.maximum(compute, m) if overlap else compute + m) / 60.0
         label = f"{v.label} @ {format_bandwidth(v.bandwidth_bps)}" + (f" ({len(steps)}/{len(v.ok)} seeds)"
                                                                        if len(steps) < len(v.ok) else "")  # fmt: skip

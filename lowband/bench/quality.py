@@ -48,6 +48,7 @@ __all__ = [
     "exceeds_spread",
     "modelled_comm_s",
     "modelled_time_to_target_s",
+    "overlaps",
     "variants",
 ]
 
@@ -235,9 +236,10 @@ def exceeds_spread(a: Variant, b: Variant, key: str = "val_loss") -> bool | None
     return sa[2] < sb[1] or sb[2] < sa[1]
 
 
-def _overlaps(run: Run) -> bool:
+def overlaps(run: Run) -> bool:
+    """True for a variant that overlaps communication with compute (``overlap=true``, or DiLoCo/NoLoCo ``delay`` > 0)."""
     params = run.get("params") or {}
-    return str(params.get("overlap", "false")).lower() in ("true", "1")
+    return str(params.get("overlap", "false")).lower() in ("true", "1") or float(params.get("delay") or 0) > 0
 
 
 def modelled_comm_s(run: Run) -> float | None:
@@ -258,7 +260,7 @@ def modelled_time_to_target_s(run: Run, compute_s: float) -> float | None:
     comm = modelled_comm_s(run)
     if comm is None or run.get("steps_to_target") is None:
         return None
-    step = max(compute_s, comm) if _overlaps(run) else compute_s + comm
+    step = max(compute_s, comm) if overlaps(run) else compute_s + comm
     return float(run["steps_to_target"]) * step
 
 

@@ -5,19 +5,23 @@ every ``sync_every`` (H) steps take one outer step through the link. They are ``
 optimizers wrapping the inner one; the training loop calls ``zero_grad()``, ``backward()`` and
 ``step()`` as usual.
 
-Phases of one ``step()`` (communication never overlaps computation here: the outer step is rare):
+Phases of one ``step()``:
 
 1. refuse a NaN/Inf gradient (the S ranks of a model copy agree through the node's shard group;
    nothing crosses nodes), optionally clip the gradient norm (intra-node only);
 2. inner step on the local shards (FSDP2 leaves the intra-node mean gradient in ``p.grad``);
 3. every H steps, the outer step: one message per rank through the link, over the replicate group
    (DiLoCo: one all-reduce) or to the n − 1 peers of a random group (NoLoCo: one exchange).
+   With ``delay=τ`` (1 ≤ τ < H) the message is only started there; the τ inner steps that follow
+   run while it travels, and the τ-th of them waits for it, updates φ and merges (see
+   :class:`DiLoCo`). τ = 0 (the default) blocks for the whole outer step.
 
 A single process (``link=None``) or a single replica (R = 1) takes the same path and sends nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -26,6 +30,7 @@ import numbers
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
@@ -36,7 +41,7 @@ from torch.optim import Adam, AdamW, Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from lowband.compress.quant import BlockQuant
-from lowband.link import Link, PeerTimeoutError
+from lowband.link import Link, LinkHandle, PeerTimeoutError
 from lowband.optim._common import (
     NonFiniteGradientError,
     check_sharded,
@@ -46,7 +51,8 @@ from lowband.optim._common import (
     state_view,
 )
 
-__all__ = ["DILOCO_INNER_DEFAULTS", "NOLOCO_INNER_DEFAULTS", "DiLoCo", "NoLoCo", "noloco_groups", "warmup_cosine", "warmup_cosine_factor"]
+__all__ = ["DILOCO_INNER_DEFAULTS", "NOLOCO_INNER_DEFAULTS", "DiLoCo", "NoLoCo", "check_delay", "noloco_groups",
+           "warmup_cosine", "warmup_cosine_factor"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +67,36 @@ InnerOptimizer = Optimizer | Callable[[list[dict[str, Any]]], Optimizer] | None
 def _check_unit_interval(name: str, value: float) -> None:
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {value}")
+
+
+def check_delay(delay: Any, sync_every: int) -> int:
+    """Validate τ (``delay``) against H (``sync_every``): an integer with 0 <= τ < H; returns it.
+
+    The outer step started after inner step kH is merged after inner step kH + τ, which must come
+    before the next one starts at (k + 1)H.
+    """
+    if not isinstance(delay, numbers.Integral) or isinstance(delay, bool) or delay < 0:
+        raise ValueError(f"delay (τ, inner steps an outer step runs behind) must be an integer >= 0, got {delay!r}")
+    if delay >= sync_every:
+        raise ValueError(
+            f"delay τ={delay} must be below sync_every H={sync_every}: the outer step started after inner step "
+            f"kH is merged τ steps later, before the next one starts. Use delay <= {sync_every - 1} or raise H "
+            f"to at least {int(delay) + 1}" + (" (H=1 leaves no room for overlap: use delay=0)" if sync_every == 1 else "")
+        )
+    return int(delay)
+
+
+@dataclass
+class _OuterFlight:
+    """An outer step whose message is in flight (or, τ = 0, already back)."""
+
+    outer_index: int
+    result: Any  # a LinkHandle, or the result itself (blocking, no link, no peers)
+    message: torch.Tensor  # what this rank sent: fp (sealed) or the lossy encoding
+    fp_flat: torch.Tensor  # the sealed fp message
+    v: torch.Tensor | None  # lossy: values + error feedback, what the encoding approximates
+    numel: int  # values in the message (the flag not counted)
+    extra: dict = field(default_factory=dict)
 
 
 def _tensors_of(params: list) -> list[torch.Tensor]:
@@ -89,10 +125,12 @@ def _from_replica(value: Any, p: torch.Tensor) -> Any:
 
 
 class _LocalSGD(Optimizer):
-    """Inner optimizer, step counting, the finite check and per-replica checkpointing.
+    """Inner optimizer, step counting, the finite check, the delayed merge and per-replica checkpointing.
 
-    Subclasses define ``_init_outer_state(p, state)``, ``_outer_step(outer_index)`` and
-    ``_OUTER_KEYS`` (the hyper-parameters of the outer step kept in each param group).
+    Subclasses define ``_init_outer_state(p, state)``, ``_begin_outer(outer_index, async_op)`` (build
+    the message and start its link operation), ``_end_outer(flight, result)`` (the outer update of
+    φ from what came back; θ ← φ when τ = 0) and ``_OUTER_KEYS`` (the hyper-parameters of the outer
+    step kept in each param group).
     """
 
     _OUTER_KEYS: tuple[str, ...] = ()
@@ -111,10 +149,14 @@ class _LocalSGD(Optimizer):
         max_grad_norm: float | None,
         values: str = "fp32",
         quant_block: int = 256,
+        delay: int = 0,
     ) -> None:
         self.codec = BlockQuant(values, quant_block)  # validates both
         if not isinstance(sync_every, numbers.Integral) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1, got {sync_every!r}")
+        self.delay = check_delay(delay, int(sync_every))
+        self._flight: _OuterFlight | None = None
+        self._refused_what = ""
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm}")
         params = list(params)
@@ -176,6 +218,13 @@ class _LocalSGD(Optimizer):
         if self.codec.lossy:
             for key in self._ERROR_KEYS:
                 state[key] = replica_state_like(p, self._topology)
+        if self.delay:
+            self._init_merge_state(p, state)
+
+    def _init_merge_state(self, p: torch.Tensor, state: dict) -> None:
+        """τ > 0: θ as sent (``sent``) and the merge status (``merge``: 0 none, 1 merge, 2 refused), per replica."""
+        state["sent"] = replica_state_like(p, self._topology)
+        state["merge"] = replica_state_like(torch.zeros(1, device=local(p).device), self._topology)
 
     def _init_outer_state(self, p: torch.Tensor, state: dict) -> None:
         raise NotImplementedError
@@ -268,7 +317,10 @@ class _LocalSGD(Optimizer):
         Per parameter: ``step``, ``slow`` (φ) and the outer momentum as kept; plus ``theta``, a copy
         of this replica's parameter (the model's own state dict holds one replica's θ only, since
         DCP de-duplicates it), and ``inner``, the inner optimizer's state converted the same way.
+        With τ > 0 and an outer step in flight, it is waited for first and its φ update done
+        (:meth:`_settle`); ``sent`` and ``merge`` keep what the merge at step kH + τ needs.
         """
+        self._settle()
         sd = super().state_dict()
         templates = self._inner_state_templates()
         state = {}
@@ -291,7 +343,11 @@ class _LocalSGD(Optimizer):
             carried[key] = (st.pop("theta", None), st.pop("inner", None))
             plain[key] = st
         state_dict["state"] = plain
+        if self._flight is not None:  # replaced by what the checkpoint holds
+            self._wait_outer(self._flight)
+            self._flight = None
         super().load_state_dict(state_dict)
+        self._check_merge_state()
         keys = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         inner_state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
         with torch.no_grad():
@@ -303,6 +359,23 @@ class _LocalSGD(Optimizer):
                 if inner and self.state[p]["step"].item() > 0:
                     inner_state[p] = {k: _from_replica(v, p) for k, v in inner.items()}
         self.inner_optimizer.state = inner_state
+
+    def _check_merge_state(self) -> None:
+        """After loading: τ > 0 needs the merge state (zeros when the checkpoint has none); τ = 0
+        cannot take over an outer step that a τ > 0 run saved before merging it."""
+        for p in self._params():
+            state = self.state[p]
+            if self.delay:
+                if "sent" not in state or "merge" not in state:
+                    self._init_merge_state(p, state)
+            elif "merge" in state:
+                if state_view(state["merge"]).item() != 0:
+                    raise ValueError(
+                        "this checkpoint holds an outer step that was started but not yet merged (it was saved "
+                        "with delay > 0); resume it with the same delay (overlap) setting"
+                    )
+                del state["merge"]
+                state.pop("sent", None)
 
     # ------------------------------------------------------------------ step
     def _check_and_clip(self, params: list[torch.Tensor]) -> None:
@@ -338,15 +411,85 @@ class _LocalSGD(Optimizer):
         for p in params:
             self.state[p]["step"] += 1
         steps = self.inner_steps
+        if self.delay and steps > self.sync_every and steps % self.sync_every == self.delay:
+            start = time.perf_counter()
+            try:
+                self._merge()
+            finally:
+                self.last_sync_time_s += time.perf_counter() - start
         if steps % self.sync_every == 0:
             start = time.perf_counter()
-            self._outer_step(steps // self.sync_every - 1)
+            outer_index = steps // self.sync_every - 1
+            if self.delay:
+                for p in params:
+                    state_view(self.state[p]["sent"]).copy_(local(p))
+                self._flight = self._begin_outer(outer_index, async_op=True)
+            else:
+                flight = self._begin_outer(outer_index, async_op=False)
+                what = self._end_outer(flight, flight.result)
+                if what is not None:
+                    raise self._nonfinite_outer(what)
             self.last_sync_time_s = time.perf_counter() - start
             log.debug("%s outer step %d took %.3f s", type(self).__name__, self.outer_steps, self.last_sync_time_s)
         return loss
 
-    def _outer_step(self, outer_index: int) -> None:
+    def _begin_outer(self, outer_index: int, *, async_op: bool) -> _OuterFlight:
         raise NotImplementedError
+
+    def _end_outer(self, flight: _OuterFlight, result: Any) -> str | None:
+        """The outer update from what came back; None, or what was not finite (nothing changed)."""
+        raise NotImplementedError
+
+    def _wait_outer(self, flight: _OuterFlight) -> Any:
+        return flight.result.wait() if isinstance(flight.result, LinkHandle) else flight.result
+
+    # ------------------------------------------------------------------ delayed merge (τ > 0)
+    def _merge_status(self) -> int:
+        params = self._params()
+        return int(state_view(self.state[params[0]]["merge"]).item()) if params else 0
+
+    def _set_merge_status(self, status: int) -> None:
+        for p in self._params():
+            state_view(self.state[p]["merge"]).fill_(status)
+
+    @torch.no_grad()
+    def _settle(self) -> None:
+        """τ > 0: wait for the outer step in flight and update φ (and momenta, error feedback) from it.
+
+        θ is not touched: the merge waits for step kH + τ. The outcome is kept in the state
+        (``merge`` = 1, or 2 when a replica flagged a non-finite message), so a checkpoint taken
+        now resumes exactly.
+        """
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        what = self._end_outer(flight, self._wait_outer(flight))
+        self._refused_what = what or ""
+        self._set_merge_status(1 if what is None else 2)
+
+    @torch.no_grad()
+    def _merge(self) -> None:
+        """Step kH + τ: θ ← φ_new + (θ − θ_sent); or, if the outer step was refused, raise (φ unchanged)."""
+        self._settle()
+        status = self._merge_status()
+        if status == 0:
+            return
+        self._set_merge_status(0)
+        if status == 2:
+            raise self._nonfinite_outer(self._refused_what or "outer message of a replica (a merge waiting in a "
+                                        "checkpoint)")
+        for p in self._params():
+            state = self.state[p]
+            local(p).sub_(state_view(state["sent"])).add_(state_view(state["slow"]))
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """τ > 0: merge the outer step still in flight now (call it after the last step). No-op otherwise.
+
+        The training loop calls it at the end, so the final weights hold the last outer step.
+        """
+        if self.delay:
+            self._merge()
 
     # ------------------------------------------------------------------ outer step helpers
     def _message_dtype(self, params: list[torch.Tensor]) -> torch.dtype:
@@ -461,6 +604,29 @@ class DiLoCo(_LocalSGD):
     step on the ranks of that model copy (nothing is sent; the others then wait at the next outer
     step until the process group's timeout).
 
+    **Overlap** (``delay=τ``, 1 ≤ τ < H; Streaming DiLoCo's delayed merge without fragments): the
+    outer step leaves the critical path. With θ_sent the weights the message was built from::
+
+        after inner step kH:       θ_sent ← θ;  start the all-reduce (all-gather) of φ − θ_sent
+        inner steps kH+1 .. kH+τ:  θ ← InnerOpt(θ, g) while the message travels
+        after inner step kH + τ:   wait;  Δ, b, φ as above (the same arithmetic, the same messages)
+                                   θ ← φ + (θ − θ_sent)                      # the merge
+
+    The merge keeps the τ steps of local progress on top of the new outer weights: nothing is
+    discarded and nothing counts twice, since the next pseudo-gradient φ − θ contains those steps
+    exactly once. At τ = 0 it is the blocking rule θ ← φ (and τ = 0 runs the blocking code).
+    Streaming DiLoCo (Douillard et al. 2025) merges θ ← (1 − α)·θ_local + α·φ instead; with α = 1 it
+    throws the τ local steps away (their gradients are computed and lost), with α < 1 it keeps a
+    share of θ_local − φ (θ's drift from the outer weights, not only the τ new steps) and adds a
+    hyper-parameter; the difference θ − θ_sent is exactly the progress made while the message was
+    in flight, so this rule needs none. Its cost: one more copy of θ (``sent``) per replica.
+    A non-finite message is refused at step kH + τ (every rank raises, φ and b unchanged, θ keeps
+    its local steps). A checkpoint taken while the message is in flight waits for it and performs
+    the φ update at save time; ``sent`` and a per-replica ``merge`` status are saved, and the merge
+    itself happens at step kH + τ as in the uninterrupted run (a resumed run follows it bit for
+    bit). :meth:`flush` merges a step still in flight (after the last step; the training loop calls
+    it). ``outer_steps`` counts outer steps started.
+
     Args:
         params: parameters (FSDP2 shards when S > 1), (name, parameter) pairs or param groups.
         inner_optimizer: a factory called with the param groups (e.g.
@@ -481,6 +647,8 @@ class DiLoCo(_LocalSGD):
             :class:`~lowband.compress.quant.BlockQuant` (int8 ≈ n, int4 ≈ n/2, plus 4 bytes per block).
             The all-gather grows with R: at R = 2 int8 sends 4× less than fp32, at R ≥ 9 more.
         quant_block: elements per scale for int8/int4 (default 256).
+        delay: τ, inner steps between the start of an outer step's exchange and its merge
+            (0 ≤ τ < H; 0: blocking). The bench spec's ``overlap=true`` means τ = 1.
 
     Attributes:
         inner_optimizer: the inner optimizer. ``last_sync_time_s``: wall time of the last outer step
@@ -503,6 +671,7 @@ class DiLoCo(_LocalSGD):
         max_grad_norm: float | None = None,
         values: str = "fp32",
         quant_block: int = 256,
+        delay: int = 0,
     ) -> None:
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
@@ -517,6 +686,7 @@ class DiLoCo(_LocalSGD):
             max_grad_norm=max_grad_norm,
             values=values,
             quant_block=quant_block,
+            delay=delay,
         )
         for group in self.param_groups:
             if not group["outer_lr"] > 0:
@@ -526,7 +696,7 @@ class DiLoCo(_LocalSGD):
     def _init_outer_state(self, p: torch.Tensor, state: dict) -> None:
         state["momentum"] = replica_state_like(p, self._topology)
 
-    def _outer_step(self, outer_index: int) -> None:
+    def _begin_outer(self, outer_index: int, *, async_op: bool) -> _OuterFlight:
         params = self._params()
         numel = sum(local(p).numel() for p in params)
         device = local(params[0]).device
@@ -543,16 +713,23 @@ class DiLoCo(_LocalSGD):
             # Quantised values cannot be summed on the way: all-gather them, every rank decodes
             # all R and averages them in replica order (identical φ on every replica).
             message, v = self._encode_outer(flat, numel)
-            gathered = self.link.all_gather(message) if self.link is not None else message.unsqueeze(0)
+            result = (self.link.all_gather(message, async_op=async_op) if self.link is not None
+                      else message.unsqueeze(0))
+            return _OuterFlight(outer_index, result, message, flat, v, numel)
+        result = self.link.all_reduce(flat, op="avg", async_op=async_op) if self.link is not None else flat
+        return _OuterFlight(outer_index, result, flat, flat, None, numel)
+
+    def _end_outer(self, flight: _OuterFlight, result: Any) -> str | None:
+        flat, numel = flight.fp_flat, flight.numel
+        if self.codec.lossy:
+            gathered = result
             if bool(gathered[:, -1].any()):
-                raise self._nonfinite_outer("pseudo-gradient")
-            self._commit_error(message, v, numel)
+                return "pseudo-gradient"
+            self._commit_error(flight.message, flight.v, numel)
             flat[:numel].copy_(self._decoded_mean(list(gathered), numel))
             flat[-1] = 0.0
-        elif self.link is not None:
-            self.link.all_reduce(flat, op="avg")
         if flat[-1].item() > 0:
-            raise self._nonfinite_outer("pseudo-gradient")
+            return "pseudo-gradient"
         offset = 0
         for group in self.param_groups:
             lr, mu = group["outer_lr"], group["outer_momentum"]
@@ -566,7 +743,9 @@ class DiLoCo(_LocalSGD):
                     phi.add_(delta.add_(b, alpha=mu), alpha=-lr)
                 else:
                     phi.add_(b, alpha=-lr)
-                local(p).copy_(phi)
+                if not self.delay:
+                    local(p).copy_(phi)
+        return None
 
 
 def _mix_seed(seed: int, outer_index: int) -> int:
@@ -625,6 +804,12 @@ class NoLoCo(_LocalSGD):
     inner state are stored per replica as well); the seed, group size and counters come back with
     the checkpoint, so a resumed run draws the same groups.
 
+    **Overlap** (``delay=τ``, 1 ≤ τ < H) as for :class:`DiLoCo`: the exchange of (φ_i, θ_sent − φ_i)
+    starts after inner step kH (``Link.exchange(..., async_op=True)``, the same bytes), τ inner
+    steps run while it travels, then δ_i and φ_i are updated as above from the same messages and
+    θ_i ← φ_i + (θ_i − θ_sent). Still point-to-point inside the group only; a refused group raises
+    at step kH + τ; checkpoints in flight resume bit for bit; a peer's timeout is raised by the wait.
+
     Param groups are shared with the inner optimizer (``lr`` is the inner lr); ``alpha``, ``beta``,
     ``gamma`` are per group, ``group_size`` and ``seed`` must be the same in all groups.
 
@@ -647,6 +832,7 @@ class NoLoCo(_LocalSGD):
             decoded messages, the sender's own included, so all members compute the same mean.
             Bytes per peer: 8n + 4 (fp32) or nbytes(2n) + 1.
         quant_block: elements per scale for int8/int4 (default 256).
+        delay: τ, as for :class:`DiLoCo` (0 ≤ τ < H; 0: blocking).
 
     Attributes:
         last_group: global ranks of this rank's group in the last outer step.
@@ -672,6 +858,7 @@ class NoLoCo(_LocalSGD):
         max_grad_norm: float | None = 1.0,
         values: str = "fp32",
         quant_block: int = 256,
+        delay: int = 0,
     ) -> None:
         gamma = beta if gamma is None else gamma
         replicas = link.group_size if link is not None else 1
@@ -693,6 +880,7 @@ class NoLoCo(_LocalSGD):
             max_grad_norm=max_grad_norm,
             values=values,
             quant_block=quant_block,
+            delay=delay,
         )
         self.timeout_s = timeout_s
         self.last_group: list[int] = []
@@ -732,7 +920,30 @@ class NoLoCo(_LocalSGD):
     def _init_outer_state(self, p: torch.Tensor, state: dict) -> None:
         state["delta"] = replica_state_like(p, self._topology)
 
-    def _outer_step(self, outer_index: int) -> None:
+    @contextlib.contextmanager
+    def _group_timeout(self, outer_index: int, me: int, members: list[int], peers: list[int]):
+        """The optimizer's ``timeout_s`` on the link while it waits for the group; a timeout names the group."""
+        link = self.link
+        saved_timeout = link.timeout_s  # type: ignore[union-attr]
+        if self.timeout_s is not None:
+            link.timeout_s = self.timeout_s  # type: ignore[union-attr]
+        try:
+            yield
+        except PeerTimeoutError as e:
+            raise PeerTimeoutError(
+                f"NoLoCo outer step {outer_index}: rank {link.rank} (replica {me}) waited in vain for "  # type: ignore[union-attr]
+                f"peer rank(s) {peers} of its group (replicas {members}). {e}"
+            ) from e
+        finally:
+            link.timeout_s = saved_timeout  # type: ignore[union-attr]
+
+    def _wait_outer(self, flight: _OuterFlight) -> Any:
+        if not isinstance(flight.result, LinkHandle):
+            return flight.result
+        with self._group_timeout(flight.outer_index, **flight.extra):
+            return flight.result.wait()
+
+    def _begin_outer(self, outer_index: int, *, async_op: bool) -> _OuterFlight:
         params = self._params()
         link = self.link
         replicas = link.group_size if link is not None else 1
@@ -762,26 +973,22 @@ class NoLoCo(_LocalSGD):
         v = None
         if self.codec.lossy:
             flat, v = self._encode_outer(fp_flat, 2 * numel)
-        received: list[torch.Tensor] = []
+        received: Any = []
+        extra = dict(me=me, members=members, peers=peers)
         if peers:
-            saved_timeout = link.timeout_s  # type: ignore[union-attr]
-            if self.timeout_s is not None:
-                link.timeout_s = self.timeout_s  # type: ignore[union-attr]
-            try:
-                received = link.exchange(flat, peers)  # type: ignore[union-attr]
-            except PeerTimeoutError as e:
-                raise PeerTimeoutError(
-                    f"NoLoCo outer step {outer_index}: rank {link.rank} (replica {me}) waited in vain for "  # type: ignore[union-attr]
-                    f"peer rank(s) {peers} of its group (replicas {members}). {e}"
-                ) from e
-            finally:
-                link.timeout_s = saved_timeout  # type: ignore[union-attr]
-        by_replica = {me: flat, **dict(zip([j for j in members if j != me], received, strict=True))}
+            with self._group_timeout(outer_index, **extra):
+                received = link.exchange(flat, peers, async_op=async_op)  # type: ignore[union-attr]
+        return _OuterFlight(outer_index, received, flat, fp_flat, v, 2 * numel, extra)
+
+    def _end_outer(self, flight: _OuterFlight, result: Any) -> str | None:
+        flat, fp_flat, numel = flight.message, flight.fp_flat, flight.numel // 2
+        me, members = flight.extra["me"], flight.extra["members"]
+        by_replica = {me: flat, **dict(zip([j for j in members if j != me], result, strict=True))}
         if any(by_replica[j][-1].item() > 0 for j in members):
-            raise self._nonfinite_outer("slow weights or pseudo-gradient of a group member")
+            return "slow weights or pseudo-gradient of a group member"
         # The same summation order on every member: identical means.
         if self.codec.lossy:
-            self._commit_error(flat, v, 2 * numel)
+            self._commit_error(flat, flight.v, 2 * numel)
             mean = self._decoded_mean([by_replica[j] for j in members], 2 * numel).to(fp_flat.dtype)
         else:
             mean = by_replica[members[0]][:-1].clone()
@@ -803,7 +1010,9 @@ class NoLoCo(_LocalSGD):
                 if gamma != 0:
                     d.sub_(phi - mean_phi, alpha=gamma)
                 phi.add_(d)
-                local(p).copy_(phi)
+                if not self.delay:
+                    local(p).copy_(phi)
+        return None
 
 
 def warmup_cosine(optimizer: Optimizer, *, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> LambdaLR:

@@ -43,7 +43,7 @@ from lowband.compress.wire import VALUE_FORMATS
 from lowband.link import Link
 from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo
 from lowband.optim._common import NONFINITE_POLICIES
-from lowband.optim.local_sgd import DILOCO_INNER_DEFAULTS, NOLOCO_INNER_DEFAULTS
+from lowband.optim.local_sgd import DILOCO_INNER_DEFAULTS, NOLOCO_INNER_DEFAULTS, check_delay
 from lowband.util import parse_bool
 
 __all__ = [
@@ -242,7 +242,30 @@ def _local_fields(owner: type, inner: Mapping[str, float]) -> dict[str, Any]:
         values=option(_signature_default(owner, "values"), "wire format of the outer messages",
                   choices=OUTER_VALUE_FORMATS),
         quant_block=option(_signature_default(owner, "quant_block"), "elements per scale for int8/int4", minimum=1),
+        overlap=option(False, "overlap the outer exchange with the next inner step: merge it 1 inner step after "
+                       "it starts, i.e. delay 1 unless delay is given (true/false)"),
+        delay=option(_signature_default(owner, "delay"), "inner steps tau (1 <= tau < H) between the start of an "
+                     "outer exchange and its merge (0: blocking)", minimum=0),
     )
+
+
+class _LocalConfig(MethodConfig):
+    """What DiLoCo and NoLoCo share: ``overlap`` and ``delay`` become the optimizer's one ``delay`` (τ)."""
+
+    def outer_delay(self) -> int:
+        """τ: ``delay`` when it is > 0, else 1 with ``overlap=true``, else 0 (checked against H)."""
+        tau = self.delay if self.delay else (1 if self.overlap else 0)  # type: ignore[attr-defined]
+        return check_delay(tau, self.sync_every)  # type: ignore[attr-defined]
+
+    def check(self) -> None:
+        self.outer_delay()
+
+    def _optimizer_kwargs(self) -> tuple[Any, dict[str, Any]]:
+        kw = self.as_dict()
+        inner = functools.partial(torch.optim.AdamW, lr=kw.pop("lr"), weight_decay=kw.pop("weight_decay"))
+        kw.pop("overlap")
+        kw["delay"] = self.outer_delay()
+        return inner, kw
 
 
 _DILOCO = _local_fields(DiLoCo, DILOCO_INNER_DEFAULTS)
@@ -250,7 +273,7 @@ _NOLOCO = _local_fields(NoLoCo, NOLOCO_INNER_DEFAULTS)
 
 
 @dataclass(frozen=True, kw_only=True)
-class DiLoCoConfig(MethodConfig):
+class DiLoCoConfig(_LocalConfig):
     """DiLoCo (:class:`lowband.optim.DiLoCo`) with an inner AdamW(lr, weight_decay)."""
 
     lr: float = _DILOCO["lr"]
@@ -267,15 +290,16 @@ class DiLoCoConfig(MethodConfig):
                                      alias="clip", minimum=0.0, exclusive=True)
     values: str = _DILOCO["values"]
     quant_block: int = _DILOCO["quant_block"]
+    overlap: bool = _DILOCO["overlap"]
+    delay: int = _DILOCO["delay"]
 
     def build(self, params, *, link, model=None):
-        kw = self.as_dict()
-        inner = functools.partial(torch.optim.AdamW, lr=kw.pop("lr"), weight_decay=kw.pop("weight_decay"))
+        inner, kw = self._optimizer_kwargs()
         return DiLoCo(params, inner, link=link, **kw)
 
 
 @dataclass(frozen=True, kw_only=True)
-class NoLoCoConfig(MethodConfig):
+class NoLoCoConfig(_LocalConfig):
     """NoLoCo (:class:`lowband.optim.NoLoCo`) with an inner AdamW(lr, weight_decay) (Adam at weight_decay 0)."""
 
     lr: float = _NOLOCO["lr"]
@@ -296,10 +320,11 @@ class NoLoCoConfig(MethodConfig):
                                      "to this (none: no clipping)", alias="clip", minimum=0.0, exclusive=True)
     values: str = _NOLOCO["values"]
     quant_block: int = _NOLOCO["quant_block"]
+    overlap: bool = _NOLOCO["overlap"]
+    delay: int = _NOLOCO["delay"]
 
     def build(self, params, *, link, model=None):
-        kw = self.as_dict()
-        inner = functools.partial(torch.optim.AdamW, lr=kw.pop("lr"), weight_decay=kw.pop("weight_decay"))
+        inner, kw = self._optimizer_kwargs()
         return NoLoCo(params, inner, link=link, **kw)
 
 
