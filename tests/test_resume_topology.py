@@ -268,13 +268,13 @@ def test_lowband_train_resumes_on_one_node_with_resume_auto(tmp_path, tmp_path_f
     cache = str(tmp_path_factory.getbasetemp() / "lowband-cache")
     out = str(tmp_path / "run")
     first = run_ranks(_loop, world_size=4, ranks_per_node=2, args=(out, cache, 3, None), timeout_s=400)
-    assert first[0]["replicas"] == 2
+    assert first[0].replicas == 2
     extra = json.loads((tmp_path / "run" / "checkpoints" / "step_000003" / "lowband_extra.json").read_text())
     assert extra["method"] == "flexdemo" and extra["topology"]["replicas"] == 2 and extra["global_batch"] == 8
     second = run_ranks(_loop, world_size=2, ranks_per_node=2, args=(out, cache, 5, "auto"), timeout_s=400)
     for s in second:
-        assert s["start_step"] == 3 and s["replicas"] == 1 and s["shards"] == 2 and s["status"] == "ok"
-        assert math.isfinite(s["train_loss"]) and math.isfinite(s["val_loss"])
+        assert s.start_step == 3 and s.replicas == 1 and s.shards == 2 and s.status == "ok"
+        assert math.isfinite(s.train_loss) and math.isfinite(s.val_loss)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [x for x in lines if x["type"] == "train"]
     assert [x["step"] for x in train] == [1, 2, 3, 4, 5]  # the global step goes on
