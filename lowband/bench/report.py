@@ -245,7 +245,8 @@ def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[lis
         if ref_final is not None and own is not None and len(v.values("adamw_time_to_final_s")) == n:
             at_final = f"{ref_final[0] / own[0]:.2f}×"
         elif v.ok and v.method != "adamw":
-            at_final = "AdamW never as high" if n else MISSING
+            missing = n - len(v.values("adamw_time_to_final_s"))
+            at_final = f"AdamW never this low ({missing}/{n} seeds)" if n else MISSING
         rows.append([
             v.label + (" ★" if v.label in best else ""), format_bandwidth(v.bandwidth_bps), f"{n}/{len(v.runs)}",
             _mean_range(v.stat("val_loss"), ".3f", n), _versus(v, _reference(vs, v, target_label)),
@@ -335,7 +336,8 @@ def _noloco_notes(results: Mapping[str, Any]) -> list[str]:
     for r in results["runs"]:
         if r["method"] != "noloco" or r.get("replicas") is None or r["hyperparameters"] is None:
             continue
-        n = int(r["hyperparameters"]["group_size"])
+        hp = r["hyperparameters"]
+        n = int(hp["group_size"] if "group_size" in hp else hp["n"])  # "n": results written before the typed configs
         if r["replicas"] < 2 * n:
             notes.append(f"{r['label']}: with {r['replicas']} replicas and groups of n = {n}, NoLoCo's only group "
                          "is every replica: it is DiLoCo with heavy-ball momentum (α, β) and no gossip. Compare "
