@@ -38,6 +38,8 @@ def _optimizer_default(config: type, name: str):
     cls = OPTIMIZER[config.__name__]
     if name in ("lr", "weight_decay") and config.__name__ in INNER:
         return INNER[config.__name__][name]
+    if name == "overlap" and config.__name__ in INNER:
+        return False  # DiLoCo/NoLoCo: overlap=true is a spelling of delay=1, not an optimizer argument
     if name in ("beta1", "beta2"):
         return inspect.signature(torch.optim.AdamW).parameters["betas"].default[name == "beta2"]
     params = inspect.signature(cls.__init__).parameters
