@@ -184,3 +184,19 @@ def test_a_variant_that_misses_the_target_is_explained_by_loss_and_time_per_step
     assert notes[0].startswith("FlexDeMo Top1 did not reach the target in 20 steps: it ends +0.500")
     assert "computes 0.600 s and waits 0.010 s on the link, against 0.500 s and 0.700 s for AdamW" in notes[0]
     assert "FlexDeMo Top1 did not reach" in render_markdown(results)
+
+
+def test_group_size_and_data_columns_are_refused_before_any_process_starts(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"group size n=4 exceeds the 2 replicas.*use n <= 2"):
+        make_config(methods="noloco:H=5,n=4", steps=10, model="t5-tiny")
+    make_config(methods="noloco:H=5,n=4", steps=10, model="t5-tiny", nodes=4, ranks_per_node=1)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"a": "x", "b": "y"}\n')
+    with pytest.raises(ValueError, match=r"no source column 'source' \(its first row has: a, b\).*--source-column"):
+        make_config(methods="adamw", steps=5, model="t5-tiny", data=str(bad))
+    make_config(methods="adamw", steps=5, model="t5-tiny", data=str(bad),
+                train_args="--source-column a --target-column=b")
+    csv_file = tmp_path / "pairs.csv"
+    csv_file.write_text("source,summary\nx,y\n")
+    with pytest.raises(ValueError, match="no target column 'target'"):
+        make_config(methods="adamw", steps=5, model="t5-tiny", data=str(csv_file))

@@ -266,6 +266,71 @@ def _check_data(data: str, model: str) -> None:
         )
 
 
+def _check_group_sizes(specs: Sequence[BenchMethod], *, nodes: int, ranks_per_node: int,
+                       shards: Sequence[int] | None) -> None:
+    """NoLoCo's group size n must not exceed the replicas R = nodes × ranks per node / shards."""
+    from lowband.train.methods import method_config
+
+    for spec in specs:
+        if spec.name != "noloco":
+            continue
+        n = spec.get("group_size", method_config("noloco").group_size)
+        for s in [spec.get("shards")] if spec.get("shards") is not None else (shards or [ranks_per_node]):
+            replicas = nodes * ranks_per_node // s
+            if replicas > 1 and n > replicas:
+                raise ValueError(f"{spec}: NoLoCo's group size n={n} exceeds the {replicas} replicas of {nodes} "
+                                 f"node(s) × {ranks_per_node} rank(s) at {s} shard(s); use n <= {replicas} "
+                                 f"or more --nodes")
+
+
+def _train_arg(args: Sequence[str], flag: str, default: str) -> str:
+    """The last value given to ``flag`` in ``lowband train`` arguments (``--f v`` or ``--f=v``)."""
+    value = default
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _check_data_columns(data: str, model: str, train_args: Sequence[str]) -> None:
+    """A seq2seq model's .jsonl/.csv/.tsv must have the source and target columns, checked on its first row."""
+    import csv
+    import json
+
+    from lowband.train.models import MODEL_SIZES
+
+    size = MODEL_SIZES.get(model)
+    path = Path(data)
+    ext = path.suffix.lower()
+    if size is None or ext not in (".jsonl", ".csv", ".tsv"):
+        return
+    if size.kind == "seq2seq":
+        wanted = {"source": _train_arg(train_args, "--source-column", "source"),
+                  "target": _train_arg(train_args, "--target-column", "target")}
+        fix = "--train-args='--source-column NAME --target-column NAME'"
+    else:
+        wanted = {"text": _train_arg(train_args, "--text-column", "text")}
+        fix = "--train-args='--text-column NAME'"
+    try:
+        with path.open(encoding="utf-8") as f:
+            if ext == ".jsonl":
+                first = next((line for line in f if line.strip()), None)
+                if first is None:
+                    raise ValueError(f"{data} holds no example; give a file with one JSON object per line")
+                row = json.loads(first)
+                columns = list(row) if isinstance(row, dict) else []
+            else:
+                columns = next(csv.reader(f, delimiter="\t" if ext == ".tsv" else ","), [])
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {data}: {e}; give a readable UTF-8 {ext} file") from None
+    for role, column in wanted.items():
+        if column not in columns:
+            raise ValueError(f"{data} has no {role} column {column!r} (its first row has: "
+                             f"{', '.join(map(str, columns)) or 'none'}); name it with {fix}")
+
+
 def _parse_ints(value: int | str | Sequence[int | str], *, flag: str, example: str) -> list[int]:
     """A comma-separated list of integers (or a sequence of them); ValueError naming the flag."""
     items = [str(value)] if isinstance(value, int) else _split_list(value)
@@ -375,6 +440,9 @@ def make_config(
         tuple(shlex.split(train_args)) if isinstance(train_args, str) else tuple(train_args))
     if entry.endswith(".py") and not Path(entry).is_file():
         raise ValueError(f"entry script {entry} does not exist; give a module name or an existing .py file")
+    _check_group_sizes(specs, nodes=nodes, ranks_per_node=ranks_per_node, shards=shard_values)
+    if data is not None:
+        _check_data_columns(data, model, entry_args)
     return BenchConfig(
         methods=specs,
         bandwidths_bps=bandwidths_bps,
