@@ -299,6 +299,7 @@ def _check_data_columns(data: str, model: str, train_args: Sequence[str]) -> Non
     import csv
     import json
 
+    from lowband.train.data import DataConfig
     from lowband.train.models import MODEL_SIZES
 
     size = MODEL_SIZES.get(model)
@@ -307,11 +308,11 @@ def _check_data_columns(data: str, model: str, train_args: Sequence[str]) -> Non
     if size is None or ext not in (".jsonl", ".csv", ".tsv"):
         return
     if size.kind == "seq2seq":
-        wanted = {"source": _train_arg(train_args, "--source-column", "source"),
-                  "target": _train_arg(train_args, "--target-column", "target")}
+        wanted = {"source": _train_arg(train_args, "--source-column", DataConfig.source_column),
+                  "target": _train_arg(train_args, "--target-column", DataConfig.target_column)}
         fix = "--train-args='--source-column NAME --target-column NAME'"
     else:
-        wanted = {"text": _train_arg(train_args, "--text-column", "text")}
+        wanted = {"text": _train_arg(train_args, "--text-column", DataConfig.text_column)}
         fix = "--train-args='--text-column NAME'"
     try:
         with path.open(encoding="utf-8") as f:
