@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -173,8 +174,9 @@ def _modelled_plot(vs: Sequence[Variant], target: float | None, path: Path) -> N
         ax.axvline(c, color="gray", linewidth=0.8, linestyle=":")
         ax.text(c, 0.02, " this machine's compute", transform=ax.get_xaxis_transform(), fontsize=7, color="gray")
     if missed and drawn:
-        ax.text(0.01, 0.80, "did not reach the target (no line; the report compares them at their own\n"
-                "final loss): " + ", ".join(missed), transform=ax.transAxes, ha="left", va="top",
+        note = ("did not reach the target (no line; the report compares them at their own final loss): "
+                + ", ".join(missed))
+        ax.text(0.01, 0.80, textwrap.fill(note, width=90), transform=ax.transAxes, ha="left", va="top",
                 fontsize=7, color="dimgray")  # fmt: skip
     ax.set_xscale("log")
     ax.set_yscale("log")
