@@ -200,3 +200,53 @@ def test_group_size_and_data_columns_are_refused_before_any_process_starts(tmp_p
     csv_file.write_text("source,summary\nx,y\n")
     with pytest.raises(ValueError, match="no target column 'target'"):
         make_config(methods="adamw", steps=5, model="t5-tiny", data=str(csv_file))
+
+
+def test_overlapping_and_compressed_variants_are_set_beside_their_plain_twin() -> None:
+    from lowband.bench.report import hiding_rows
+    from lowband.train.methods import METHODS
+
+    def local(label, losses, seed, nbytes, sync, **hiding):
+        run = _run("diloco", losses, seed=seed, label=label, nbytes=nbytes, params={"lr": 3e-3, **hiding})
+        run["hyperparameters"] = {**METHODS["diloco"].hyperparameters, "lr": 3e-3, "sync_every": 20, **hiding}
+        run["sync_time_s"] = sync
+        return run
+
+    runs = [local("DiLoCo", [8, 6, 5.00], 0, 8e5, 0.7), local("DiLoCo", [8, 6, 5.10], 1, 8e5, 0.8),
+            local("DiLoCo overlap", [8, 6, 5.05], 0, 8e5, 0.001, overlap=True),
+            local("DiLoCo overlap", [8, 6, 5.08], 1, 8e5, 0.003, overlap=True),
+            local("DiLoCo int8", [8, 6, 5.30], 0, 2e5, 0.5, values="int8", quant_block=128),
+            local("DiLoCo int8", [8, 6, 5.40], 1, 2e5, 0.5, values="int8", quant_block=128)]
+    # A compressed variant at another lr has no plain twin in this bench: it is left out.
+    other_lr = local("DiLoCo int4 lr", [8, 6, 5.2], 0, 1e5, 0.4, values="int4")
+    other_lr["hyperparameters"]["lr"] = 1e-2
+    vs = quality.variants([*runs, other_lr])
+    assert quality.plain_variant(vs[0], vs) is None  # the plain one itself
+    assert quality.plain_variant(vs[1], vs) is vs[0] and quality.plain_variant(vs[2], vs) is vs[0]
+    assert quality.plain_variant(vs[3], vs) is None
+    headers, rows = hiding_rows({"runs": [*runs, other_lr]})
+    row = {r[0]: dict(zip(headers, r, strict=True)) for r in rows}
+    assert set(row) == {"DiLoCo overlap", "DiLoCo int8"}
+    assert row["DiLoCo overlap"]["Δ loss"] == "+0.015 (within the seed spread)"
+    assert row["DiLoCo int8"]["Δ loss"] == "+0.300 (worse, beyond the seed spread)"
+    assert row["DiLoCo overlap"]["exposed s per exchange (this / plain)"] == "0.002 / 0.750"
+    assert row["DiLoCo int8"]["plain bytes ÷ this"] == "4.00×"
+    assert "## Hiding and compressing the link" in render_markdown({"runs": runs, "config": {}, "host": {},
+                                                                    "emulation": {}})  # fmt: skip
+
+
+def test_loss_plots_leave_curves_that_end_far_above_the_others_off_the_zoomed_axis() -> None:
+    from matplotlib.figure import Figure
+
+    from lowband.bench.plots import _outliers, _zoom
+
+    assert _outliers([6.75, 6.85, 6.90, 6.78, 6.97, 6.94, 7.69, 7.99]) == {6, 7}
+    assert _outliers([6.8, 6.9, 7.0]) == set()  # too few curves to call one an outlier
+    curve = [(float(i), 9.0 - i * 0.3, 9.0 - i * 0.3, 9.0 - i * 0.3) for i in range(10)]
+    far = [(x, m + 1.5, lo + 1.5, hi + 1.5) for x, m, lo, hi in curve]
+    ax = Figure().add_subplot()
+    zoomed, high = _zoom(ax, [curve, curve, curve, far], target=6.5)
+    assert zoomed and high == {3}
+    bottom, top = ax.get_ylim()
+    assert top < far[2][3] and top == pytest.approx(curve[2][3] + 0.05 * (curve[2][3] - 6.3))
+    assert bottom == pytest.approx(6.3 - 0.05 * (curve[2][3] - 6.3))

@@ -12,7 +12,8 @@ min-max):
 - ``step_time_vs_bandwidth.png``: seconds per step against link bandwidth.
 
 The loss axes are zoomed to where the curves differ (the first fifth of training, where every
-method falls fast from the same start, is above the top); the target is drawn as a horizontal
+method falls fast from the same start, is above the top; a curve that ends far above the others,
+by Tukey's fence over the final losses, leaves the axis and is named on the plot); the target is drawn as a horizontal
 line and each variant's mean curve gets a marker where it first reaches it. Failed runs and runs
 without validations are left out; a plot with nothing to show still gets written, saying so.
 """
@@ -84,19 +85,35 @@ def _mean_curve(v: Variant, x_key: str, scale: float) -> list[tuple[float, float
     return out
 
 
-def _zoom(ax: Any, curves: Sequence[list[tuple[float, float, float, float]]], target: float | None) -> bool:
-    """Zoom the loss axis to where the curves differ; True when it was zoomed."""
-    curves = [c for c in curves if len(c) >= 3]
-    if not curves:
-        return False
-    lows = [lo for c in curves for _, _, lo, _ in c]
-    tops = [c[min(len(c) - 1, max(1, math.ceil(_ZOOM_FROM * (len(c) - 1))))][3] for c in curves]
+def _outliers(finals: Sequence[float]) -> set[int]:
+    """Indices of final losses far above the others: above Tukey's fence Q3 + 1.5·IQR (4 or more curves)."""
+    if len(finals) < 4:
+        return set()
+    q1, _, q3 = statistics.quantiles(finals, n=4, method="inclusive")
+    fence = q3 + 1.5 * (q3 - q1)
+    return {i for i, f in enumerate(finals) if f > fence}
+
+
+def _zoom(ax: Any, curves: Sequence[list[tuple[float, float, float, float]]], target: float | None) -> tuple[bool, set[int]]:
+    """Zoom the loss axis to where the curves differ: (zoomed?, indices of curves left above the axis).
+
+    The axis spans the lowest loss (or the target) to the highest loss any curve has after the first
+    fifth of training. Curves that end far above the others (Tukey's fence over the final losses, e.g.
+    a learning rate far from the best) do not set the top: they leave the axis and are named on the plot.
+    """
+    usable = [i for i, c in enumerate(curves) if len(c) >= 3]
+    if not usable:
+        return False, set()
+    high = {usable[j] for j in _outliers([curves[i][-1][1] for i in usable])}
+    keep = [curves[i] for i in usable if i not in high]
+    lows = [lo for c in keep for _, _, lo, _ in c]
+    tops = [c[min(len(c) - 1, max(1, math.ceil(_ZOOM_FROM * (len(c) - 1))))][3] for c in keep]
     bottom, top = min(lows), max(tops)
     if target is not None:
         bottom, top = min(bottom, target), max(top, target)
     span = max(top - bottom, 1e-3)
     ax.set_ylim(bottom - 0.05 * span, top + 0.05 * span)
-    return True
+    return True, high
 
 
 def _loss_plot(
@@ -106,7 +123,7 @@ def _loss_plot(
     colours = _colours([v.group for v in vs])
     links = sorted({v.bandwidth_bps for v in vs})
     fig, ax = _figure(len(vs))
-    curves, drawn = [], 0
+    curves, names, drawn = [], [], 0
     for v in vs:
         curve = _mean_curve(v, x_key, scale)
         if not curve:
@@ -128,10 +145,15 @@ def _loss_plot(
                 ax.plot([hit.step], [target], marker="o", markersize=7, color=colour, markeredgecolor="black",
                         zorder=5)  # fmt: skip
         curves.append(curve)
+        names.append(label)
         drawn += 1
     if target is not None and drawn:
         ax.axhline(target, color="black", linewidth=0.9, linestyle=(0, (4, 3)), label=f"target {target:.3f}")
-    zoomed = _zoom(ax, curves, target)
+    zoomed, high = _zoom(ax, curves, target)
+    if high:
+        note = "above the axis (final loss far above the others): " + ", ".join(names[i] for i in sorted(high))
+        ax.text(0.99, 0.98, textwrap.fill(note, width=70), transform=ax.transAxes, ha="right", va="top",
+                fontsize=7, color="dimgray")  # fmt: skip
     ax.set_xlabel(xlabel)
     ax.set_ylabel("validation loss" + (" (zoomed)" if zoomed else ""))
     ax.set_title(title + ("\nmean over seeds, band = min-max; ● = first reaches the target" if drawn else ""),

@@ -18,6 +18,12 @@ recomputes it from the file alone.
 - **Significance.** A difference between two variants "exceeds the seed spread" when their
   min-max ranges over the seeds do not overlap; with a single seed the spread is unknown and
   the report says so.
+- **Hiding and compressing against the plain version.** A variant that overlaps its exchange
+  (``overlap``, ``delay``) or sends its values in another format (``values``) is compared with
+  the *plain* variant of the same bench: the same method, hyper-parameters, lr and link, with
+  those settings at the method's defaults (blocking; fp32 outer messages for DiLoCo/NoLoCo, bf16
+  values for FlexDeMo). Its loss is "within the seed spread" of the plain one or worse by a
+  stated amount.
 - **Modelled time** (labelled as such wherever it is shown): for a given compute time per step
   ``c``, a step costs ``c`` plus the run's *measured* bytes per step over the link rate plus the
   link latency for each of its inter-node operations per step (or ``max(c, comm)`` for variants
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lowband.bench.methods import DISPLAY_NAMES, method_label
+from lowband.train.methods import METHODS
 
 __all__ = [
     "Crossing",
@@ -49,6 +56,7 @@ __all__ = [
     "modelled_comm_s",
     "modelled_time_to_target_s",
     "overlaps",
+    "plain_variant",
     "variants",
 ]
 
@@ -226,6 +234,42 @@ def annotate_time_to_target(results: dict[str, Any], target_loss: float | None =
             times = [h.train_time_s for h in hits if h.train_time_s is not None]
             r["adamw_time_to_final_s"] = statistics.fmean(times) if len(times) == len(hits) else None
     return results
+
+
+#: Hyper-parameters that change how a method uses the link, not what it computes per step.
+HIDING_KEYS = ("overlap", "delay", "values")
+
+
+def _is_plain(run: Run) -> bool:
+    """True when ``run``'s hiding settings are its method's defaults (blocking, default wire format)."""
+    hp = run.get("hyperparameters") or {}
+    spec = METHODS.get(run["method"])
+    if spec is None:
+        return True
+    defaults = spec.hyperparameters
+    return all(hp.get(k, defaults[k]) == defaults[k] for k in HIDING_KEYS if k in defaults)
+
+
+def _rest(run: Run) -> dict[str, Any]:
+    # quant_block only shapes a quantised format; NoLoCo's gossip seed follows the run's seed.
+    skip = {*HIDING_KEYS, "quant_block", "seed"}
+    return {k: v for k, v in (run.get("hyperparameters") or {}).items() if k not in skip}
+
+
+def plain_variant(v: Variant, vs: Sequence[Variant]) -> Variant | None:
+    """The plain (blocking, default wire format) variant that ``v`` hides or compresses, if the bench ran it.
+
+    None for a plain variant itself and when the bench has no plain twin (same method, link,
+    shards and every other hyper-parameter, the lr included).
+    """
+    if not v.ok or _is_plain(v.ok[0]):
+        return None
+    for u in vs:
+        if (u is not v and u.ok and u.method == v.method and u.bandwidth_bps == v.bandwidth_bps
+                and u.ok[0].get("shards") == v.ok[0].get("shards") and _is_plain(u.ok[0])
+                and _rest(u.ok[0]) == _rest(v.ok[0])):
+            return u
+    return None
 
 
 def exceeds_spread(a: Variant, b: Variant, key: str = "val_loss") -> bool | None:

@@ -300,6 +300,48 @@ def modelled_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
     return headers, rows
 
 
+def _exposed_per_exchange(v: quality.Variant) -> tuple[float, float, float] | None:
+    """Seconds an exchange kept the step waiting: per step (exposed comm), or per outer step (DiLoCo/NoLoCo)."""
+    return v.stat("sync_time_s") or v.stat("exposed_comm_time_s")
+
+
+def _pair(a: tuple[float, float, float] | None, b: tuple[float, float, float] | None, fmt: str,
+          scale: float = 1.0) -> str:  # fmt: skip
+    return f"{_num(a[0] if a else None, fmt, scale)} / {_num(b[0] if b else None, fmt, scale)}"
+
+
+def hiding_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Each overlapping or compressed variant against its plain (blocking, default format) twin."""
+    vs = quality.variants(results["runs"])
+    headers = ["Run", "against", "Link", "Seeds", "final val loss", "plain's", "Δ loss",
+               "train s (this / plain)", "exposed s per exchange (this / plain)",
+               "MB/step/node (this / plain)", "plain bytes ÷ this"]  # fmt: skip
+    rows = []
+    for v in vs:
+        base = quality.plain_variant(v, vs)
+        if base is None:
+            continue
+        n = len(v.ok)
+        delta = v.stat("val_loss")[0] - base.stat("val_loss")[0]
+        beyond = quality.exceeds_spread(v, base)
+        if beyond is None:
+            verdict = f"{delta:+.3f} (1 seed: spread unknown)"
+        elif beyond:
+            verdict = f"{delta:+.3f} ({'better' if delta < 0 else 'worse'}, beyond the seed spread)"
+        else:
+            verdict = f"{delta:+.3f} (within the seed spread)"
+        mine, theirs = v.stat("inter_node_bytes_per_step"), base.stat("inter_node_bytes_per_step")
+        ratio = f"{theirs[0] / mine[0]:.2f}×" if mine and theirs and mine[0] > 0 else MISSING
+        rows.append([
+            v.label, base.label, format_bandwidth(v.bandwidth_bps), f"{n}/{len(v.runs)}",
+            _mean_range(v.stat("val_loss"), ".3f", n), _mean_range(base.stat("val_loss"), ".3f", len(base.ok)),
+            verdict, _pair(v.stat("train_time_s"), base.stat("train_time_s"), ".1f"),
+            _pair(_exposed_per_exchange(v), _exposed_per_exchange(base), ".3f"),
+            _pair(mine, theirs, ".3f", 1e6), ratio,
+        ])  # fmt: skip
+    return headers, rows
+
+
 def why_not_reached_notes(results: Mapping[str, Any]) -> list[str]:
     """For each variant that missed the target: its loss per step against its time per step, measured.
 
@@ -344,6 +386,25 @@ def _noloco_notes(results: Mapping[str, Any]) -> list[str]:
                          "NoLoCo with DiLoCo at 4 or more replicas (--nodes 4 --ranks-per-node 1) for the "
                          "paper's setting.")  # fmt: skip
     return list(dict.fromkeys(notes))
+
+
+def hiding_section(results: Mapping[str, Any]) -> list[str]:
+    """The report's table of overlapping and compressed variants against their plain twins (none: [])."""
+    headers, rows = hiding_rows(results)
+    if not rows:
+        return []
+    return [
+        "## Hiding and compressing the link, against the plain version",
+        "",
+        "Each variant that overlaps its exchange with computation (`overlap`, `delay`) or sends its values in "
+        "another format (`values`) beside the *plain* variant of this bench: the same method, hyper-parameters, "
+        "lr, seeds and link, blocking and in the method's default format. Exposed s per exchange: the median "
+        "time a step waited on the link (per step; for DiLoCo/NoLoCo, per outer step). Δ loss: this variant's "
+        "mean final loss minus the plain one's.",
+        "",
+        markdown_table(headers, rows),
+        "",
+    ]  # fmt: skip
 
 
 def quality_section(results: Mapping[str, Any]) -> list[str]:
@@ -480,6 +541,7 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str] = ()) -> st
     if plots:
         out += [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     out += quality_section(results)
+    out += hiding_section(results)
     out += ["## Table 1: seconds per step by link bandwidth", "",
             "Median seconds per training step (warm-up excluded), as in the FlexDeMo paper's Table 1.", ""]  # fmt: skip
     out += [markdown_table(*table1(results)), ""]
