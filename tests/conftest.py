@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+from functools import lru_cache
 
 import pytest
 
@@ -20,6 +21,23 @@ MARKER = "multiprocess"
 
 # platform.platform() runs `uname -p` once per process and caches it; run it here, not inside a test.
 platform.platform()
+
+
+@lru_cache(maxsize=1)
+def netns_status() -> tuple[bool, str]:
+    """Whether network namespaces work here, and why not; probed once, by the first test marked ``netns``."""
+    from lowband.cluster import netns_available
+
+    return netns_available("lbtest")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # The probe creates a namespace: it runs only for a test that needs one (never at collection,
+    # never in the unit layer).
+    if item.get_closest_marker("netns") is not None:
+        ok, reason = netns_status()
+        if not ok:
+            pytest.skip(f"network namespaces unavailable: {reason}")
 
 
 def _refuse(what: str):

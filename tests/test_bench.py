@@ -29,7 +29,7 @@ from lowband.bench.methods import METHODS, parse_method_list, parse_method_spec
 from lowband.bench.plots import PLOT_FILES
 from lowband.bench.report import table1, table2
 from lowband.bench.results import SCHEMA_VERSION, aggregate_run, load_results, new_run_record, read_summaries
-from lowband.cluster import list_namespaces, netns_available
+from lowband.cluster import list_namespaces
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -386,11 +386,8 @@ def test_failed_run_is_recorded_and_the_others_run(
     assert "## Failed runs" in report and "blew up on purpose" in report
 
 
-NETNS_OK, NETNS_REASON = netns_available("lbtest")
-
-
 @pytest.mark.multiprocess
-@pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces unavailable: {NETNS_REASON}")
+@pytest.mark.netns
 def test_netns_mode_measures_the_link(tmp_path: Path, fake_trainer: Path) -> None:
     out = tmp_path / "bench"
     argv = ["--methods", "flexdemo:topk=8", "--steps", "4", "--model", "t5-tiny", "--emulation", "netns",
@@ -424,7 +421,7 @@ def _processes_mentioning(marker: str) -> list[int]:
 @pytest.mark.parametrize(
     "mode, signum",
     [
-        pytest.param("netns", signal.SIGINT, marks=pytest.mark.skipif(not NETNS_OK, reason=f"no netns: {NETNS_REASON}")),
+        pytest.param("netns", signal.SIGINT, marks=pytest.mark.netns),
         ("shaped", signal.SIGTERM),
     ],
 )

@@ -24,14 +24,12 @@ from lowband.cluster import (
     launch_nodes,
     list_namespaces,
     measure_throughput,
-    netns_available,
     torchrun_argv,
 )
 from lowband.cluster._procs import is_alive, kill_trees
 
 PREFIX = "lbtest"
-NETNS_OK, NETNS_REASON = netns_available(PREFIX)
-needs_netns = pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces unavailable: {NETNS_REASON}")
+needs_netns = pytest.mark.netns
 pytestmark = pytest.mark.timeout(120)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -359,7 +357,7 @@ def test_interrupted_launch_leaves_nothing_behind(tmp_path: Path, mode: str, sig
         if child.poll() is None:
             child.kill()
             child.wait(timeout=10)
-        if NETNS_OK:
+        if mode == "netns":
             cleanup_leftovers(PREFIX)
 
 
