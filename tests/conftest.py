@@ -19,8 +19,11 @@ import pytest
 
 MARKER = "multiprocess"
 
-# platform.platform() runs `uname -p` once per process and caches it; run it here, not inside a test.
+# Both start a process once per process (or machine) and cache the result, so they run here, not
+# inside a unit test: platform.platform() runs `uname -p`; matplotlib's font manager runs `fc-list`
+# when it builds its font cache (the first plot on a fresh machine).
 platform.platform()
+import matplotlib.font_manager  # noqa: E402,F401
 
 
 @lru_cache(maxsize=1)
