@@ -20,6 +20,20 @@ With S = 1 (DeMo, or one rank per node) there is nothing to shard, but bf16 stil
 casts: the model is then wrapped in ``fully_shard`` over the 1-rank shard mesh (a no-op shard
 of each parameter, the same casts and fp32 gradients), so one mechanism serves every method.
 
+Tied embeddings (the input embedding is the output projection's weight, as in T5 and GPT-2) are
+the largest parameter and sit in the root unit, which FSDP2 keeps unsharded, with its unsharded
+gradient, from the start of backward to its end. Their backward is arranged to hold less
+(``tied_embedding_memory=True``, the default; the same gradients up to float summation order):
+
+* the lookups' gradient is sparse (``nn.Embedding.sparse``): only the rows of the batch's tokens,
+  added in place into the dense gradient of the output projection, which backward computes first
+  (its use is the last of the forward), instead of a dense vocabulary-sized tensor per lookup;
+* the root is resharded as soon as the output projection's backward has run: the rest of the
+  backward needs no parameter of the root (a lookup's gradient needs only the token ids), so the
+  unsharded weight is freed there instead of at the end of backward. For that, every other module
+  of the root that owns parameters (final layer norms, a position embedding) gets a unit of its own,
+  so the root holds nothing else.
+
 Activation checkpointing (``activation_checkpointing=True``) is torch's composable
 ``checkpoint`` on every transformer block, applied before ``fully_shard``: a block keeps only its
 inputs from forward and recomputes its activations in backward (RNG state restored, so dropout
@@ -77,6 +91,7 @@ def shard_model(
     mp_policy=None,
     precision: str = "fp32",
     activation_checkpointing: bool = False,
+    tied_embedding_memory: bool = True,
 ) -> nn.Module:
     """Apply FSDP2 over the node's ranks (S > 1); return the model unchanged when S = 1 in fp32.
 
@@ -88,6 +103,8 @@ def shard_model(
         mp_policy: an FSDP2 ``MixedPrecisionPolicy``, or None; overrides ``precision``.
         precision: "fp32" or "bf16" (:func:`mixed_precision_policy`).
         activation_checkpointing: recompute each block's activations in backward.
+        tied_embedding_memory: with tied input/output embeddings, sparse lookup gradients and
+            the root resharded after the output projection's backward (see the module docstring).
 
     Raises:
         ValueError: an unknown precision; several shards (or bf16) without a process group.
@@ -115,7 +132,75 @@ def shard_model(
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
     if policy is not None:
         kwargs["mp_policy"] = policy
+    tied = _tied_embeddings(model) if tied_embedding_memory else None
+    owners = _root_parameter_owners(model, blocks, tied=tied[1].weight) if tied is not None else None
+    if owners is None:
+        tied = None
     for block in blocks:
         fully_shard(block, **kwargs)
+    if tied is not None:
+        for module in owners:
+            fully_shard(module, **kwargs)
+        for module in model.modules():  # every lookup of the tied weight (T5: shared, encoder's, decoder's)
+            if isinstance(module, nn.Embedding) and module.weight is tied[1].weight:
+                module.sparse = True
     fully_shard(model, **kwargs)
+    if tied is not None:
+        _reshard_after_head_backward(model, tied[1])
     return model
+
+
+def _tied_embeddings(model: nn.Module) -> tuple[nn.Embedding, nn.Module] | None:
+    """(input embedding, output projection) when they share one weight, else None."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if get_in is None or get_out is None:
+        return None
+    embedding, head = get_in(), get_out()
+    if not isinstance(embedding, nn.Embedding) or head is None or getattr(head, "weight", None) is not embedding.weight:
+        return None
+    return embedding, head
+
+
+def _root_parameter_owners(model: nn.Module, blocks: list[nn.Module], *, tied: nn.Parameter) -> list[nn.Module] | None:
+    """Modules outside ``blocks`` that own parameters directly, other than ``tied``; innermost first.
+
+    None when the model itself owns such a parameter (it would stay in the root and could be needed
+    after the output projection's backward).
+    """
+    def own(module):
+        return [p for p in module.parameters(recurse=False) if p is not tied]
+
+    if own(model):
+        return None
+    inside = {id(m) for b in blocks for m in b.modules()}
+    owners = []
+    for module in reversed(list(model.modules())):
+        if id(module) in inside or module is model:
+            continue
+        params = own(module)
+        if params and len(params) != len(list(module.parameters(recurse=False))):
+            return None  # a module with the tied weight and others: leave the root as it is
+        if params:
+            owners.append(module)
+    return owners
+
+
+def _reshard_after_head_backward(model: nn.Module, head: nn.Module) -> None:
+    """Free the root's unsharded parameters once the output projection's backward has run.
+
+    A hook on the projection's input gradient fires after the one backward node that computes
+    both the input's and the weight's gradient, so the weight is no longer needed; the root's
+    other uses in backward are embedding lookups (their gradient needs only the token ids). FSDP2
+    still reduce-scatters the root's gradient at the end of backward; its own reshard then finds
+    the parameters sharded already.
+    """
+
+    def reshard(_grad):
+        model.reshard()
+
+    def register(_module, args, _output):
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+            x.register_hook(reshard)
+
+    head.register_forward_hook(register)

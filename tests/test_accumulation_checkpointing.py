@@ -92,7 +92,11 @@ def _accumulation_case(rank: int, cache: str, method: str, precision: str) -> di
         results[n] = {"params": full_params(model), "losses": losses, "reduce_scatters": rs, "grads": grads,
                       "micro_shapes": [tuple(b["input_ids"].shape) for b in micro]}
     ref = results[1]
-    out = {"units": len(transformer_blocks(spec.model)) + 1, "reduce_scatters": {n: r["reduce_scatters"] for n, r in results.items()},
+    from torch.distributed.fsdp import FSDPModule
+
+    # FSDP2 units: the blocks, the root and (tied embeddings, lowband.sharding) the final layer norms.
+    units = sum(isinstance(m, FSDPModule) for m in model.modules())
+    out = {"units": units, "reduce_scatters": {n: r["reduce_scatters"] for n, r in results.items()},
            "micro_shapes": {n: r["micro_shapes"] for n, r in results.items()}}
     for n in (2, 4):
         out[f"param_diff_{n}"] = max((a - b).abs().max().item()

@@ -58,3 +58,42 @@ def test_shard_model_needs_a_process_group_for_several_shards():
 
     with pytest.raises(ValueError, match="torch.distributed"):
         shard_model(nn.Linear(2, 2), Topology(num_nodes=1, ranks_per_node=2))
+
+
+def _tied_embedding_backward(rank: int, cache: str) -> dict:
+    import os
+
+    os.environ["LOWBAND_CACHE"] = cache
+    from lowband.sharding import shard_model
+    from lowband.topology import Topology
+    from lowband.train.data import DataConfig, load_data, train_batch
+    from lowband.train.models import build_model, compute_loss, transformer_blocks
+
+    data = load_data(DataConfig(max_examples=200, val_size=20, max_source_len=32, max_target_len=16, vocab_size=512))
+    spec = build_model("t5-tiny", vocab_size=data.vocab_size, seed=0)
+    model = shard_model(spec.model, Topology.from_env(), blocks=transformer_blocks(spec.model))
+    root = model._get_fsdp_state()._fsdp_param_group
+    seen = []  # whether the root is sharded when the encoder's lookup (the last of backward) gets its gradient
+
+    def watch(_module, _args, out):
+        out.register_hook(lambda _grad: seen.append(root.is_sharded))
+
+    model.encoder.embed_tokens.register_forward_hook(watch)
+    for step in range(1):
+        model.zero_grad(set_to_none=True)
+        compute_loss(model, train_batch(data, step=step, rank=rank, world_size=4, batch_size=2, seed=0)).backward()
+    return {"sharded_at_lookup": seen, "root": [fp._param_fqn for fp in root.fsdp_params],
+            "sparse": [m.sparse for m in (model.shared, model.encoder.embed_tokens, model.decoder.embed_tokens)],
+            "grad_layout": str(model.shared.weight.grad.to_local().layout)}
+
+
+@pytest.mark.multiprocess
+def test_tied_embedding_root_is_resharded_before_the_lookups_backward(tmp_path_factory):
+    """The root holds only the tied weight, frees it after the output projection's backward, and the
+    lookups' gradients are sparse rows added into the dense (sharded) gradient."""
+    cache = str(tmp_path_factory.mktemp("cache"))
+    for r in run_ranks(_tied_embedding_backward, world_size=4, ranks_per_node=2, args=(cache,), timeout_s=240):
+        assert r["sharded_at_lookup"] == [True], r
+        assert r["root"] == ["shared.weight"], r["root"]
+        assert r["sparse"] == [True, True, True]
+        assert r["grad_layout"] == "torch.strided"
