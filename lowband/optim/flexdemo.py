@@ -201,8 +201,8 @@ class FlexDeMo(Optimizer):
     reused within the step; per group the encoding, the finite check of the values to send, and the
     decoding (:meth:`lowband.compress.WireFormat.encode_many`: the same bytes as the tensors'
     payloads one by one). Measured with ``benchmarks/step_cost.py`` (one thread, R = 2, Top-1,
-    chunk 128, bf16): step() costs 1.7× AdamW's on t5-mini shards (47 tensors, 1M elements per rank)
-    and 1.8× on t5-small's (131 tensors, 30M), where the DCT product is about 40 % of it.
+    chunk 128, bf16): step() costs 1.75× AdamW's on t5-mini shards (47 tensors, 1M elements per
+    rank) and 1.9× on t5-small's (131 tensors, 30M), where the DCT product is a third of it.
 
     All parameters' payloads (each tensor's :class:`lowband.compress.WireFormat` payload, in the
     order of the param groups and their parameters) travel as one flat uint8 message per step
