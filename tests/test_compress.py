@@ -194,3 +194,50 @@ def test_all_finite_sees_nan_and_inf_in_any_tensor_and_ignores_empty_ones():
         t = torch.zeros(4)
         t[2] = bad
         assert not all_finite(ok + [t]) and not all_finite([t.double()] + ok)
+
+
+@pytest.mark.parametrize("values, chunk, topk", list(itertools.product(VALUE_FORMATS, [4, 128, 300], [1, 3])))
+@pytest.mark.parametrize("rows", [(5,), (0,), (1, 0, 7, 3), (2, 9, 1, 1, 0, 4)])
+def test_encode_many_is_the_per_tensor_packs_concatenated(values, chunk, topk, rows):
+    # FlexDeMo encodes a param group's tensors at once, their chunks stacked in one matrix: the bytes must
+    # be each tensor's own payload, one after the other, and the values as sent those of sent_values.
+    g = torch.Generator().manual_seed(sum(rows) + chunk + topk)
+    wire = WireFormat(chunk, topk, values)
+    picks = [topk_per_chunk(torch.randn(r, chunk, generator=g), topk) for r in rows]
+    idx, vals = torch.cat([i for i, _ in picks]), torch.cat([v for _, v in picks])
+    payload, sent = wire.encode_many(idx, vals, rows)
+    assert torch.equal(payload, torch.cat([wire.pack(i, v) for i, v in picks]))
+    assert payload.numel() == wire.payload_nbytes_many(rows) == sum(wire.payload_nbytes(r) for r in rows)
+    assert torch.equal(sent, torch.cat([wire.sent_values(v) for _, v in picks]))
+    # Decoding a gathered (R, bytes) message gives every replica's indices and the values as sent.
+    other = wire.encode_many(idx.flip(0), vals.flip(0) * 2, rows)[0]
+    idx2, vals2 = wire.unpack_many(torch.stack([payload, other]), rows)
+    assert idx2.shape == (2, sum(rows), topk)
+    assert torch.equal(idx2[0], idx) and torch.equal(vals2[0], sent)
+    starts = [sum(rows[:t]) for t in range(len(rows))]
+    offset = 0
+    for t, r in enumerate(rows):  # replica 1's tensors as the per-tensor unpack reads them
+        n = wire.payload_nbytes(r)
+        i1, v1 = wire.unpack(other[offset:offset + n], r)
+        assert torch.equal(idx2[1, starts[t]:starts[t] + r], i1) and torch.equal(vals2[1, starts[t]:starts[t] + r], v1)
+        offset += n
+    with pytest.raises(ValueError, match="bytes"):
+        wire.unpack_many(payload[:-1] if payload.numel() else torch.zeros(1, dtype=torch.uint8), rows)
+
+
+@pytest.mark.parametrize("terms", [1, 3, 60])
+def test_sparse_inverse_dct_writes_into_out_where_it_can(terms):
+    # Above SPARSE_TERMS_MAX terms per chunk the dense product is used; `out` takes the result for one
+    # term and for the dense product, and the result is the same with or without it.
+    from lowband.compress.dct import SPARSE_TERMS_MAX
+
+    g = torch.Generator().manual_seed(terms)
+    chunk, n = 64, 40
+    idx = torch.stack([torch.randperm(chunk, generator=g)[:terms] for _ in range(n)])
+    vals = torch.randn(n, terms, generator=g)
+    plain = idct_sparse(idx, vals, chunk)
+    out = torch.empty(n, chunk)
+    into = idct_sparse(idx, vals, chunk, out=out)
+    assert torch.equal(into, plain)
+    assert (into.data_ptr() == out.data_ptr()) == (terms == 1 or terms > SPARSE_TERMS_MAX)
+    torch.testing.assert_close(plain, idct(scatter_chunks(idx, vals, chunk)), rtol=0, atol=1e-5)

@@ -439,6 +439,52 @@ def test_blockwise_transform_equals_one_block(monkeypatch, values):
         assert torch.equal(a, b)
 
 
+class _LoopbackLink:
+    """Two replicas that send the same message: the all-gather returns this rank's message twice."""
+
+    group_size = 2
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.topology = SimpleNamespace(shards=1, world_size=2, replicas=2)
+        self.messages: list[torch.Tensor] = []
+
+    def all_gather(self, tensor, *, async_op=False):
+        assert not async_op
+        self.messages.append(tensor.clone())
+        return torch.stack([tensor, tensor])
+
+
+@pytest.mark.parametrize("values, view_min", [("bf16", 64), ("sign", 64), ("fp32", 1 << 16)])
+def test_batched_group_equals_one_group_per_parameter(monkeypatch, values, view_min):
+    # A param group's tensors are transformed together, in blocks of chunk rows (views of the larger
+    # ones, the rest packed, several tensors to a block): the same message layout, parameters and δ as
+    # when every tensor is a group of its own, step after step, up to float rounding (a block of one
+    # chunk row takes another BLAS path than a block of many: the 3-element bias differs by 2e-9).
+    import lowband.optim.flexdemo as fd
+
+    monkeypatch.setattr(fd, "_VIEW_MIN_ELEMENTS", view_min)
+    monkeypatch.setattr(fd, "_BLOCK_ELEMENTS", 256)  # the 481- and 1073-element weights span blocks
+
+    def run(per_parameter):
+        model, link = make_model(), _LoopbackLink()
+        params = list(model.parameters())
+        groups = [{"params": [p]} for p in params] if per_parameter else [{"params": params}]
+        opt = FlexDeMo(groups, lr=LR, topk=2, chunk=8, values=values, weight_decay=0.01, link=link)
+        for step in range(3):
+            opt.zero_grad()
+            loss_of(model, 0, step).backward()
+            opt.step()
+        assert all(m.numel() == opt.payload_bytes() + 1 for m in link.messages)
+        return link.messages, [p.detach().clone() for p in params] + [opt.state[p]["delta"] for p in params]
+
+    (msgs_batched, batched), (msgs_single, single) = run(False), run(True)
+    assert [m.numel() for m in msgs_batched] == [m.numel() for m in msgs_single]
+    for a, b in zip(batched, single, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
 # ----------------------------------------------------------------------------- decode: true mean
 # Two replicas, one chunk of 4, top-2, fp32 values, sign off, decay 0: the momentum is lr·g, so a
 # gradient g = IDCT(X)/lr makes a replica send exactly the DCT coefficients X. Replica 0 picks

@@ -10,12 +10,16 @@ Layout of one tensor's payload (n = chunks, k = kept per chunk):
   ``sign``: one bit per value and one fp32 scale per tensor (the mean magnitude of the kept values).
 
 Buffers are plain bytes, so payloads of many tensors concatenate into one message and
-all-gather as one tensor.
+all-gather as one tensor. :meth:`WireFormat.encode_many` and :meth:`WireFormat.unpack_many` give
+and read that concatenation for many tensors whose chunks lie in one (total chunks, k) matrix,
+with a few whole-matrix operations and one byte permutation instead of a pack per tensor: the bytes
+are the same as the tensors' payloads packed one by one and concatenated (tested).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -38,6 +42,69 @@ def _index_dtype(chunk: int) -> torch.dtype:
     if chunk <= 65536:
         return torch.int16  # stored as idx − 32768 so the full 16-bit range is usable
     return torch.int32
+
+
+@dataclass(frozen=True)
+class _ManyLayout:
+    """Where each tensor's bytes lie, for :meth:`WireFormat.encode_many` (cached per tensors' chunk counts).
+
+    The whole-matrix encoding writes a *source* buffer: every tensor's index bytes, then (bf16, fp32)
+    every tensor's value bytes, or (sign) every tensor's sign bytes, each tensor's bits padded to whole
+    bytes, then one fp32 scale per tensor. The message is that buffer permuted into the tensors' own
+    payloads, one after the other: ``message = source[perm]``, ``source = message[inv]``.
+    """
+
+    perm: torch.Tensor | None  # None: the source is already the message (one tensor)
+    inv: torch.Tensor | None
+    bit_pos: torch.Tensor | None  # sign: each value's position in the padded bit string; None if no padding
+    sign_bytes: int  # sign: bytes of all tensors' sign bits
+    row_owner: torch.Tensor | None  # sign: the tensor of each chunk row
+    row_ranges: tuple[tuple[int, int], ...]  # chunk rows [start, stop) of each tensor
+    nbytes: int
+
+
+@lru_cache(maxsize=64)
+def _many_layout(wire: WireFormat, rows: tuple[int, ...], device: torch.device) -> _ManyLayout:
+    k, ib = wire.topk, wire.index_bytes
+    counts = [r * k for r in rows]
+    total = sum(counts)
+    ranges, r0 = [], 0
+    for r in rows:
+        ranges.append((r0, r0 + r))
+        r0 += r
+    nbytes = sum(wire.payload_nbytes(r) for r in rows)
+    sign = wire.values == "sign"
+    bit_pos = row_owner = None
+    sign_bytes = 0
+    if sign:
+        padded = [-(-c // 8) * 8 for c in counts]
+        sign_bytes = sum(padded) // 8
+        if padded != counts:
+            starts = torch.tensor([0] + padded[:-1]).cumsum(0)
+            bit_pos = torch.cat([torch.arange(c) + s for c, s in zip(counts, starts.tolist(), strict=True)])
+            bit_pos = bit_pos.to(device)
+        row_owner = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows, dtype=torch.long)).to(device)
+    if len(rows) == 1:
+        return _ManyLayout(None, None, bit_pos, sign_bytes, row_owner, tuple(ranges), nbytes)
+    vb = 2 if wire.values == "bf16" else 4
+    parts, i0, b0 = [], 0, 0
+    vals0 = total * ib  # the value section's first byte in the source
+    scales0 = vals0 + sign_bytes
+    for t, c in enumerate(counts):
+        parts.append(torch.arange(i0 * ib, (i0 + c) * ib))
+        if sign:
+            nb = -(-c // 8)
+            parts.append(torch.arange(vals0 + b0, vals0 + b0 + nb))
+            parts.append(torch.arange(scales0 + 4 * t, scales0 + 4 * t + 4))
+            b0 += nb
+        else:
+            parts.append(torch.arange(vals0 + i0 * vb, vals0 + (i0 + c) * vb))
+        i0 += c
+    perm = torch.cat(parts)
+    assert perm.numel() == nbytes, (perm.numel(), nbytes)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(nbytes)
+    return _ManyLayout(perm.to(device), inv.to(device), bit_pos, sign_bytes, row_owner, tuple(ranges), nbytes)
 
 
 @dataclass(frozen=True)
@@ -121,6 +188,92 @@ class WireFormat:
             return vals.float()
         scale = vals.abs().float().mean()
         return ((vals >= 0).float() * 2 - 1) * scale
+
+    # ------------------------------------------------------------------ many tensors at once
+    def payload_nbytes_many(self, rows: tuple[int, ...]) -> int:
+        """Bytes of the payloads of tensors with ``rows[t]`` chunks each, concatenated."""
+        return sum(self.payload_nbytes(r) for r in rows)
+
+    def _sign_scales(self, vals: torch.Tensor, layout: _ManyLayout) -> torch.Tensor:
+        """Each tensor's sign scale (mean |v| of its values, 0 for none), as :meth:`pack` computes it."""
+        mag = vals.abs().float()
+        zero = torch.zeros((), device=vals.device)
+        return torch.stack([mag[r0:r1].mean() if r1 > r0 else zero for r0, r1 in layout.row_ranges])
+
+    def encode_many(self, idx: torch.Tensor, vals: torch.Tensor,
+                    rows: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Many tensors' coefficients at once: (payload bytes, values as sent).
+
+        ``idx``/``vals`` are (Σ rows, k): tensor t's chunks are rows ``sum(rows[:t])`` onwards.
+        The bytes equal ``cat([pack(idx_t, vals_t) for t])`` and the values ``cat([sent_values(vals_t)])``
+        bit for bit, computed for the whole matrix at once (tensor by tensor only the sign scales).
+        """
+        if idx.shape != vals.shape or idx.dim() != 2 or idx.shape[1] != self.topk or idx.shape[0] != sum(rows):
+            raise ValueError(f"expected ({sum(rows)}, {self.topk}) indices and values, got {tuple(idx.shape)}, "
+                             f"{tuple(vals.shape)}")
+        layout = _many_layout(self, tuple(rows), vals.device)
+        flat_idx = idx.reshape(-1)
+        if self.index_dtype == torch.int16:
+            flat_idx = flat_idx - 32768
+        ib = flat_idx.to(self.index_dtype).view(torch.uint8)
+        flat_vals = vals.reshape(-1)
+        if self.values == "bf16":
+            half = flat_vals.to(torch.bfloat16)
+            vb, sent = half.view(torch.uint8), half.float().view_as(vals)
+        elif self.values == "fp32":
+            sent = vals.to(torch.float32)
+            vb = sent.reshape(-1).view(torch.uint8)
+        else:
+            positive = flat_vals >= 0
+            bits = positive.to(torch.uint8)
+            if layout.bit_pos is not None:
+                bits = torch.zeros(layout.sign_bytes * 8, dtype=torch.uint8, device=vals.device).index_put_(
+                    (layout.bit_pos,), bits)
+            packed = (bits.view(-1, 8) * _BITS.to(bits.device)).sum(-1, dtype=torch.uint8)
+            scales = self._sign_scales(vals, layout)
+            vb = torch.cat([packed, scales.view(torch.uint8)])
+            sent = (positive.float() * 2 - 1).view_as(vals) * scales[layout.row_owner].unsqueeze(-1)
+        source = torch.cat([ib, vb])
+        payload = source if layout.perm is None else source.index_select(0, layout.perm)
+        return payload, sent
+
+    def unpack_many(self, buf: torch.Tensor, rows: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`encode_many`'s bytes (or the tensors' payloads concatenated) -> (indices, values).
+
+        ``buf`` is (..., :meth:`payload_nbytes_many`), e.g. (R, nbytes) after an all-gather; the result is
+        (..., Σ rows, k), equal to the tensors' :meth:`unpack` results concatenated along the chunks.
+        """
+        layout = _many_layout(self, tuple(rows), buf.device)
+        lead = buf.shape[:-1]
+        if buf.shape[-1] != layout.nbytes:
+            raise ValueError(f"payload has {buf.shape[-1]} bytes, expected {layout.nbytes} for chunks {rows}")
+        n_chunks = sum(rows)
+        count = n_chunks * self.topk
+        nib = count * self.index_bytes
+        nrows = 1
+        for d in lead:
+            nrows *= d
+        buf = buf.reshape(nrows, layout.nbytes)
+        if layout.inv is not None:
+            buf = buf.index_select(1, layout.inv)
+        ib, vb = buf[:, :nib], buf[:, nib:]
+        idx = _as(ib, self.index_dtype).long()
+        if self.index_dtype == torch.int16:
+            idx = idx + 32768
+        if self.values == "bf16":
+            vals = _as(vb, torch.bfloat16).float()
+        elif self.values == "fp32":
+            vals = _as(vb, torch.float32)
+        else:
+            packed = vb[:, :layout.sign_bytes]
+            scales = _as(vb[:, layout.sign_bytes:], torch.float32)  # (B, tensors)
+            bits = (packed.unsqueeze(-1) & _BITS.to(packed.device)).ne(0).reshape(nrows, -1)
+            if layout.bit_pos is not None:
+                bits = bits.index_select(1, layout.bit_pos)
+            per_value = scales[:, layout.row_owner].repeat_interleave(self.topk, dim=1)
+            vals = (bits.float() * 2 - 1) * per_value
+        shape = (*lead, n_chunks, self.topk)
+        return idx.reshape(shape), vals.reshape(shape)
 
     def unpack(self, buf: torch.Tensor, n_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat buffer(s) -> (indices int64, values float32), shaped (..., n_chunks, k).

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lowband.compress import WireFormat, dct, idct_sparse, to_chunks, topk_per_chunk
+from lowband.compress import WireFormat, dct_basis, idct_sparse, topk_per_chunk
 from lowband.link import Link
 from lowband.optim._common import (
     NONFINITE_POLICIES,
@@ -32,47 +33,140 @@ log = logging.getLogger(__name__)
 
 # Chunks are transformed in blocks of about this many elements, so the DCT's temporaries stay small.
 _BLOCK_ELEMENTS = 1 << 20
+# A parameter with at least this many elements of whole chunks is transformed in place, in views of
+# its own storage; smaller ones (and the partial last chunk of every parameter) are copied into shared
+# blocks, many parameters to a block. At c = 128 that is 512 chunks: below it, the copies in and out
+# (about 4 passes over the elements) cost less than one block's own dozen or so torch calls.
+_VIEW_MIN_ELEMENTS = 1 << 16
 
 
-def _blocks(flat: torch.Tensor, chunk: int):
-    """(block, rows) over a flat tensor: views of whole chunks, then the zero-padded partial chunk.
+class _Seg(NamedTuple):
+    """One block of a parameter group's chunk rows (``rows`` rows, the group's rows ``row0`` onwards).
 
-    A block of whole chunks is a (rows, chunk) view into ``flat`` (writes go through); the last,
-    partial chunk is a view of ``flat``'s tail, returned flat, with ``rows`` = 1 (pad it to use it
-    as a chunk).
+    ``view``: whole chunks of one parameter, elements [start, stop) of its flat shard, used in place.
+    Otherwise a packed block: the pieces (param, start, stop, pad, offset) of one or more parameters,
+    each zero-padded by ``pad`` elements to whole chunks and copied in at ``offset``.
     """
-    n = flat.numel()
-    full = n // chunk
+
+    view: bool
+    pieces: tuple[tuple[int, int, int, int, int], ...]
+    rows: int
+    row0: int
+    dtype: torch.dtype  # of its parameters (a packed block holds one dtype)
+
+
+class _Plan(NamedTuple):
+    """How one param group's parameters (those with a gradient this step) are laid out in chunk rows.
+
+    Parameter t has ``rows[t]`` chunks (its shard zero-padded to whole chunks on its own), rows
+    ``sum(rows[:t])`` onwards of the group's (Σ rows, c) matrix; the blocks in ``segs`` cover those rows
+    in order, each at most ``_BLOCK_ELEMENTS // c`` rows.
+    """
+
+    wire: WireFormat
+    rows: tuple[int, ...]
+    segs: tuple[_Seg, ...]
+    nbytes: int
+
+
+def _make_plan(wire: WireFormat, numels: list[int], dtypes: list[torch.dtype]) -> _Plan:
+    chunk = wire.chunk
     per_block = max(1, _BLOCK_ELEMENTS // chunk)
-    body = flat[: full * chunk].view(full, chunk)
-    for r0 in range(0, full, per_block):
-        blk = body[r0:r0 + per_block]
-        yield blk, blk.shape[0]
-    if full * chunk < n:
-        yield flat[full * chunk:], 1
+    view_min_rows = max(1, min(per_block, _VIEW_MIN_ELEMENTS // chunk))
+    segs: list[_Seg] = []
+    pack: list[tuple[int, int, int, int, int]] = []
+    pack_rows, pack_row0, pack_dtype = 0, 0, None
+    row = 0
+
+    def close() -> None:
+        nonlocal pack, pack_rows
+        if pack:
+            segs.append(_Seg(False, tuple(pack), pack_rows, pack_row0, pack_dtype))
+        pack, pack_rows = [], 0
+
+    for t, n in enumerate(numels):
+        full = n // chunk
+        start = 0
+        if full >= view_min_rows:
+            close()
+            for r0 in range(0, full, per_block):
+                r = min(per_block, full - r0)
+                segs.append(_Seg(True, ((t, r0 * chunk, (r0 + r) * chunk, 0, 0),), r, row, dtypes[t]))
+                row += r
+            start = full * chunk
+        while start < n:  # the rest goes into packed blocks, split at a block's capacity
+            if pack and (pack_rows == per_block or dtypes[t] != pack_dtype):
+                close()
+            if not pack:
+                pack_row0, pack_dtype = row, dtypes[t]
+            take = min(-(-(n - start) // chunk), per_block - pack_rows)
+            stop = min(n, start + take * chunk)
+            pack.append((t, start, stop, take * chunk - (stop - start), pack_rows * chunk))
+            pack_rows += take
+            row += take
+            start = stop
+    close()
+    rows = tuple(-(-n // chunk) for n in numels)
+    assert row == sum(rows), (row, rows)
+    return _Plan(wire, rows, tuple(segs), wire.payload_nbytes_many(rows))
 
 
-def _block_rows(flat: torch.Tensor, chunk: int):
-    """:func:`_blocks` with each block's first chunk row: ((block, rows), first row)."""
-    r0 = 0
-    for blk, rows in _blocks(flat, chunk):
-        yield (blk, rows), r0
-        r0 += rows
+def _gather(seg: _Seg, flats: list[torch.Tensor | None], chunk: int, like: torch.Tensor,
+            out: torch.Tensor) -> torch.Tensor:
+    """A packed block's (rows, chunk) copy of ``flats`` (None: zeros), each piece zero-padded, into ``out``."""
+    parts = []
+    for t, start, stop, pad, _ in seg.pieces:
+        src = flats[t]
+        parts.append(src[start:stop] if src is not None else like.new_zeros(stop - start))
+        if pad:
+            parts.append(like.new_zeros(pad))
+    return torch.cat(parts, out=out.view(-1)).view(seg.rows, chunk)
 
 
-def _rows_of(delta: torch.Tensor | None, r0: int, rows: int, chunk: int, like: torch.Tensor) -> torch.Tensor:
-    """The block of δ that matches ``like`` (chunk rows r0.. of the flat shard); zeros before the first step."""
-    if delta is None:
-        return torch.zeros_like(like)
-    flat = delta.reshape(-1)
-    if like.dim() == 2:
-        return flat[r0 * chunk:(r0 + rows) * chunk].view(rows, chunk)
-    return flat[r0 * chunk:]
+def _scatter_views(seg: _Seg, flats: list[torch.Tensor | None], block: torch.Tensor):
+    """(destination, source) views: each piece of ``flats`` and its place in a packed block."""
+    src = block.reshape(-1)
+    dst, out = [], []
+    for t, start, stop, _, offset in seg.pieces:
+        if flats[t] is not None:
+            dst.append(flats[t][start:stop])
+            out.append(src[offset:offset + stop - start])
+    return dst, out
 
 
-def _momentum(delta_blk: torch.Tensor, g_blk: torch.Tensor, group: dict) -> torch.Tensor:
-    """β·δ + lr·g for one block, as a new tensor (phase 1 and the commit run exactly this)."""
-    return delta_blk.mul(group["decay"]).add_(g_blk, alpha=group["lr"])
+def _momentum(delta_blk: torch.Tensor, g_blk: torch.Tensor, group: dict, *, in_place: bool) -> torch.Tensor:
+    """β·δ + lr·g for one block: into δ's block (``in_place``) or a new tensor, with the same arithmetic."""
+    scaled = delta_blk.mul_(group["decay"]) if in_place else delta_blk.mul(group["decay"])
+    return scaled.add_(g_blk, alpha=group["lr"])
+
+
+class _Workspace:
+    """Buffers for a step's block temporaries, reused block after block and dropped with the step.
+
+    A fresh tensor of a block's size for every temporary of every block costs the allocator (glibc
+    hands large blocks back to the system and page-faults them in again): measured on one block of
+    8192 chunks of 128, the DCT's product took 9 ms into a new tensor and 5.4 ms into a reused one.
+    """
+
+    def __init__(self, plan: _Plan) -> None:
+        self._bufs: dict = {}
+        self._elements = max((seg.rows for seg in plan.segs), default=0) * plan.wire.chunk  # the largest block
+
+    def __call__(self, name: str, rows: int, chunk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n = rows * chunk
+        key = (name, dtype, device)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[key] = torch.empty(max(n, self._elements), dtype=dtype, device=device)
+        return buf[:n].view(rows, chunk)
+
+
+class _Work(NamedTuple):
+    """One param group's share of a step: the parameters with a gradient, and their layout."""
+
+    group: dict
+    params: list
+    plan: _Plan
 
 
 class FlexDeMo(Optimizer):
@@ -95,13 +189,25 @@ class FlexDeMo(Optimizer):
     momentum empties every step and this is SGD with learning rate lr² on the mean gradient.
 
     Cost: the forward DCT is the one c × c product per element and step. Both inverse transforms
-    (q, and the mean Q) gather the basis rows that a chunk's k (or R·k) coefficients select,
-    IDCT(scatter(I, V)) = Σ_j v_j·B[i_j] (:func:`lowband.compress.idct_sparse`, the dense product
-    above a few terms per chunk), and Top-1 is an argmax.
+    (q, and the mean Q) sum the basis rows that a chunk's k (or R·k) coefficients select,
+    IDCT(scatter(I, V)) = Σ_j v_j·B[i_j] (:func:`lowband.compress.idct_sparse`: one fused
+    gather-multiply-add, the dense product above 48 terms per chunk), and Top-1 is an argmax. The
+    work is done per block of chunk rows, not per tensor: a param group's parameters (those with a
+    gradient) are the rows of one (Σ chunks, c) matrix, each parameter zero-padded to whole chunks
+    on its own so that it decodes alone, cut into blocks of about 2^20 elements. A parameter with at
+    least 2^16 elements of whole chunks is used in place, in views of its storage; smaller ones and
+    every partial last chunk are copied into shared blocks, many parameters to a block. Per block
+    run the momentum, the DCT product, the top-k and both inverse transforms, into block buffers
+    reused within the step; per group the encoding, the finite check of the values to send, and the
+    decoding (:meth:`lowband.compress.WireFormat.encode_many`: the same bytes as the tensors'
+    payloads one by one). Measured with ``benchmarks/step_cost.py`` (one thread, R = 2, Top-1,
+    chunk 128, bf16): step() costs 1.75× AdamW's on t5-mini shards (47 tensors, 1M elements per
+    rank) and 1.9× on t5-small's (131 tensors, 30M), where the DCT product is a third of it.
 
-    All parameters' payloads travel as one flat uint8 message per step through the link (one
-    all-gather over the replicate group: one round trip between nodes). R = 1: nothing is
-    exchanged (plain sign-SGD on shards).
+    All parameters' payloads (each tensor's :class:`lowband.compress.WireFormat` payload, in the
+    order of the param groups and their parameters) travel as one flat uint8 message per step
+    through the link (one all-gather over the replicate group: one round trip between nodes).
+    R = 1: nothing is exchanged (plain sign-SGD on shards).
 
     The non-finite check rides in the same message. Phase 1 computes the payload from β·δ + lr·g
     into temporaries, changing no state; the S ranks of a model copy agree over the fast shard
@@ -186,6 +292,7 @@ class FlexDeMo(Optimizer):
         self.overlap = bool(overlap)
         # overlap: the step whose exchange is in flight: (handle or gathered tensor, work, backups).
         self._flight: tuple | None = None
+        self._plans: dict = {}  # layout of each group's parameters, per set of parameters with a gradient
         self._topology = link.topology if link is not None else None
         check_sharded(self.param_groups, self._topology)
         for group in self.param_groups:
@@ -200,6 +307,7 @@ class FlexDeMo(Optimizer):
             group.setdefault("sign", True)
             group.setdefault("weight_decay", 0.0)
             group.setdefault("values", "bf16")
+        self.__dict__.setdefault("_plans", {})
 
     # ------------------------------------------------------------------ helpers
     def _shard_group(self):
@@ -208,6 +316,18 @@ class FlexDeMo(Optimizer):
             return None
         return topo.shard_group()
 
+    def _plan(self, group: dict, params: list) -> _Plan:
+        wire = WireFormat(group["chunk"], group["topk"], group["values"])
+        shards = [local(p) for p in params]
+        key = (id(group), wire, _BLOCK_ELEMENTS, _VIEW_MIN_ELEMENTS,
+               tuple((id(p), x.numel(), x.dtype) for p, x in zip(params, shards, strict=True)))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            plan = self._plans[key] = _make_plan(wire, [x.numel() for x in shards], [x.dtype for x in shards])
+        return plan
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         loss = None
@@ -215,25 +335,25 @@ class FlexDeMo(Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        work = []  # (group, param) for every parameter with a gradient
+        work = []  # per param group: the parameters with a gradient and their layout
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                work.append((group, p))
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                work.append(_Work(group, params, self._plan(group, params)))
         if not work and self.link is None:
             return loss
 
-        grads = [local(p.grad) for _, p in work]
+        grads = [[local(p.grad) for p in w.params] for w in work]
         if self.overlap:
             self._settle()
         picks = self._compress(work, grads)
-        device = grads[0].device if grads else torch.device("cpu")
+        device = grads[0][0].device if grads else torch.device("cpu")
         message = self._message(picks, device)
         if self.overlap:
             # Keep δ as it was until every replica accepted this step (known at the next step).
             backups = [(p, state_view(self.state[p]["delta"]).clone(), self.state[p]["step"].clone())
-                       if self.state.get(p) else (p, None, None) for _, p in work] if picks is not None else []
+                       if self.state.get(p) else (p, None, None) for w in work for p in w.params] \
+                if picks is not None else []
             if picks is not None:
                 self._commit(work, grads, picks)
             handle = self.link.all_gather(message, async_op=True) if self.link is not None else message.unsqueeze(0)
@@ -263,10 +383,10 @@ class FlexDeMo(Optimizer):
         params = [p for p, st in self.state.items() if "pending_status" in st]
         if status == 1:
             for group in self.param_groups:
-                for p in group["params"]:
-                    st = self.state.get(p)
-                    if st and "pending_status" in st:
-                        self._apply_update(group, local(p), state_view(st["pending"]))
+                pending = [p for p in group["params"] if "pending_status" in self.state.get(p, {})]
+                if pending:
+                    self._apply_update(group, [local(p) for p in pending],
+                                       [state_view(self.state[p]["pending"]) for p in pending])
         for p in params:
             self.state[p].pop("pending", None)
             self.state[p].pop("pending_status", None)
@@ -312,8 +432,8 @@ class FlexDeMo(Optimizer):
                 st["pending"] = replica_state_like(p, self._topology)
                 st["pending_status"] = torch.tensor(2.0 if refused else 1.0)
         if not refused:
-            self._apply(work, gathered, into={p: state_view(self.state[p]["pending"]) for _, p in work
-                                              if self.state.get(p)})
+            self._apply(work, gathered, into={p: state_view(self.state[p]["pending"]) for w in work
+                                              for p in w.params if self.state.get(p)})
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -337,49 +457,78 @@ class FlexDeMo(Optimizer):
         super().load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ phases
-    def _compress(self, work: list, grads: list[torch.Tensor]) -> list | None:
+    def _compress(self, work: list[_Work], grads: list[list[torch.Tensor]]) -> list | None:
         """Phase 1: this step's momentum, compressed, without changing any state.
 
-        Returns per parameter ``(idx, sent_vals, payload)``: the kept indices, the values as the
-        peers will decode them, and the wire bytes; or None when a gradient or a value to send is
-        not finite on any rank of this model copy (the node's ranks agree over the fast shard
-        group, so every rank of a copy sends the same verdict).
+        Returns per param group ``(idx, sent_vals, payload)``: the kept indices and the values as the
+        peers will decode them, (Σ chunks, k) over the group's parameters in the layout of its plan,
+        and the wire bytes; or None when a gradient or a value to send is not finite on any rank of
+        this model copy (the node's ranks agree over the fast shard group, so every rank of a copy
+        sends the same verdict).
         """
-        bad = not all_finite(grads)
+        bad = not all_finite([g for gs in grads for g in gs])
         picks: list | None = None
         if not bad:
             picks = []
-            for (group, p), g in zip(work, grads, strict=True):
-                wire = WireFormat(group["chunk"], group["topk"], group["values"])
-                delta = self._delta_or_none(p)
-                idx, vals = self._topk_of_momentum(delta, g, group)
-                payload = wire.pack(idx, vals)
-                sent_vals = wire.sent_values(vals)  # exactly what peers will unpack
+            for w, gs in zip(work, grads, strict=True):
+                idx, vals = self._topk_of_momentum(w, gs)
+                payload, sent_vals = w.plan.wire.encode_many(idx, vals, w.plan.rows)  # sent: what peers unpack
                 picks.append((idx, sent_vals, payload))
             bad = not all_finite([sv for _, sv, _ in picks])  # one host sync for every parameter
         shard_group = self._shard_group()
         if shard_group is not None:
-            device = grads[0].device if grads else torch.device("cpu")
+            device = grads[0][0].device if grads else torch.device("cpu")
             flag = torch.tensor([1 if bad else 0], dtype=torch.uint8, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard_group)
             bad = bool(flag.item())
         return None if bad else picks
 
-    def _delta_or_none(self, p: torch.Tensor) -> torch.Tensor | None:
-        state = self.state.get(p)
-        return state_view(state["delta"]) if state else None
+    def _flats(self, params: list) -> list[torch.Tensor | None]:
+        """This replica's δ of each parameter, flat (a view: writes go through); None before its first step."""
+        out = []
+        for p in params:
+            state = self.state.get(p)
+            out.append(state_view(state["delta"]).view(-1) if state else None)
+        return out
 
-    def _topk_of_momentum(self, delta: torch.Tensor | None, g: torch.Tensor, group: dict):
-        """Top-k DCT coefficients of β·δ + lr·g, computed block by block into temporaries."""
-        chunk = group["chunk"]
-        flat_g = g.reshape(-1)
+    def _block_momentum(self, seg: _Seg, deltas: list, gflats: list, group: dict, chunk: int,
+                        ws: _Workspace, *, in_place: bool) -> torch.Tensor:
+        """β·δ + lr·g of one block (rows, chunk): δ's own view updated in place (``in_place``, a view
+        block), else in the workspace. Phase 1 and the commit run exactly this arithmetic."""
+        decay, lr = group["decay"], group["lr"]
+        if seg.view:
+            t, start, stop, _, _ = seg.pieces[0]
+            g_blk = gflats[t][start:stop].view(seg.rows, chunk)
+            d = deltas[t]
+            if d is None:  # before the first step δ = 0 (the commit then finds fresh zeros in place)
+                return ws("m", seg.rows, chunk, g_blk.dtype, g_blk.device).zero_().mul_(decay).add_(g_blk, alpha=lr)
+            d_blk = d[start:stop].view(seg.rows, chunk)
+            if in_place:
+                return d_blk.mul_(decay).add_(g_blk, alpha=lr)
+            m = torch.mul(d_blk, decay, out=ws("m", seg.rows, chunk, g_blk.dtype, g_blk.device))
+            return m.add_(g_blk, alpha=lr)
+        like = gflats[seg.pieces[0][0]]
+        # A packed block is a copy already: the momentum goes into it.
+        m = _gather(seg, deltas, chunk, like, out=ws("m", seg.rows, chunk, like.dtype, like.device))
+        g = _gather(seg, gflats, chunk, like, out=ws("g", seg.rows, chunk, like.dtype, like.device))
+        return m.mul_(decay).add_(g, alpha=lr)
+
+    def _topk_of_momentum(self, w: _Work, grads: list[torch.Tensor]):
+        """Top-k DCT coefficients of β·δ + lr·g over the group's chunk rows, block by block, into temporaries."""
+        group, chunk = w.group, w.plan.wire.chunk
+        deltas = self._flats(w.params)
+        gflats = [g.reshape(-1) for g in grads]
         picks = []
-        for (gblk, rows), r0 in _block_rows(flat_g, chunk):
-            m = _momentum(_rows_of(delta, r0, rows, chunk, gblk), gblk, group)
-            picks.append(topk_per_chunk(dct(to_chunks(m.float(), chunk)), group["topk"]))
-        if not picks:  # an empty shard (FSDP2 gives the last ranks nothing of a tiny parameter)
-            return (torch.empty(0, group["topk"], dtype=torch.long, device=g.device),
-                    torch.empty(0, group["topk"], device=g.device))
+        ws = _Workspace(w.plan)
+        for seg in w.plan.segs:
+            m = self._block_momentum(seg, deltas, gflats, group, chunk, ws, in_place=False).float()
+            basis_t = dct_basis(chunk, m.dtype, m.device).T
+            coeffs = torch.mm(m, basis_t, out=ws("X", seg.rows, chunk, m.dtype, m.device))  # the DCT
+            picks.append(topk_per_chunk(coeffs, group["topk"], workspace=ws("A", seg.rows, chunk, m.dtype, m.device)))
+        if not picks:  # only empty shards (FSDP2 gives the last ranks nothing of a tiny parameter)
+            device = gflats[0].device
+            return (torch.empty(0, group["topk"], dtype=torch.long, device=device),
+                    torch.empty(0, group["topk"], device=device))
         if len(picks) == 1:
             return picks[0]
         return torch.cat([i for i, _ in picks]), torch.cat([v for _, v in picks])
@@ -415,61 +564,75 @@ class FlexDeMo(Optimizer):
         log.warning("non-finite gradient: step skipped (%d skipped so far)", self.skipped_steps)
         return True
 
-    def _commit(self, work: list, grads: list[torch.Tensor], picks: list) -> None:
+    def _commit(self, work: list[_Work], grads: list[list[torch.Tensor]], picks: list) -> None:
         """Phase 2 (every replica accepted the step): δ ← β·δ + lr·g − q, with q what was sent."""
-        for _, p in work:
-            state = self.state[p]
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0)
-                state["delta"] = replica_state_like(p, self._topology)
-        torch._foreach_add_([self.state[p]["step"] for _, p in work], 1.0)
-        for (group, p), g, (idx, sent_vals, _) in zip(work, grads, picks, strict=True):
-            state = self.state[p]
-            chunk = group["chunk"]
-            flat = state_view(state["delta"]).view(-1)  # a view: writes go through
-            for (blk, rows), r0 in _block_rows(flat, chunk):
-                gblk = _rows_of(g.reshape(-1), r0, rows, chunk, blk)
-                blk.mul_(group["decay"]).add_(gblk, alpha=group["lr"])  # _momentum's arithmetic, in place
-                q = idct_sparse(idx[r0:r0 + rows], sent_vals[r0:r0 + rows], chunk)
-                blk.sub_(q.view(-1)[:blk.numel()].view_as(blk).to(blk.dtype))
+        steps = []
+        for w in work:
+            for p in w.params:
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0)
+                    state["delta"] = replica_state_like(p, self._topology)
+                steps.append(state["step"])
+        torch._foreach_add_(steps, 1.0)
+        for w, gs, (idx, sent_vals, _) in zip(work, grads, picks, strict=True):
+            chunk = w.plan.wire.chunk
+            deltas = self._flats(w.params)
+            gflats = [g.reshape(-1) for g in gs]
+            ws = _Workspace(w.plan)
+            for seg in w.plan.segs:
+                blk = self._block_momentum(seg, deltas, gflats, w.group, chunk, ws, in_place=True)
+                rows = slice(seg.row0, seg.row0 + seg.rows)
+                q = idct_sparse(idx[rows], sent_vals[rows], chunk,
+                                out=ws("q", seg.rows, chunk, sent_vals.dtype, sent_vals.device))
+                blk.sub_(q.to(blk.dtype))
+                if not seg.view:  # a packed copy: write its pieces back
+                    torch._foreach_copy_(*_scatter_views(seg, deltas, blk))
 
-    def _apply(self, work: list, gathered: torch.Tensor, into: dict | None = None) -> None:
+    def _apply(self, work: list[_Work], gathered: torch.Tensor, into: dict | None = None) -> None:
         """Phase 3: decode the mean over replicas and step (or, ``into``, store the update per parameter)."""
         replicas = gathered.shape[0]
         offset = 0
-        for group, p in work:
-            x = local(p)
-            wire = WireFormat(group["chunk"], group["topk"], group["values"])
-            n_chunks = -(-x.numel() // wire.chunk)
-            nbytes = wire.payload_nbytes(n_chunks)
-            idx, vals = wire.unpack(gathered[:, offset:offset + nbytes], n_chunks)
-            offset += nbytes
-            target = into.get(p) if into is not None else None
-            if into is not None and target is None:
+        for w in work:
+            plan, group = w.plan, w.group
+            chunk, lr = plan.wire.chunk, group["lr"]
+            idx, vals = plan.wire.unpack_many(gathered[:, offset:offset + plan.nbytes], plan.rows)
+            offset += plan.nbytes
+            if into is not None:
+                sinks = [into.get(p) for p in w.params]
+                sinks = [s.view(-1) if s is not None else None for s in sinks]
+            else:
+                sinks = [local(p).view(-1) for p in w.params]  # in place: x must be contiguous
+            if all(s is None for s in sinks):
                 continue
-            lr = group["lr"]
-            sink = x if target is None else target
             vals = vals.div_(replicas)  # (Σ_r v_r)/R·B[i] as (Σ_r v_r/R)·B[i]: the same floats for R = 2^j
-            for (blk, rows), r0 in _block_rows(sink.view(-1), wire.chunk):  # in place: x must be contiguous
-                update = idct_sparse(idx[:, r0:r0 + rows], vals[:, r0:r0 + rows], wire.chunk)
-                update = update.view(-1)[:blk.numel()].view_as(blk).to(blk.dtype)
+            ws = _Workspace(plan)
+            for seg in plan.segs:  # block by block, so that the temporaries stay one block's size
+                rows = slice(seg.row0, seg.row0 + seg.rows)
+                update = idct_sparse(idx[:, rows], vals[:, rows], chunk,
+                                     out=ws("u", seg.rows, chunk, vals.dtype, vals.device)).to(seg.dtype)
                 if group["sign"]:
                     update.sign_()
-                if target is None:
-                    blk.add_(update, alpha=-lr)
+                if seg.view:
+                    t, start, stop, _, _ = seg.pieces[0]
+                    dst, src = ([sinks[t][start:stop]], [update.view(-1)]) if sinks[t] is not None else ([], [])
                 else:
-                    blk.copy_(update)
-            if target is None and group["weight_decay"] > 0:
-                x.mul_(1.0 - lr * group["weight_decay"])
+                    dst, src = _scatter_views(seg, sinks, update)
+                if not dst:
+                    continue
+                if into is None:
+                    torch._foreach_add_(dst, src, alpha=-lr)
+                else:
+                    torch._foreach_copy_(dst, src)
+            if into is None and group["weight_decay"] > 0:
+                torch._foreach_mul_([local(p) for p in w.params], 1.0 - lr * group["weight_decay"])
 
-    def _apply_update(self, group: dict, x: torch.Tensor, update: torch.Tensor) -> None:
-        """x ← x − lr·u (block by block, as :meth:`_apply`), then weight decay: a drained update."""
+    def _apply_update(self, group: dict, xs: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
+        """x ← x − lr·u (element-wise, as :meth:`_apply` adds it), then weight decay: a drained update."""
         lr = group["lr"]
-        for ((blk, _), _), ((ublk, _), _) in zip(_block_rows(x.view(-1), group["chunk"]),
-                                                  _block_rows(update.reshape(-1), group["chunk"]), strict=True):
-            blk.add_(ublk, alpha=-lr)
+        torch._foreach_add_([x.view(-1) for x in xs], [u.reshape(-1) for u in updates], alpha=-lr)
         if group["weight_decay"] > 0:
-            x.mul_(1.0 - lr * group["weight_decay"])
+            torch._foreach_mul_(xs, 1.0 - lr * group["weight_decay"])
 
     # ------------------------------------------------------------------ accounting
     def payload_bytes(self) -> int:
