@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "NonFiniteGradientError",
+    "check_lr",
+    "run_closure",
     "local",
     "replica_state_like",
     "check_sharded",
@@ -125,3 +128,17 @@ def grads_nonfinite(grads: list[torch.Tensor], link: Link | None, *, shard_group
     if link is not None and link.group_size > 1:
         link.all_reduce(flag, op="max")
     return bool(flag.item())
+
+
+def run_closure(closure) -> Any:
+    """The torch.optim closure contract: re-evaluate the loss with gradients on; None without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def check_lr(lr: Any) -> None:
+    """ValueError unless ``lr`` > 0 (a tensor lr, as torch's optimizers accept, is not checked)."""
+    if not isinstance(lr, torch.Tensor) and not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr}")

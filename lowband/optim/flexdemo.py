@@ -20,9 +20,11 @@ from lowband.optim._common import (
     NONFINITE_POLICIES,
     NonFiniteGradientError,
     all_finite,
+    check_lr,
     check_sharded,
     local,
     replica_state_like,
+    run_closure,
     state_view,
 )
 
@@ -270,8 +272,7 @@ class FlexDeMo(Optimizer):
         nonfinite: str = "raise",
         overlap: bool = False,
     ) -> None:
-        if not isinstance(lr, torch.Tensor) and not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
+        check_lr(lr)
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
         if not isinstance(topk, int) or not 1 <= topk <= chunk:
@@ -330,10 +331,7 @@ class FlexDeMo(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
 
         work = []  # per param group: the parameters with a gradient and their layout
         for group in self.param_groups:

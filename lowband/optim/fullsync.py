@@ -21,7 +21,14 @@ import torch.distributed as dist
 from torch.optim import AdamW, Optimizer
 
 from lowband.link import Link
-from lowband.optim._common import NONFINITE_POLICIES, NonFiniteGradientError, check_sharded, local
+from lowband.optim._common import (
+    NONFINITE_POLICIES,
+    NonFiniteGradientError,
+    check_lr,
+    check_sharded,
+    local,
+    run_closure,
+)
 
 __all__ = ["AdamWFullSync", "DetoFull", "sync_gradients"]
 
@@ -107,17 +114,13 @@ class AdamWFullSync(_FullSyncMixin, AdamW):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, *, link: Link | None = None,
                  nonfinite: str = "raise", **adamw_kwargs) -> None:
-        if not isinstance(lr, torch.Tensor) and not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
+        check_lr(lr)
         AdamW.__init__(self, params, lr=lr, **adamw_kwargs)
         self._init_sync(link, nonfinite)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         if self._sync():
             AdamW.step(self)
         return loss
@@ -137,8 +140,7 @@ class DetoFull(_FullSyncMixin, Optimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, *, sign: bool = True, weight_decay: float = 0.0,
                  link: Link | None = None, nonfinite: str = "raise") -> None:
-        if not isinstance(lr, torch.Tensor) and not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
+        check_lr(lr)
         if not weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         Optimizer.__init__(self, params, dict(lr=lr, sign=sign, weight_decay=weight_decay))
@@ -146,10 +148,7 @@ class DetoFull(_FullSyncMixin, Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         if not self._sync():
             return loss
         for group in self.param_groups:

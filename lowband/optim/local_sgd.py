@@ -48,6 +48,7 @@ from lowband.optim._common import (
     grads_nonfinite,
     local,
     replica_state_like,
+    run_closure,
     state_view,
 )
 
@@ -395,10 +396,7 @@ class _LocalSGD(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         """One inner step; every ``sync_every`` steps also the outer step (collective)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         params = self._params()
         self._check_and_clip([p for p in params if p.grad is not None])
         first = self.inner_steps == 0
