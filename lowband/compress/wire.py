@@ -18,6 +18,7 @@ are the same as the tensors' payloads packed one by one and concatenated (tested
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -250,20 +251,14 @@ class WireFormat:
         n_chunks = sum(rows)
         count = n_chunks * self.topk
         nib = count * self.index_bytes
-        nrows = 1
-        for d in lead:
-            nrows *= d
+        nrows = math.prod(lead)
         buf = buf.reshape(nrows, layout.nbytes)
         if layout.inv is not None:
             buf = buf.index_select(1, layout.inv)
         ib, vb = buf[:, :nib], buf[:, nib:]
-        idx = _as(ib, self.index_dtype).long()
-        if self.index_dtype == torch.int16:
-            idx = idx + 32768
-        if self.values == "bf16":
-            vals = _as(vb, torch.bfloat16).float()
-        elif self.values == "fp32":
-            vals = _as(vb, torch.float32)
+        idx = self._indices(ib)
+        if self.values in ("bf16", "fp32"):
+            vals = self._float_values(vb)
         else:
             packed = vb[:, :layout.sign_bytes]
             scales = _as(vb[:, layout.sign_bytes:], torch.float32)  # (B, tensors)
@@ -274,6 +269,15 @@ class WireFormat:
             vals = (bits.float() * 2 - 1) * per_value
         shape = (*lead, n_chunks, self.topk)
         return idx.reshape(shape), vals.reshape(shape)
+
+    def _indices(self, ib: torch.Tensor) -> torch.Tensor:
+        """Index bytes (rows, count·index_bytes) -> int64 indices (int16 is stored offset by 32768)."""
+        idx = _as(ib, self.index_dtype).long()
+        return idx + 32768 if self.index_dtype == torch.int16 else idx
+
+    def _float_values(self, vb: torch.Tensor) -> torch.Tensor:
+        """Value bytes of the bf16 or fp32 format -> float32 values."""
+        return _as(vb, torch.bfloat16).float() if self.values == "bf16" else _as(vb, torch.float32)
 
     def unpack(self, buf: torch.Tensor, n_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat buffer(s) -> (indices int64, values float32), shaped (..., n_chunks, k).
@@ -286,18 +290,12 @@ class WireFormat:
             raise ValueError(f"payload has {buf.shape[-1]} bytes, expected {expected} for {n_chunks} chunks")
         count = n_chunks * self.topk
         nib = count * self.index_bytes
-        rows = 1
-        for d in lead:
-            rows *= d
+        rows = math.prod(lead)
         buf = buf.reshape(rows, expected)
         ib, vb = buf[:, :nib], buf[:, nib:]
-        idx = _as(ib, self.index_dtype).long()
-        if self.index_dtype == torch.int16:
-            idx = idx + 32768
-        if self.values == "bf16":
-            vals = _as(vb, torch.bfloat16).float()
-        elif self.values == "fp32":
-            vals = _as(vb, torch.float32)
+        idx = self._indices(ib)
+        if self.values in ("bf16", "fp32"):
+            vals = self._float_values(vb)
         else:
             nsign = -(-count // 8)
             packed = vb[:, :nsign]
