@@ -9,15 +9,26 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "free_port", "full_params", "reverse_task_batch", "run_ranks", "tiny_batch", "tiny_loss", "tiny_model",
+    "default_sigint", "free_port", "full_params", "reverse_task_batch", "run_ranks", "tiny_batch", "tiny_loss", "tiny_model",
     "tiny_sharded", "train_reverse_task",
 ]
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a child that a test will Ctrl-C: SIGINT back to its default disposition.
+
+    A job started in the background by a shell without job control (``nohup pytest &``, many CI
+    runners) inherits SIGINT as ignored, and Python then installs no KeyboardInterrupt handler, so
+    the child would never see the test's Ctrl-C.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def free_port() -> int:

@@ -30,6 +30,7 @@ from lowband.bench.plots import PLOT_FILES
 from lowband.bench.report import table1, table2
 from lowband.bench.results import SCHEMA_VERSION, aggregate_run, load_results, new_run_record, read_summaries
 from lowband.cluster import list_namespaces
+from lowband.testing import default_sigint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -432,7 +433,7 @@ def test_interrupt_leaves_nothing_behind(tmp_path: Path, fake_trainer: Path, mod
     env = {**os.environ, "FAKE_HANG_METHODS": "flexdemo"}
     argv = [sys.executable, "-m", "lowband", "bench", "--methods", "flexdemo,adamw", "--steps", "3", "--model",
             "t5-tiny", "--emulation", mode, "--entry", str(fake_trainer), "--out", str(out), "--no-progress"]  # fmt: skip
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=default_sigint)
     try:
         started = out / "runs" / "00-flexdemo-top1-s2-100mbit-seed0" / "started-3"
         deadline = time.monotonic() + 60

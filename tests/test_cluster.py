@@ -27,6 +27,7 @@ from lowband.cluster import (
     torchrun_argv,
 )
 from lowband.cluster._procs import is_alive, kill_trees
+from lowband.testing import default_sigint
 
 PREFIX = "lbtest"
 needs_netns = pytest.mark.netns
@@ -338,7 +339,7 @@ def test_interrupted_launch_leaves_nothing_behind(tmp_path: Path, mode: str, sig
     _write_job(tmp_path)
     child = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, PREFIX, mode, str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(), preexec_fn=default_sigint,
     )  # fmt: skip
     try:
         started = _wait_until(lambda: len(list(tmp_path.glob("started-*"))) == 4, 60.0)
