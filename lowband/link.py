@@ -397,7 +397,9 @@ class LinkHandle:
     """An operation through the :class:`Link` in flight: ``wait()`` returns its result.
 
     ``wait()`` blocks until the collective has finished *and*, in shaped mode, until the link's
-    clock says the data would have arrived; the time blocked (and the time the start took) is this
+    clock says the data would have arrived (unshaped with latency: until the latency has passed
+    since the data arrived, so an operation left in flight longer than the latency waits no more);
+    the time blocked (and the time the start took) is this
     rank's *exposed* communication time, added to the record of the step in which it is spent.
     Waiting twice returns the same result.
     """
@@ -413,6 +415,18 @@ class LinkHandle:
         self._extra_delay_s = extra_delay_s
         self._timeout_peers = timeout_peers
         self.done = False
+        # Unshaped links with latency: the delay runs from when the data arrived, which for an
+        # operation left in flight is long before the wait. The works' futures stamp that moment
+        # (where the backend has futures; else the wait's return time is used, the full delay).
+        self._arrived: list[float] = []
+        self._stampable = extra_delay_s > 0 and bool(works)
+        if self._stampable:
+            for w in works:
+                try:
+                    w.get_future().add_done_callback(lambda _f: self._arrived.append(time.perf_counter()))
+                except (RuntimeError, AttributeError):
+                    self._stampable = False
+                    break
 
     def _exposed(self, seconds: float) -> None:
         self.record.exposed_s += seconds
@@ -446,7 +460,11 @@ class LinkHandle:
         if remaining > 0:
             time.sleep(remaining)
         if self._extra_delay_s > 0:
-            time.sleep(self._extra_delay_s)
+            now = time.perf_counter()
+            arrived = max(self._arrived) if self._stampable and len(self._arrived) == len(self._works) else now
+            delay = arrived + self._extra_delay_s - now
+            if delay > 0:
+                time.sleep(delay)
         t1 = time.perf_counter()
         self.record.time_s = t1 - self._start
         self._exposed(t1 - t0)

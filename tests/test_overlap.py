@@ -61,6 +61,16 @@ def _async_link(rank: int) -> dict:
     second = link.end_step()
     out["split"] = (len(first.ops), len(second.ops), second.exposed_comm_time_s > 0, h.wait() is h.wait())
     link.drain()
+    # A real link (unshaped) with 0.2 s of latency: the latency runs from when the data arrived, so
+    # an all-gather left in flight through 0.3 s of compute is not delayed again at its wait; a
+    # blocking one waits the whole latency.
+    delayed = Link(topo, latency_s=0.2)
+    h = delayed.all_gather(torch.zeros(10), async_op=True)
+    time.sleep(0.3)
+    h.wait()
+    hidden = delayed.end_step().exposed_comm_time_s
+    delayed.all_gather(torch.zeros(10))
+    out["latency"] = (hidden, delayed.end_step().exposed_comm_time_s)
     return out
 
 
@@ -84,6 +94,8 @@ def test_async_link_same_bytes_own_clock_and_exposed_time():
         assert took >= modelled and took >= 0.2
         assert exposed == pytest.approx(step_exposed) and exposed < took - 0.19  # the compute was not exposed
         assert r["split"] == (1, 0, True, True)
+        hidden, blocking = r["latency"]
+        assert blocking >= 0.2 and hidden < 0.1, r["latency"]
 
 
 # ----------------------------------------------------------------------------- FlexDeMo with overlap
