@@ -204,7 +204,7 @@ def _target_label(vs: Sequence[quality.Variant]) -> str | None:
 
 
 def _versus(v: quality.Variant, ref: quality.Variant | None) -> str:
-    """The final-loss difference to AdamW, and whether it exceeds the seed spread."""
+    """The final-loss difference to ``ref`` (AdamW, or a plain twin), and whether it exceeds the seed spread."""
     if ref is None or ref is v or v.stat("val_loss") is None:
         return MISSING
     delta = v.stat("val_loss")[0] - ref.stat("val_loss")[0]
@@ -323,14 +323,7 @@ def hiding_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]
         if base is None:
             continue
         n = len(v.ok)
-        delta = v.stat("val_loss")[0] - base.stat("val_loss")[0]
-        beyond = quality.exceeds_spread(v, base)
-        if beyond is None:
-            verdict = f"{delta:+.3f} (1 seed: spread unknown)"
-        elif beyond:
-            verdict = f"{delta:+.3f} ({'better' if delta < 0 else 'worse'}, beyond the seed spread)"
-        else:
-            verdict = f"{delta:+.3f} (within the seed spread)"
+        verdict = _versus(v, base)
         mine, theirs = v.stat("inter_node_bytes_per_step"), base.stat("inter_node_bytes_per_step")
         ratio = f"{theirs[0] / mine[0]:.2f}×" if mine and theirs and mine[0] > 0 else MISSING
         rows.append([
