@@ -105,15 +105,18 @@ def _zoom(ax: Any, curves: Sequence[list[tuple[float, float, float, float]]], ta
     if not usable:
         return False, set()
     high = {usable[j] for j in _outliers([curves[i][-1][1] for i in usable])}
+    def at_zoom(c: list) -> float:
+        return c[min(len(c) - 1, max(1, math.ceil(_ZOOM_FROM * (len(c) - 1))))][3]
+
     keep = [curves[i] for i in usable if i not in high]
     lows = [lo for c in keep for _, _, lo, _ in c]
-    tops = [c[min(len(c) - 1, max(1, math.ceil(_ZOOM_FROM * (len(c) - 1))))][3] for c in keep]
-    bottom, top = min(lows), max(tops)
+    bottom, top = min(lows), max(at_zoom(c) for c in keep)
     if target is not None:
         bottom, top = min(bottom, target), max(top, target)
     span = max(top - bottom, 1e-3)
     ax.set_ylim(bottom - 0.05 * span, top + 0.05 * span)
-    return True, high
+    # Named on the plot only if it does leave the axis after the first fifth of training.
+    return True, {i for i in high if at_zoom(curves[i]) > top + 0.05 * span}
 
 
 def _loss_plot(
