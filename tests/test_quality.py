@@ -153,6 +153,25 @@ def test_meaningless_benches_are_refused_with_the_fix() -> None:
         make_config(methods="adamw", steps=5, model="t5-tiny", target_loss=-1.0)
 
 
+
+def test_a_run_that_ends_between_outer_steps_is_warned_about_with_the_fix(caplog) -> None:
+    from lowband.train.loop import TrainConfig
+
+    with caplog.at_level("WARNING"):
+        make_config(methods="diloco:H=20,noloco:H=10", steps=150, model="t5-tiny")
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1  # NoLoCo's H=10 divides 150
+    assert "diloco:H=20" in warned[0] and "last 10 inner steps are never merged" in warned[0]
+    assert "--steps 140 or 160" in warned[0]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        make_config(methods="diloco:H=20", steps=140, model="t5-tiny")
+        TrainConfig(method="diloco", hp={"sync_every": 20}, steps=140).validate()
+    assert not caplog.records
+    with caplog.at_level("WARNING"):
+        TrainConfig(method="noloco", hp={"sync_every": 20}, steps=50).validate()
+    assert ["--steps 40 or 60" in r.getMessage() for r in caplog.records] == [True]
+
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

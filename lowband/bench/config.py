@@ -8,6 +8,7 @@ method specs, bandwidths, shard counts, the model name, the data file, steps, la
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import shlex
@@ -28,6 +29,7 @@ from lowband.bench.methods import (
     train_hp_args,
 )
 from lowband.link import parse_bandwidth
+from lowband.optim.local_sgd import unmerged_tail_note
 from lowband.util import parse_duration
 
 __all__ = [
@@ -52,6 +54,8 @@ __all__ = [
     "parse_duration",
     "plan_runs",
 ]
+
+log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------------
 # The default bench: what `lowband bench` runs with no arguments. One place to tune it. It must
@@ -367,6 +371,9 @@ def _check_meaningful(specs: Sequence[BenchMethod], steps: int) -> None:
                     f"ever happens (0 bytes sent, plain local AdamW); give {spec.name}:H=N with N <= {steps} "
                     f"(e.g. {spec.name}:H={max(1, steps // 4)}) or raise --steps above {h}"
                 )
+            note = unmerged_tail_note(steps, h)
+            if note is not None:
+                log.warning("%s: %s", spec, note)
 
 
 def make_config(

@@ -53,7 +53,7 @@ from lowband.optim._common import (
 )
 
 __all__ = ["DILOCO_INNER_DEFAULTS", "NOLOCO_INNER_DEFAULTS", "DiLoCo", "NoLoCo", "check_delay", "noloco_groups",
-           "warmup_cosine", "warmup_cosine_factor"]
+           "unmerged_tail_note", "warmup_cosine", "warmup_cosine_factor"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,20 @@ def check_delay(delay: Any, sync_every: int) -> int:
             f"to at least {int(delay) + 1}" + (" (H=1 leaves no room for overlap: use delay=0)" if sync_every == 1 else "")
         )
     return int(delay)
+
+
+def unmerged_tail_note(steps: int, sync_every: int) -> str | None:
+    """Why ``steps`` inner steps end between outer steps, or None when they end on one.
+
+    The last ``steps % H`` inner steps of such a run are never merged by an outer step, so the
+    final weights (and their validation) are each replica's own, not the replicas' agreed ones.
+    """
+    tail = steps % sync_every
+    if tail == 0 or steps < sync_every:
+        return None
+    return (f"--steps {steps} is not a multiple of H={sync_every}: the last {tail} inner steps are never "
+            "merged by an outer step, so the final weights and validation are one replica's own; give "
+            f"--steps {steps - tail} or {steps - tail + sync_every}")
 
 
 @dataclass

@@ -139,7 +139,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Check everything that can be checked before any process group exists."""
-        method_config(self.method, self.hp)
+        method = method_config(self.method, self.hp)
+        note = method.tail_note(self.steps) if hasattr(method, "tail_note") else None
+        if note is not None:
+            log.warning("%s: %s", self.method, note)
         for name in ("steps", "batch_size", "val_batches", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

@@ -43,7 +43,12 @@ from lowband.compress.wire import VALUE_FORMATS
 from lowband.link import Link
 from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo
 from lowband.optim._common import NONFINITE_POLICIES
-from lowband.optim.local_sgd import DILOCO_INNER_DEFAULTS, NOLOCO_INNER_DEFAULTS, check_delay
+from lowband.optim.local_sgd import (
+    DILOCO_INNER_DEFAULTS,
+    NOLOCO_INNER_DEFAULTS,
+    check_delay,
+    unmerged_tail_note,
+)
 from lowband.util import parse_bool
 
 __all__ = [
@@ -259,6 +264,10 @@ class _LocalConfig(MethodConfig):
 
     def check(self) -> None:
         self.outer_delay()
+
+    def tail_note(self, steps: int) -> str | None:
+        """Why a run of ``steps`` ends between outer steps (its last inner steps unmerged), or None."""
+        return unmerged_tail_note(steps, self.sync_every)  # type: ignore[attr-defined]
 
     def _optimizer_kwargs(self) -> tuple[Any, dict[str, Any]]:
         kw = self.as_dict()
