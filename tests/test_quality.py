@@ -172,6 +172,7 @@ def test_a_run_that_ends_between_outer_steps_is_warned_about_with_the_fix(caplog
         TrainConfig(method="noloco", hp={"sync_every": 20}, steps=50).validate()
     assert ["--steps 40 or 60" in r.getMessage() for r in caplog.records] == [True]
 
+
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -204,7 +205,15 @@ def test_a_variant_that_misses_the_target_is_explained_by_loss_and_time_per_step
     assert len(notes) == 1  # DiLoCo reached the target; AdamW is the reference
     assert notes[0].startswith("FlexDeMo Top1 did not reach the target in 20 steps: it ends +0.500")
     assert "computes 0.600 s and waits 0.010 s on the link, against 0.500 s and 0.700 s for AdamW" in notes[0]
+    assert "its loss per step is what it lacks" in notes[0]
     assert "FlexDeMo Top1 did not reach" in render_markdown(results)
+    # Two seeds each, and the variant's range overlaps AdamW's: it misses the mean by seed noise.
+    runs = [_run("adamw", [8.0, 6.0, 5.0], seed=0, label="AdamW"), _run("adamw", [8.0, 6.0, 5.4], seed=1, label="AdamW"),
+            _run("flexdemo", [8.0, 6.0, 5.3], seed=0, label="Top8"), _run("flexdemo", [8.0, 6.2, 5.5], seed=1, label="Top8")]
+    notes = why_not_reached_notes(quality.annotate_time_to_target({"runs": runs}))
+    assert len(notes) == 1 and notes[0].startswith("Top8 did not reach the target in 20 steps: it ends +0.200")
+    assert "within the seed spread, so it misses the target (a mean over seeds) by seed noise" in notes[0]
+    assert "what it lacks" not in notes[0]
 
 
 def test_group_size_and_data_columns_are_refused_before_any_process_starts(tmp_path) -> None:

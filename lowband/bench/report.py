@@ -356,8 +356,13 @@ def why_not_reached_notes(results: Mapping[str, Any]) -> list[str]:
         e = (v.stat("exposed_comm_time_s") or v.stat("comm_time_s") or (0.0,))[0]
         delta = v.stat("val_loss")[0] - ref.stat("val_loss")[0]
         steps = int(statistics.fmean(float(r.get("steps") or 0) for r in v.ok))
+        if quality.exceeds_spread(v, ref) is False:
+            why = ("within the seed spread, so it misses the target (a mean over seeds) by seed noise, not by its "
+                   "loss per step")
+        else:
+            why = "so its loss per step is what it lacks"
         text = (f"{v.label} did not reach the target in {steps} steps: it ends {delta:+.3f} from {ref.label}'s "
-                f"final loss, so its loss per step is what it lacks. Per step it computes {c:.3f} s and waits "
+                f"final loss, {why}. Per step it computes {c:.3f} s and waits "
                 f"{e:.3f} s on the link, against {rc:.3f} s and {re_[0] if re_ else 0.0:.3f} s for {ref.label}")
         ref_final, own = v.stat("adamw_time_to_final_s"), v.stat("train_time_s")
         if ref_final is not None and own is not None:
