@@ -120,8 +120,9 @@ class Preset:
 #   shutdown each. At 160 steps the preset took 49 minutes on this machine (most of it the five
 #   AdamW and Deto-Full runs, which wait ~0.68 s per step on the link), so 140 it is: a multiple of
 #   H = 20, so DiLoCo's and NoLoCo's last inner steps are merged by an outer step. At the sweep's
-#   200 steps AdamW reaches 6.67 against the targets' unigram cross-entropy of 6.84 nats; at 140 the
-#   best curves are just below it where they end. Validation every 20 steps (8 points per curve).
+#   200 steps AdamW reaches 6.67 against the targets' unigram cross-entropy of 6.84 nats; at 140
+#   AdamW and FlexDeMo Top-8 end about 0.05 below it (6.78, 6.79), the others above it and still
+#   falling. Validation every 20 steps (8 points per curve).
 # - Every method at its best lr from the sweep in docs/time-to-quality.md (200 steps, seed 0, lr
 #   from 1e-3 up to where the loss turned up again, or to 3e-2/1e-1), and AdamW and FlexDeMo Top-1
 #   also at the paper's shared lr 1e-3, at the first seed only (nseeds=1: a reference, not a
