@@ -82,6 +82,10 @@ def test_target_is_best_adamw_mean_over_seeds_and_runs_are_timed_to_it() -> None
     # FlexDeMo ends below where either AdamW seed got: no AdamW time to compare with.
     assert row["FlexDeMo Top1"]["at its final loss: AdamW time ÷ this"] == "not every AdamW seed got this low (2/2 seeds)"
     assert runs[0]["adamw_time_to_final_s"] is None  # AdamW's own runs are the reference
+    one = quality.annotate_time_to_target({"runs": [_run("adamw", [8.0, 6.0, 5.0], label="AdamW"),
+                                                    _run("deto-full", [8.0, 6.0, 4.5], label="Deto-Full")]})
+    headers1, rows1 = time_to_target_rows(one)
+    assert dict(zip(headers1, rows1[1], strict=True))["at its final loss: AdamW time ÷ this"] == "AdamW never got this low"
     assert row["FlexDeMo Top1"]["final val loss"] == "4.250 [4.000–4.500]"
     flex_time = statistics_mean([runs[3]["time_to_target_s"], runs[4]["time_to_target_s"]])
     assert row["FlexDeMo Top1"]["AdamW time ÷ this"] == f"{adamw0['time_to_target_s'] / flex_time:.2f}×"

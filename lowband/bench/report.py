@@ -247,7 +247,13 @@ def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[lis
         elif v.ok and v.method != "adamw":
             missing = n - len(v.values("adamw_time_to_final_s"))
             # adamw_time_to_final_s needs every AdamW seed to have reached this run's final loss.
-            at_final = f"not every AdamW seed got this low ({missing}/{n} seeds)" if n else MISSING
+            ref = _reference(vs, v, target_label)
+            if not n:
+                at_final = MISSING
+            elif ref is not None and len(ref.ok) == 1:
+                at_final = "AdamW never got this low" + (f" ({missing}/{n} seeds)" if n > 1 else "")
+            else:
+                at_final = f"not every AdamW seed got this low ({missing}/{n} seeds)"
         rows.append([
             v.label + (" ★" if v.label in best else ""), format_bandwidth(v.bandwidth_bps), f"{n}/{len(v.runs)}",
             _mean_range(v.stat("val_loss"), ".3f", n), _versus(v, _reference(vs, v, target_label)),
