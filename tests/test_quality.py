@@ -157,7 +157,6 @@ def test_meaningless_benches_are_refused_with_the_fix() -> None:
         make_config(methods="adamw", steps=5, model="t5-tiny", target_loss=-1.0)
 
 
-
 def test_a_run_that_ends_between_outer_steps_is_warned_about_with_the_fix(caplog) -> None:
     from lowband.train.loop import TrainConfig
 

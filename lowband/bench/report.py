@@ -227,6 +227,7 @@ def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[lis
     for v in vs:
         n = len(v.ok)
         reached = v.values("time_to_target_s")
+        ref = _reference(vs, v, target_label)
         if not v.ok:
             to_target = steps = tokens = speedup = "failed" if v.runs else MISSING
         elif not reached:
@@ -237,7 +238,6 @@ def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[lis
             to_target = _mean_range(v.stat("time_to_target_s"), ".0f", len(reached)) + note
             steps = _mean_range(v.stat("steps_to_target"), ".0f", len(reached)) + note
             tokens = _mean_range(v.stat("tokens_to_target"), ".2f", len(reached), 1e6)
-            ref = _reference(vs, v, target_label)
             ref_time = ref.stat("time_to_target_s") if ref is not None else None
             speedup = MISSING if ref_time is None else f"{ref_time[0] / v.stat('time_to_target_s')[0]:.2f}×"
         at_final = MISSING
@@ -247,7 +247,6 @@ def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[lis
         elif v.ok and v.method != "adamw":
             missing = n - len(v.values("adamw_time_to_final_s"))
             # adamw_time_to_final_s needs every AdamW seed to have reached this run's final loss.
-            ref = _reference(vs, v, target_label)
             if not n:
                 at_final = MISSING
             elif ref is not None and len(ref.ok) == 1:
@@ -256,7 +255,7 @@ def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[lis
                 at_final = f"not every AdamW seed got this low ({missing}/{n} seeds)"
         rows.append([
             v.label + (" ★" if v.label in best else ""), format_bandwidth(v.bandwidth_bps), f"{n}/{len(v.runs)}",
-            _mean_range(v.stat("val_loss"), ".3f", n), _versus(v, _reference(vs, v, target_label)),
+            _mean_range(v.stat("val_loss"), ".3f", n), _versus(v, ref),
             _mean_range(v.stat("best_val_loss"), ".3f", n), steps, tokens, to_target, speedup, at_final,
             _num(v.stat("step_time_s")[0] if v.stat("step_time_s") else None, ".3f"),
             _num(v.stat("inter_node_bytes_per_step")[0] if v.stat("inter_node_bytes_per_step") else None, ".3f", 1e6),

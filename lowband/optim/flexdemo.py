@@ -136,12 +136,6 @@ def _scatter_views(seg: _Seg, flats: list[torch.Tensor | None], block: torch.Ten
     return dst, out
 
 
-def _momentum(delta_blk: torch.Tensor, g_blk: torch.Tensor, group: dict, *, in_place: bool) -> torch.Tensor:
-    """β·δ + lr·g for one block: into δ's block (``in_place``) or a new tensor, with the same arithmetic."""
-    scaled = delta_blk.mul_(group["decay"]) if in_place else delta_blk.mul(group["decay"])
-    return scaled.add_(g_blk, alpha=group["lr"])
-
-
 class _Workspace:
     """Buffers for a step's block temporaries, reused block after block and dropped with the step.
 

@@ -140,7 +140,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Check everything that can be checked before any process group exists."""
         method = method_config(self.method, self.hp)
-        note = method.tail_note(self.steps) if hasattr(method, "tail_note") else None
+        note = method.tail_note(self.steps)
         if note is not None:
             log.warning("%s: %s", self.method, note)
         for name in ("steps", "batch_size", "val_batches", "grad_accum"):

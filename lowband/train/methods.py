@@ -157,6 +157,10 @@ class MethodConfig:
     def check(self) -> None:
         """Checks between fields (a subclass's); each field alone is checked already."""
 
+    def tail_note(self, steps: int) -> str | None:
+        """Why a run of ``steps`` would end in a state that misrepresents the method, or None (most never)."""
+        return None
+
     def build(self, params: list, *, link: Link, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         raise NotImplementedError
 
