@@ -25,9 +25,13 @@ the largest parameter and sit in the root unit, which FSDP2 keeps unsharded, wit
 gradient, from the start of backward to its end. Their backward is arranged to hold less
 (``tied_embedding_memory=True``, the default; the same gradients up to float summation order):
 
-* the lookups' gradient is sparse (``nn.Embedding.sparse``): only the rows of the batch's tokens,
-  added in place into the dense gradient of the output projection, which backward computes first
-  (its use is the last of the forward), instead of a dense vocabulary-sized tensor per lookup;
+* the lookups add their gradient rows in place into the weight's gradient
+  (:class:`InPlaceGradEmbedding`). Backward computes the output projection's dense gradient
+  first (its use is the last of the forward); a plain ``nn.Embedding`` would then allocate a
+  dense vocabulary-sized gradient per lookup, and even a sparse one (``nn.Embedding.sparse``) is
+  added to the dense gradient out of place by autograd, a second vocabulary-sized tensor for an
+  instant in the middle of backward. Here only the rows of the batch's tokens are added
+  (``index_add_``), into the gradient that the projection left in ``weight.grad``;
 * the root is resharded as soon as the output projection's backward has run: the rest of the
   backward needs no parameter of the root (a lookup's gradient needs only the token ids), so the
   unsharded weight is freed there instead of at the end of backward. For that, every other module
@@ -46,11 +50,13 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from lowband.topology import Topology
 
-__all__ = ["PRECISIONS", "mixed_precision_policy", "set_gradient_sync", "shard_model"]
+__all__ = ["PRECISIONS", "InPlaceGradEmbedding", "add_lookup_grads_in_place", "mixed_precision_policy",
+           "set_gradient_sync", "shard_model"]
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -141,9 +147,7 @@ def shard_model(
     if tied is not None:
         for module in owners:
             fully_shard(module, **kwargs)
-        for module in model.modules():  # every lookup of the tied weight (T5: shared, encoder's, decoder's)
-            if isinstance(module, nn.Embedding) and module.weight is tied[1].weight:
-                module.sparse = True
+        add_lookup_grads_in_place(model, tied[1].weight)
     fully_shard(model, **kwargs)
     if tied is not None:
         _reshard_after_head_backward(model, tied[1])
@@ -204,3 +208,61 @@ def _reshard_after_head_backward(model: nn.Module, head: nn.Module) -> None:
             x.register_hook(reshard)
 
     head.register_forward_hook(register)
+
+
+class _LookupIntoGrad(torch.autograd.Function):
+    """``F.embedding`` whose backward adds the rows' gradients into ``weight.grad`` in place.
+
+    The weight is not an input autograd sees (it comes in a tuple), so the lookup adds no edge to
+    the weight's gradient accumulator: the other use of the weight (the output projection) has
+    its gradient accumulated into ``weight.grad`` as soon as it is computed, and this backward
+    adds to it. ``anchor`` is an empty tensor that requires grad, only so that the output does.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, ids, weight_box, padding_idx):
+        (weight,) = weight_box
+        ctx.weight, ctx.padding_idx = weight, padding_idx
+        ctx.save_for_backward(ids)
+        return F.embedding(ids, weight.detach(), padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        idx, rows = ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.padding_idx is not None:  # as nn.Embedding: the padding row gets no gradient
+            keep = idx != ctx.padding_idx
+            idx, rows = idx[keep], rows[keep]
+        if weight.grad is None:  # no earlier use has a gradient yet (e.g. a model without the head)
+            weight.grad = torch.zeros_like(weight)
+        weight.grad.index_add_(0, idx, rows.to(weight.grad.dtype))
+        return None, None, None, None
+
+
+class InPlaceGradEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` whose backward adds its rows into ``weight.grad`` in place (see
+    :class:`_LookupIntoGrad`); the same forward and the same gradient as ``nn.Embedding``, up to the
+    order in which float additions are done. Without gradients it is ``nn.Embedding``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if not (torch.is_grad_enabled() and weight.requires_grad):
+            return super().forward(input)
+        anchor = torch.empty(0, device=weight.device, requires_grad=True)
+        return _LookupIntoGrad.apply(anchor, input, (weight,), self.padding_idx)
+
+
+def add_lookup_grads_in_place(model: nn.Module, weight: nn.Parameter) -> int:
+    """Turn every ``nn.Embedding`` of ``model`` that looks up ``weight`` into an
+    :class:`InPlaceGradEmbedding` (T5: ``shared``, the encoder's and the decoder's ``embed_tokens``);
+    return how many. Embeddings with ``max_norm`` or ``scale_grad_by_freq`` are left as they are.
+    """
+    count = 0
+    for module in model.modules():
+        if (type(module) is nn.Embedding and module.weight is weight and module.max_norm is None
+                and not module.scale_grad_by_freq):
+            module.sparse = False
+            module.__class__ = InPlaceGradEmbedding
+            count += 1
+    return count

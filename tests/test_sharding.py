@@ -83,17 +83,84 @@ def _tied_embedding_backward(rank: int, cache: str) -> dict:
         model.zero_grad(set_to_none=True)
         compute_loss(model, train_batch(data, step=step, rank=rank, world_size=4, batch_size=2, seed=0)).backward()
     return {"sharded_at_lookup": seen, "root": [fp._param_fqn for fp in root.fsdp_params],
-            "sparse": [m.sparse for m in (model.shared, model.encoder.embed_tokens, model.decoder.embed_tokens)],
+            "lookups": [type(m).__name__ for m in (model.shared, model.encoder.embed_tokens, model.decoder.embed_tokens)],
             "grad_layout": str(model.shared.weight.grad.to_local().layout)}
 
 
 @pytest.mark.multiprocess
 def test_tied_embedding_root_is_resharded_before_the_lookups_backward(tmp_path_factory):
     """The root holds only the tied weight, frees it after the output projection's backward, and the
-    lookups' gradients are sparse rows added into the dense (sharded) gradient."""
+    lookups add their rows into the dense gradient in place; the gradient that reaches the optimizer is
+    a dense shard."""
     cache = str(tmp_path_factory.mktemp("cache"))
     for r in run_ranks(_tied_embedding_backward, world_size=4, ranks_per_node=2, args=(cache,), timeout_s=240):
         assert r["sharded_at_lookup"] == [True], r
         assert r["root"] == ["shared.weight"], r["root"]
-        assert r["sparse"] == [True, True, True]
+        assert r["lookups"] == ["InPlaceGradEmbedding"] * 3
         assert r["grad_layout"] == "torch.strided"
+
+
+def _tied_lookup_model(*, padding_idx=None, in_place: bool):
+    import torch
+    from torch import nn
+
+    from lowband.sharding import add_lookup_grads_in_place
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.shared = nn.Embedding(50, 8, padding_idx=padding_idx)
+    model.other = nn.Embedding(50, 8, padding_idx=padding_idx)
+    model.other.weight = model.shared.weight  # a second lookup of the same weight (T5's encoder/decoder)
+    changed = add_lookup_grads_in_place(model, model.shared.weight) if in_place else 0
+    return model, changed
+
+
+def _tied_lookup_backward(model, ids):
+    import torch
+    import torch.nn.functional as F
+
+    h = model.shared(ids) + 2 * model.other(ids.flip(0))
+    logits = F.linear(torch.tanh(h), model.shared.weight)  # the output projection, last in forward
+    logits.logsumexp(-1).square().mean().backward()
+    return model.shared.weight.grad
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_in_place_lookups_give_nn_embeddings_gradient_without_a_vocabulary_sized_add(padding_idx):
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ids = torch.tensor([[1, 3, 3, 7, 49], [0, 3, 7, 7, 2]])
+    plain, _ = _tied_lookup_model(padding_idx=padding_idx, in_place=False)
+    expected = _tied_lookup_backward(plain, ids)
+    model, changed = _tied_lookup_model(padding_idx=padding_idx, in_place=True)
+    assert changed == 2
+
+    class VocabularySizedAdds(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.out_of_place = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.add.Tensor and args[0].shape == (50, 8):
+                self.out_of_place += 1
+            return func(*args, **(kwargs or {}))
+
+    with VocabularySizedAdds() as adds:
+        got = _tied_lookup_backward(model, ids)
+    assert adds.out_of_place == 0  # nn.Embedding's path (dense or sparse) makes two here
+    # ids hold the padding index: nn.Embedding gives its row no lookup gradient, nor does this one
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # no gradient: the plain lookup
+        torch.testing.assert_close(model.other(ids), plain.other(ids))
+
+
+def test_in_place_lookups_need_no_earlier_gradient():
+    import torch
+
+    model, _ = _tied_lookup_model(in_place=True)
+    ids = torch.tensor([[4, 4, 9]])
+    model.other(ids).sum().backward()  # no output projection: the lookup starts the gradient itself
+    expected = torch.zeros(50, 8)
+    expected[4], expected[9] = 2.0, 1.0
+    torch.testing.assert_close(model.shared.weight.grad, expected)
