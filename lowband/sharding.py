@@ -105,7 +105,8 @@ def shard_model(
         model: the model copy (identical initial weights on every rank, e.g. the same seed).
         topology: the job's topology.
         blocks: modules to shard on their own (transformer blocks), before the root.
-        reshard_after_forward: FSDP2's option (free unsharded weights after forward).
+        reshard_after_forward: FSDP2's option for the blocks (free their unsharded weights after
+            forward); the root always keeps its own into backward, which needs them first.
         mp_policy: an FSDP2 ``MixedPrecisionPolicy``, or None; overrides ``precision``.
         precision: "fp32" or "bf16" (:func:`mixed_precision_policy`).
         activation_checkpointing: recompute each block's activations in backward.
@@ -148,7 +149,10 @@ def shard_model(
         for module in owners:
             fully_shard(module, **kwargs)
         add_lookup_grads_in_place(model, tied[1].weight)
-    fully_shard(model, **kwargs)
+    # The root keeps its parameters unsharded from forward into backward: what the forward uses last
+    # (the output projection) is what the backward needs first, so resharding it after forward only
+    # costs a second all-gather of the same weights a moment later, at the same peak.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     if tied is not None:
         _reshard_after_head_backward(model, tied[1])
     return model
