@@ -293,7 +293,7 @@ def _worker(rank: int, config: str, opts: dict, data) -> dict:
         from lowband.sharding import shard_model
         from lowband.train.methods import build_optimizer
 
-        model = shard_model(model, topo, blocks=blocks)
+        model = shard_model(model, topo, blocks=blocks, activation_checkpointing=opts["activation_checkpointing"])
         link = Link(topo)
         if config == "flexdemo":
             hp = dict(lr=opts["lr"], topk=opts["topk"], chunk=opts["chunk"], decay=opts["decay"], values="bf16")
@@ -329,6 +329,14 @@ def _worker(rank: int, config: str, opts: dict, data) -> dict:
                 fsdp_kwargs={"auto_wrap_policy": policy},
                 lr=opts["lr"],
             )
+        if opts["activation_checkpointing"]:
+            # FSDP1's own recipe: each T5 block inside its FSDP unit recomputed in backward (non-reentrant)
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                apply_activation_checkpointing,
+            )
+
+            block_types = tuple({type(b) for b in blocks})
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, block_types))
         det = replicator
         params = [p for g in opt.param_groups for p in g["params"]]
         picks = []
@@ -645,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--malloc", choices=("return", "default"), default="return",
                     help="'return' (default): glibc mallopt so that freed tensors leave RSS at once and peak RSS "
                          "tracks live memory; 'default': glibc as it comes (RSS includes what the allocator keeps)")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="every configuration recomputes each T5 block in backward (lowband: shard_model's "
+                         "option; DeToNATION: FSDP1's apply_activation_checkpointing after wrapping)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     ap.add_argument("--out", default="runs/vs_detonation",
@@ -683,10 +694,14 @@ def main(argv: list[str] | None = None) -> int:
                                 vocab_size=args.vocab_size, seed=args.seed))
     print(f"data: {len(data.train)} training examples, vocabulary {data.vocab_size} ({time.perf_counter() - t0:.1f} s)")
     opts = dict(model=args.model, steps=args.steps, batch_size=args.batch_size, topk=args.topk, chunk=args.chunk,
-                lr=args.lr, decay=args.decay, seed=args.seed, malloc=args.malloc, nodes=args.nodes, ranks_per_node=args.ranks_per_node)
+                lr=args.lr, decay=args.decay, seed=args.seed, malloc=args.malloc, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
+                activation_checkpointing=args.activation_checkpointing)
     print(f"mesh: {args.nodes} nodes × {args.ranks_per_node} ranks (gloo, forked processes); model {args.model}; "
           f"batch {args.batch_size}/rank, {args.source_len}/{args.target_len} tokens; Top-{args.topk}, chunk {args.chunk}; "
           f"{args.steps} steps per configuration")
+    if args.activation_checkpointing:
+        print("activation checkpointing: every configuration recomputes each T5 block in backward "
+              "(lowband: shard_model's option; DeToNATION: FSDP1's apply_activation_checkpointing)")
     raw: dict = {}
     summaries: dict = {}
     failures: dict = {}
