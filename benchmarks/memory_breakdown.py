@@ -155,8 +155,10 @@ def _worker(rank: int, opts: dict, data) -> dict:
     out["timeline"] = tl.points
     out["steps"] = steps
     out["param_bytes"] = sum(local(p).numel() * local(p).element_size() for p in params)
-    out["state_bytes"] = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                             if isinstance(v, torch.Tensor) and v.dim() > 0)
+    # local(): this rank's part of a DTensor (δ is (replicas, *shape) over the 2-D mesh; its global numel
+    # would count every rank's part)
+    out["state_bytes"] = sum(local(v).numel() * local(v).element_size() for st in opt.state.values()
+                             for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     out["unit_unsharded_bytes"] = {unit_of(g): sum(4 * fp._orig_size.numel() for fp in g.fsdp_params) for g in groups}
     return out
 
