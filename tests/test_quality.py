@@ -283,3 +283,34 @@ def test_loss_plots_leave_curves_that_end_far_above_the_others_off_the_zoomed_ax
     bottom, top = ax.get_ylim()
     assert top < far[2][3] and top == pytest.approx(curve[2][3] + 0.05 * (curve[2][3] - 6.3))
     assert bottom == pytest.approx(6.3 - 0.05 * (curve[2][3] - 6.3))
+
+
+def test_speedup_at_equal_loss_compares_at_the_target_or_else_at_the_runs_own_final_loss(tmp_path) -> None:
+    adamw = [_run("adamw", [8, 6, 5], seed=s, nbytes=8e6, compute=0.3) for s in (0, 1)]  # target 5.0 at step 20
+    flex = _run("flexdemo", [8, 7, 6, 5.5, 5], nbytes=5e4, compute=0.3)  # reaches 5.0 at step 40
+    short = _run("flexdemo", [8, 7, 5.5], seed=2, label="FlexDeMo short", nbytes=5e4)  # ends at 5.5: AdamW's step 15
+    low = _run("diloco", [8, 7, 4.0], label="DiLoCo", nbytes=5e4, params={"delay": 1})  # target at step 16.7
+    results = quality.annotate_time_to_target({"runs": [*adamw, flex, short, low]})
+    assert results["target_loss"] == 5.0
+    m_a, m_f = quality.modelled_comm_s(adamw[0]), quality.modelled_comm_s(flex)
+    assert quality.equal_loss_steps(flex, adamw) == (40.0, 20.0, "target")
+    c = 0.2
+    assert quality.modelled_speedup_at_equal_loss(flex, adamw, c) == pytest.approx(20 * (c + m_a) / (40 * (c + m_f)))
+    # Missed the target: all 20 of its steps against AdamW's 15 to its final loss 5.5.
+    assert quality.equal_loss_steps(short, adamw) == (20.0, 15.0, "final")
+    assert quality.modelled_speedup_at_equal_loss(short, adamw, c) == pytest.approx(15 * (c + m_a) / (20 * (c + m_f)))
+    # An overlapping variant costs max(compute, comm) per step.
+    assert low["steps_to_target"] is not None
+    got = quality.modelled_speedup_at_equal_loss(low, adamw, 1.0)
+    assert got == pytest.approx(20 * (1.0 + m_a) / (low["steps_to_target"] * max(1.0, m_f)))
+    # No common loss (AdamW never got as low as this run's final loss and the run missed the target): None.
+    missed_low = short | {"steps_to_target": None, "adamw_steps_to_final": None}
+    assert quality.equal_loss_steps(missed_low, adamw) is None
+    assert quality.modelled_speedup_at_equal_loss(missed_low, adamw, c) is None
+
+    from lowband.bench.plots import PLOT_FILES, write_plots
+
+    paths = write_plots(results, tmp_path)
+    assert "speedup_at_equal_loss_modelled.png" in PLOT_FILES
+    assert (tmp_path / "speedup_at_equal_loss_modelled.png") in paths
+    assert (tmp_path / "speedup_at_equal_loss_modelled.png").stat().st_size > 1000

@@ -9,6 +9,10 @@ min-max):
   clock: start-up and validation excluded), one dash style per link;
 - ``time_to_target_modelled.png``: MODELLED training time to the target against compute time
   per step (measured steps to target and bytes per step; see :mod:`lowband.bench.quality`);
+- ``speedup_at_equal_loss_modelled.png``: MODELLED AdamW's time ÷ each variant's time to the
+  same loss against compute time per step: at the target where the variant reached it, else at
+  its own final loss (AdamW's steps to that loss), so that a variant that missed the target is
+  still drawn;
 - ``step_time_vs_bandwidth.png``: seconds per step against link bandwidth.
 
 The loss axes are zoomed to where the curves differ (the first fifth of training, where every
@@ -29,12 +33,22 @@ from typing import Any
 
 from lowband.bench.config import format_bandwidth
 from lowband.bench.methods import column_labels
-from lowband.bench.quality import Variant, crossing, modelled_comm_s, overlaps, variants
+from lowband.bench.quality import (
+    Variant,
+    crossing,
+    equal_loss_steps,
+    modelled_comm_s,
+    modelled_speedup_at_equal_loss,
+    modelled_step_s,
+    reference_runs,
+    variants,
+)
 
 __all__ = ["PLOT_FILES", "write_plots"]
 
 PLOT_FILES = (
-    "val_loss_vs_tokens.png", "val_loss_vs_time.png", "time_to_target_modelled.png", "step_time_vs_bandwidth.png",
+    "val_loss_vs_tokens.png", "val_loss_vs_time.png", "time_to_target_modelled.png",
+    "speedup_at_equal_loss_modelled.png", "step_time_vs_bandwidth.png",
 )  # fmt: skip
 _DPI = 110
 _LINESTYLES = ("-", "--", ":", "-.")
@@ -187,8 +201,7 @@ def _modelled_plot(vs: Sequence[Variant], target: float | None, path: Path) -> N
                 missed.append(v.label)
             continue
         s, m = statistics.fmean(steps), statistics.fmean(comms)
-        overlap = overlaps(v.ok[0])
-        times = s * (np.maximum(compute, m) if overlap else compute + m) / 60.0
+        times = s * modelled_step_s(v.ok[0], compute, m) / 60.0
         label = f"{v.label} @ {format_bandwidth(v.bandwidth_bps)}" + (f" ({len(steps)}/{len(v.ok)} seeds)"
                                                                        if len(steps) < len(v.ok) else "")  # fmt: skip
         ax.plot(compute, times, color=colours[v.group], label=label)
@@ -199,7 +212,8 @@ def _modelled_plot(vs: Sequence[Variant], target: float | None, path: Path) -> N
         ax.axvline(c, color="gray", linewidth=0.8, linestyle=":")
         ax.text(c, 0.02, " this machine's compute", transform=ax.get_xaxis_transform(), fontsize=7, color="gray")
     if missed and drawn:
-        note = ("did not reach the target (no line; the report compares them at their own final loss): "
+        note = ("did not reach the target (no line; speedup_at_equal_loss_modelled.png and the report compare "
+                "them at their own final loss): "
                 + ", ".join(missed))
         ax.text(0.01, 0.80, textwrap.fill(note, width=90), transform=ax.transAxes, ha="left", va="top",
                 fontsize=7, color="dimgray")  # fmt: skip
@@ -215,6 +229,64 @@ def _modelled_plot(vs: Sequence[Variant], target: float | None, path: Path) -> N
         _legend(ax, drawn)
     else:
         _empty(ax, "no run reached the target" if target is not None else "no target (no AdamW run)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+
+
+def _equal_loss_plot(vs: Sequence[Variant], runs: Sequence[Mapping[str, Any]], path: Path) -> None:
+    import numpy as np
+
+    refs = reference_runs(runs)
+    colours = _colours([v.group for v in vs])
+    fig, ax = _figure(len(vs))
+    compute = np.logspace(-3, 1, 60)
+    drawn = 0
+    measured_compute = []
+    never = []
+    groups_drawn: list[str] = []
+    for v in vs:
+        if not v.ok or any(r is a for r in v.ok for a in refs):
+            continue
+        curves, where = [], set()
+        for r in v.ok:
+            same_link = [a for a in refs if a["bandwidth_bps"] == r["bandwidth_bps"]] or refs
+            ratio = modelled_speedup_at_equal_loss(r, same_link, compute)
+            if ratio is not None:
+                curves.append(ratio)
+                where.add(equal_loss_steps(r, same_link)[2])
+        if not curves:
+            never.append(v.label)
+            continue
+        at = {"target": "at the target", "final": "at its final loss"}
+        label = (f"{v.label} @ {format_bandwidth(v.bandwidth_bps)}, " + " / ".join(at[w] for w in sorted(where, reverse=True))
+                 + (f" ({len(curves)}/{len(v.ok)} seeds)" if len(curves) < len(v.ok) else ""))  # fmt: skip
+        # Variants of one method (e.g. two lrs) share its colour; the line style tells them apart.
+        style = _LINESTYLES[sum(1 for g in groups_drawn if g == v.group) % len(_LINESTYLES)]
+        groups_drawn.append(v.group)
+        ax.plot(compute, np.mean(curves, axis=0), color=colours[v.group], linestyle=style, label=label)
+        measured_compute += v.values("compute_time_s")
+        drawn += 1
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.text(compute[0], 1.0, " AdamW", va="bottom", fontsize=7)
+    if measured_compute:
+        c = statistics.fmean(measured_compute)
+        ax.axvline(c, color="gray", linewidth=0.8, linestyle=":")
+        ax.text(c, 0.02, " this machine's compute", transform=ax.get_xaxis_transform(), fontsize=7, color="gray")
+    if never and drawn:
+        note = "AdamW never got as low as (no line): " + ", ".join(never)
+        ax.text(0.01, 0.02, textwrap.fill(note, width=90), transform=ax.transAxes, ha="left", va="bottom",
+                fontsize=7, color="dimgray")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("compute time per step (s), MODELLED")
+    ax.set_ylabel("AdamW's time ÷ this variant's, same loss, MODELLED\n(above 1: sooner than AdamW)", fontsize=9)
+    ax.set_title("MODELLED time to equal loss against AdamW: measured steps to that loss × (compute + measured "
+                 "bytes / link rate + latency per op)", fontsize=9)  # fmt: skip
+    ax.grid(True, alpha=0.3, which="both")
+    if drawn:
+        _legend(ax, drawn)
+    else:
+        _empty(ax, "nothing to compare with AdamW" if refs else "no AdamW run to compare with")
     fig.tight_layout()
     fig.savefig(path, dpi=_DPI, bbox_inches="tight")
 
@@ -266,5 +338,6 @@ def write_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
                title="Validation loss against training time (FlexDeMo paper, Fig. 4)", target=target,
                path=paths[1], dash_by_link=True)  # fmt: skip
     _modelled_plot(vs, target, paths[2])
-    _step_time_plot(runs, paths[3])
+    _equal_loss_plot(vs, runs, paths[3])
+    _step_time_plot(runs, paths[4])
     return paths

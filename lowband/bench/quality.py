@@ -52,8 +52,11 @@ __all__ = [
     "choose_target",
     "reference_runs",
     "crossing",
+    "equal_loss_steps",
     "exceeds_spread",
     "modelled_comm_s",
+    "modelled_speedup_at_equal_loss",
+    "modelled_step_s",
     "modelled_time_to_target_s",
     "overlaps",
     "plain_variant",
@@ -304,8 +307,50 @@ def modelled_time_to_target_s(run: Run, compute_s: float) -> float | None:
     comm = modelled_comm_s(run)
     if comm is None or run.get("steps_to_target") is None:
         return None
-    step = max(compute_s, comm) if overlaps(run) else compute_s + comm
-    return float(run["steps_to_target"]) * step
+    return float(run["steps_to_target"]) * float(modelled_step_s(run, compute_s, comm))
+
+
+def modelled_step_s(run: Run, compute_s: Any, comm_s: float) -> Any:
+    """MODELLED seconds per step: compute and communication, overlapped or one after the other.
+
+    ``compute_s`` may be a number or a numpy array (a curve over compute times).
+    """
+    import numpy as np
+
+    return np.maximum(compute_s, comm_s) if overlaps(run) else compute_s + comm_s
+
+
+def equal_loss_steps(run: Run, references: Sequence[Run]) -> tuple[float, float, str] | None:
+    """``(run's steps, AdamW's mean steps, where)`` to one loss that both reached; None if there is none.
+
+    At the target when ``run`` and every reference run (AdamW at the run's link, its seeds)
+    reached it (``where = "target"``); otherwise at the run's own final loss, all its steps against
+    AdamW's mean steps to that loss (``"final"``, from :func:`annotate_time_to_target`). None when
+    AdamW never got as low as the run.
+    """
+    ref_steps = [a.get("steps_to_target") for a in references]
+    if run.get("steps_to_target") is not None and references and None not in ref_steps:
+        return float(run["steps_to_target"]), statistics.fmean(ref_steps), "target"
+    if run.get("adamw_steps_to_final") is not None and run.get("steps"):
+        return float(run["steps"]), float(run["adamw_steps_to_final"]), "final"
+    return None
+
+
+def modelled_speedup_at_equal_loss(run: Run, references: Sequence[Run], compute_s: Any) -> Any:
+    """MODELLED AdamW's training time ÷ ``run``'s to the same loss (:func:`equal_loss_steps`) at ``compute_s``.
+
+    Each side: its steps × (compute + its modelled communication per step, overlapped where the
+    variant overlaps); AdamW's communication is the mean over ``references``. Above 1: ``run`` is
+    sooner. None when there is no common loss or no byte count.
+    """
+    pair = equal_loss_steps(run, references)
+    comm = modelled_comm_s(run)
+    ref_comms = [modelled_comm_s(a) for a in references]
+    if pair is None or comm is None or not ref_comms or None in ref_comms:
+        return None
+    steps, ref_steps, _ = pair
+    ref_comm = statistics.fmean(ref_comms)
+    return ref_steps * modelled_step_s(references[0], compute_s, ref_comm) / (steps * modelled_step_s(run, compute_s, comm))
 
 
 def break_even_compute_s(run: Run, reference: Run) -> tuple[float, str] | None:
