@@ -12,7 +12,7 @@ Layout of one tensor's payload (n = chunks, k = kept per chunk):
 Buffers are plain bytes, so payloads of many tensors concatenate into one message and
 all-gather as one tensor. :meth:`WireFormat.encode_many` and :meth:`WireFormat.unpack_many` give
 and read that concatenation for many tensors whose chunks lie in one (total chunks, k) matrix,
-with a few whole-matrix operations and one byte permutation instead of a pack per tensor: the bytes
+with a few whole-matrix operations and one rearrangement of byte runs instead of a pack per tensor: the bytes
 are the same as the tensors' payloads packed one by one and concatenated (tested).
 """
 
@@ -51,12 +51,14 @@ class _ManyLayout:
 
     The whole-matrix encoding writes a *source* buffer: every tensor's index bytes, then (bf16, fp32)
     every tensor's value bytes, or (sign) every tensor's sign bytes, each tensor's bits padded to whole
-    bytes, then one fp32 scale per tensor. The message is that buffer permuted into the tensors' own
-    payloads, one after the other: ``message = source[perm]``, ``source = message[inv]``.
+    bytes, then one fp32 scale per tensor. The message is that buffer rearranged into the tensors' own
+    payloads, one after the other. Both orders are runs of contiguous bytes: the message is the
+    source's ``segments`` concatenated, the source the message's ``inv_segments`` (no per-byte index,
+    which would hold 8 bytes of int64 per message byte).
     """
 
-    perm: torch.Tensor | None  # None: the source is already the message (one tensor)
-    inv: torch.Tensor | None
+    segments: tuple[tuple[int, int], ...] | None  # None: the source is already the message (one tensor)
+    inv_segments: tuple[tuple[int, int], ...] | None
     bit_pos: torch.Tensor | None  # sign: each value's position in the padded bit string; None if no padding
     sign_bytes: int  # sign: bytes of all tensors' sign bits
     row_owner: torch.Tensor | None  # sign: the tensor of each chunk row
@@ -88,24 +90,27 @@ def _many_layout(wire: WireFormat, rows: tuple[int, ...], device: torch.device) 
     if len(rows) == 1:
         return _ManyLayout(None, None, bit_pos, sign_bytes, row_owner, tuple(ranges), nbytes)
     vb = 2 if wire.values == "bf16" else 4
-    parts, i0, b0 = [], 0, 0
+    parts, i0, b0 = [], 0, 0  # the source's byte ranges [start, stop), in message order
     vals0 = total * ib  # the value section's first byte in the source
     scales0 = vals0 + sign_bytes
     for t, c in enumerate(counts):
-        parts.append(torch.arange(i0 * ib, (i0 + c) * ib))
+        parts.append((i0 * ib, (i0 + c) * ib))
         if sign:
             nb = -(-c // 8)
-            parts.append(torch.arange(vals0 + b0, vals0 + b0 + nb))
-            parts.append(torch.arange(scales0 + 4 * t, scales0 + 4 * t + 4))
+            parts.append((vals0 + b0, vals0 + b0 + nb))
+            parts.append((scales0 + 4 * t, scales0 + 4 * t + 4))
             b0 += nb
         else:
-            parts.append(torch.arange(vals0 + i0 * vb, vals0 + (i0 + c) * vb))
+            parts.append((vals0 + i0 * vb, vals0 + (i0 + c) * vb))
         i0 += c
-    perm = torch.cat(parts)
-    assert perm.numel() == nbytes, (perm.numel(), nbytes)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(nbytes)
-    return _ManyLayout(perm.to(device), inv.to(device), bit_pos, sign_bytes, row_owner, tuple(ranges), nbytes)
+    starts_in_message = [0]
+    for a, b in parts:
+        starts_in_message.append(starts_in_message[-1] + b - a)
+    assert starts_in_message[-1] == nbytes, (starts_in_message[-1], nbytes)
+    order = sorted(range(len(parts)), key=lambda j: parts[j])  # (start, stop): empty ranges first
+    assert all(parts[j][1] == parts[k][0] for j, k in zip(order, order[1:], strict=False)), "ranges must tile"
+    inv = tuple((starts_in_message[j], starts_in_message[j + 1]) for j in order)
+    return _ManyLayout(tuple(parts), inv, bit_pos, sign_bytes, row_owner, tuple(ranges), nbytes)
 
 
 @dataclass(frozen=True)
@@ -235,7 +240,7 @@ class WireFormat:
             vb = torch.cat([packed, scales.view(torch.uint8)])
             sent = (positive.float() * 2 - 1).view_as(vals) * scales[layout.row_owner].unsqueeze(-1)
         source = torch.cat([ib, vb])
-        payload = source if layout.perm is None else source.index_select(0, layout.perm)
+        payload = source if layout.segments is None else torch.cat([source[a:b] for a, b in layout.segments])
         return payload, sent
 
     def unpack_many(self, buf: torch.Tensor, rows: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,8 +258,8 @@ class WireFormat:
         nib = count * self.index_bytes
         nrows = math.prod(lead)
         buf = buf.reshape(nrows, layout.nbytes)
-        if layout.inv is not None:
-            buf = buf.index_select(1, layout.inv)
+        if layout.inv_segments is not None:
+            buf = torch.cat([buf[:, a:b] for a, b in layout.inv_segments], dim=1)
         ib, vb = buf[:, :nib], buf[:, nib:]
         idx = self._indices(ib)
         if self.values in ("bf16", "fp32"):
