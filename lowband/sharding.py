@@ -221,6 +221,11 @@ class _LookupIntoGrad(torch.autograd.Function):
     the weight's gradient accumulator: the other use of the weight (the output projection) has
     its gradient accumulated into ``weight.grad`` as soon as it is computed, and this backward
     adds to it. ``anchor`` is an empty tensor that requires grad, only so that the output does.
+
+    So the rows reach ``weight.grad`` after the weight's own gradient hooks have run: whatever reads
+    the gradient must do so after backward, as FSDP2 does for the root unit (its reduce-scatter
+    runs in the callback at the end of backward). A hook on the weight's gradient, or DDP's reducer,
+    would miss the lookups' rows; ``shard_model`` uses this only under FSDP2.
     """
 
     @staticmethod
