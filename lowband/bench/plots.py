@@ -184,6 +184,30 @@ def _loss_plot(
     fig.savefig(path, dpi=_DPI, bbox_inches="tight")
 
 
+def _finish_modelled(fig: Any, ax: Any, path: Path, *, measured_compute: list[float], note: str | None,
+                     note_y: float, ylabel: str, title: str, drawn: int, empty: str) -> None:
+    """The two MODELLED plots' common frame: this machine's compute marked, log-log axes, a note, save."""
+    if measured_compute:
+        c = statistics.fmean(measured_compute)
+        ax.axvline(c, color="gray", linewidth=0.8, linestyle=":")
+        ax.text(c, 0.02, " this machine's compute", transform=ax.get_xaxis_transform(), fontsize=7, color="gray")
+    if note and drawn:
+        ax.text(0.01, note_y, textwrap.fill(note, width=90), transform=ax.transAxes, ha="left",
+                va="top" if note_y > 0.5 else "bottom", fontsize=7, color="dimgray")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("compute time per step (s), MODELLED")
+    ax.set_ylabel(ylabel, fontsize=9)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3, which="both")
+    if drawn:
+        _legend(ax, drawn)
+    else:
+        _empty(ax, empty)
+    fig.tight_layout()
+    fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+
+
 def _modelled_plot(vs: Sequence[Variant], target: float | None, path: Path) -> None:
     import numpy as np
 
@@ -207,30 +231,14 @@ def _modelled_plot(vs: Sequence[Variant], target: float | None, path: Path) -> N
         ax.plot(compute, times, color=colours[v.group], label=label)
         measured_compute += v.values("compute_time_s")
         drawn += 1
-    if measured_compute:
-        c = statistics.fmean(measured_compute)
-        ax.axvline(c, color="gray", linewidth=0.8, linestyle=":")
-        ax.text(c, 0.02, " this machine's compute", transform=ax.get_xaxis_transform(), fontsize=7, color="gray")
-    if missed and drawn:
-        note = ("did not reach the target (no line; speedup_at_equal_loss_modelled.png and the report compare "
-                "them at their own final loss): "
-                + ", ".join(missed))
-        ax.text(0.01, 0.80, textwrap.fill(note, width=90), transform=ax.transAxes, ha="left", va="top",
-                fontsize=7, color="dimgray")  # fmt: skip
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("compute time per step (s), MODELLED")
-    ax.set_ylabel("training minutes to target, MODELLED")
     what = f"the target {target:.3f}" if target is not None else "a target"
-    ax.set_title(f"MODELLED time to {what}: measured steps to target × (compute + measured bytes / link rate "
-                 "+ latency per op)", fontsize=9)  # fmt: skip
-    ax.grid(True, alpha=0.3, which="both")
-    if drawn:
-        _legend(ax, drawn)
-    else:
-        _empty(ax, "no run reached the target" if target is not None else "no target (no AdamW run)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+    note = ("did not reach the target (no line; speedup_at_equal_loss_modelled.png and the report compare "
+            "them at their own final loss): " + ", ".join(missed)) if missed else None
+    _finish_modelled(fig, ax, path, measured_compute=measured_compute, note=note, note_y=0.80,
+                     ylabel="training minutes to target, MODELLED",
+                     title=f"MODELLED time to {what}: measured steps to target × (compute + measured bytes / link "
+                           "rate + latency per op)",
+                     drawn=drawn, empty="no run reached the target" if target is not None else "no target (no AdamW run)")
 
 
 def _equal_loss_plot(vs: Sequence[Variant], runs: Sequence[Mapping[str, Any]], path: Path) -> None:
@@ -268,27 +276,12 @@ def _equal_loss_plot(vs: Sequence[Variant], runs: Sequence[Mapping[str, Any]], p
         drawn += 1
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.text(compute[0], 1.0, " AdamW", va="bottom", fontsize=7)
-    if measured_compute:
-        c = statistics.fmean(measured_compute)
-        ax.axvline(c, color="gray", linewidth=0.8, linestyle=":")
-        ax.text(c, 0.02, " this machine's compute", transform=ax.get_xaxis_transform(), fontsize=7, color="gray")
-    if never and drawn:
-        note = "AdamW never got as low as (no line): " + ", ".join(never)
-        ax.text(0.01, 0.02, textwrap.fill(note, width=90), transform=ax.transAxes, ha="left", va="bottom",
-                fontsize=7, color="dimgray")  # fmt: skip
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("compute time per step (s), MODELLED")
-    ax.set_ylabel("AdamW's time ÷ this variant's, same loss, MODELLED\n(above 1: sooner than AdamW)", fontsize=9)
-    ax.set_title("MODELLED time to equal loss against AdamW: measured steps to that loss × (compute + measured "
-                 "bytes / link rate + latency per op)", fontsize=9)  # fmt: skip
-    ax.grid(True, alpha=0.3, which="both")
-    if drawn:
-        _legend(ax, drawn)
-    else:
-        _empty(ax, "nothing to compare with AdamW" if refs else "no AdamW run to compare with")
-    fig.tight_layout()
-    fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+    _finish_modelled(fig, ax, path, measured_compute=measured_compute,
+                     note=("AdamW never got as low as (no line): " + ", ".join(never)) if never else None, note_y=0.02,
+                     ylabel="AdamW's time ÷ this variant's, same loss, MODELLED\n(above 1: sooner than AdamW)",
+                     title="MODELLED time to equal loss against AdamW: measured steps to that loss × (compute + "
+                           "measured bytes / link rate + latency per op)",
+                     drawn=drawn, empty="nothing to compare with AdamW" if refs else "no AdamW run to compare with")
 
 
 def _step_time_plot(runs: Sequence[Mapping[str, Any]], path: Path) -> None:
