@@ -184,6 +184,14 @@ def _loss_plot(
     fig.savefig(path, dpi=_DPI, bbox_inches="tight")
 
 
+def _modelled_canvas(vs: Sequence[Variant]) -> tuple[dict[str, Any], Any, Any, Any]:
+    """Colours by method group, the figure, its axes and the compute times (s/step) the curves are drawn at."""
+    import numpy as np
+
+    fig, ax = _figure(len(vs))
+    return _colours([v.group for v in vs]), fig, ax, np.logspace(-3, 1, 60)
+
+
 def _finish_modelled(fig: Any, ax: Any, path: Path, *, measured_compute: list[float], note: str | None,
                      note_y: float, ylabel: str, title: str, drawn: int, empty: str) -> None:
     """The two MODELLED plots' common frame: this machine's compute marked, log-log axes, a note, save."""
@@ -209,11 +217,7 @@ def _finish_modelled(fig: Any, ax: Any, path: Path, *, measured_compute: list[fl
 
 
 def _modelled_plot(vs: Sequence[Variant], target: float | None, path: Path) -> None:
-    import numpy as np
-
-    colours = _colours([v.group for v in vs])
-    fig, ax = _figure(len(vs))
-    compute = np.logspace(-3, 1, 60)
+    colours, fig, ax, compute = _modelled_canvas(vs)
     drawn = 0
     measured_compute = []
     missed = []
@@ -245,9 +249,7 @@ def _equal_loss_plot(vs: Sequence[Variant], runs: Sequence[Mapping[str, Any]], p
     import numpy as np
 
     refs = reference_runs(runs)
-    colours = _colours([v.group for v in vs])
-    fig, ax = _figure(len(vs))
-    compute = np.logspace(-3, 1, 60)
+    colours, fig, ax, compute = _modelled_canvas(vs)
     drawn = 0
     measured_compute = []
     never = []
@@ -274,12 +276,13 @@ def _equal_loss_plot(vs: Sequence[Variant], runs: Sequence[Mapping[str, Any]], p
         ax.plot(compute, np.mean(curves, axis=0), color=colours[v.group], linestyle=style, label=label)
         measured_compute += v.values("compute_time_s")
         drawn += 1
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.text(compute[0], 1.0, " AdamW", va="bottom", fontsize=7)
+    if drawn:  # on empty axes the label would stretch the log scale's limits
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.text(compute[0], 1.0, " AdamW", va="bottom", fontsize=7)
     _finish_modelled(fig, ax, path, measured_compute=measured_compute,
                      note=("AdamW never got as low as (no line): " + ", ".join(never)) if never else None, note_y=0.02,
                      ylabel="AdamW's time ÷ this variant's, same loss, MODELLED\n(above 1: sooner than AdamW)",
-                     title="MODELLED time to equal loss against AdamW: measured steps to that loss × (compute + "
+                     title="MODELLED time to equal loss against AdamW:\nmeasured steps to that loss × (compute + "
                            "measured bytes / link rate + latency per op)",
                      drawn=drawn, empty="nothing to compare with AdamW" if refs else "no AdamW run to compare with")
 
