@@ -263,7 +263,7 @@ def _equal_loss_plot(vs: Sequence[Variant], runs: Sequence[Mapping[str, Any]], p
             ratio = modelled_speedup_at_equal_loss(r, same_link, compute)
             if ratio is not None:
                 curves.append(ratio)
-                where.add(equal_loss_steps(r, same_link)[2])
+                where.add(equal_loss_steps(r, same_link)[2])  # cheap: a few dictionary lookups
         if not curves:
             never.append(v.label)
             continue

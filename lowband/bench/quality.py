@@ -362,13 +362,11 @@ def break_even_compute_s(run: Run, reference: Run) -> tuple[float, str] | None:
     compute times ``"below"`` or ``"above"`` ``c``; ``(inf, "below")`` means at every compute time,
     ``(0.0, "below")`` at none. None when either did not reach the target.
     """
-    s1, s2 = run.get("steps_to_target"), reference.get("steps_to_target")
-    if s1 is None and run.get("adamw_steps_to_final") is not None:
-        # Not at the target: compare at the loss the run did reach (AdamW's steps to it, the run's all).
-        s1, s2 = run.get("steps"), run["adamw_steps_to_final"]
+    pair = equal_loss_steps(run, [reference]) if reference.get("steps_to_target") is not None else None
     m1, m2 = modelled_comm_s(run), modelled_comm_s(reference)
-    if None in (s1, s2, m1, m2):
+    if pair is None or None in (m1, m2):
         return None
+    s1, s2, _ = pair
     if s1 == s2:
         return (math.inf, "below") if m1 <= m2 else (0.0, "below")
     c = (s2 * m2 - s1 * m1) / (s1 - s2)
