@@ -155,7 +155,7 @@ class CollectiveCounter:
     KINDS = (
         "all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base",
         "all_gather_coalesced", "all_reduce", "all_reduce_coalesced", "reduce_scatter_tensor",
-        "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter", "broadcast",
+        "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter", "broadcast", "all_to_all_single",
     )
 
     def __init__(self, ranks_per_node: int) -> None:
@@ -227,6 +227,16 @@ class CollectiveCounter:
         elif name == "reduce_scatter":
             payload = sum(nb(t) for t in a["input_list"])
             sent = (g - 1) * payload // g
+        elif name == "all_to_all_single":  # every block but this rank's own goes to another rank
+            t, splits = a["input"], a.get("input_split_sizes")
+            payload = nb(t)
+            i = ranks.index(me)
+            if splits:
+                row = t.numel() // max(1, t.shape[0]) if t.dim() else 1
+                sent = (sum(splits) - splits[i]) * row * t.element_size()
+            else:
+                sent = (g - 1) * payload // g
+            dtypes[str(t.dtype)] = sent
         elif name == "broadcast":
             payload = nb(a["tensor"])
             sent = payload  # pipelined ring broadcast: at most n per rank
