@@ -186,8 +186,10 @@ class _Projection(torch.autograd.Function):
         if ctx.schedule == "rows":
             (all_h,) = ctx.saved_tensors
             g_local = _trade(_pad_rows(g, m), shard, m, to_owner=True)  # (S·m, V_r)
-            rows = shard.rows().to(g_local.dtype)
-            grad_h = shard.reduce_scatter(g_local @ rows)[:n]
+            # Each owner's partial product, summed over owners in fp32 and rounded once at the end,
+            # as one product over the whole vocabulary would be (not S bf16 roundings and a bf16 sum).
+            rows = shard.rows().to(g_local.dtype).float()
+            grad_h = shard.reduce_scatter(g_local.float() @ rows)[:n]
             for i in range(shard.size if learn else 0):  # each rank's contribution, added in fp32 (FSDP2 reduces in fp32)
                 blk = slice(i * m, (i + 1) * m)
                 _add_product(grad, g_local[blk].t(), all_h[blk], scale)
