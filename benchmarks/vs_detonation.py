@@ -537,15 +537,21 @@ def ratios(summaries: dict) -> dict:
         r["grad_bytes_detonation_over_flexdemo"] = q(d["grad_bytes_peak"], f["grad_bytes_peak"])
         r["tensor_bytes_detonation_over_flexdemo"] = q(d["tensor_bytes_peak"], f["tensor_bytes_peak"])
         r["step_s_detonation_over_flexdemo"] = q(d["step_s"], f["step_s"])
+        r["peak_rss_train_flexdemo_over_detonation"] = q(f["peak_rss_train_bytes"], d["peak_rss_train_bytes"])
     if f and a:
         r["bytes_adamw_over_flexdemo"] = q(a["inter_node_bytes_per_step_counted"], f["inter_node_bytes_per_step_counted"])
         r["peak_rss_train_adamw_over_flexdemo"] = q(a["peak_rss_train_bytes"], f["peak_rss_train_bytes"])
         r["rss_increase_adamw_over_flexdemo"] = q(a["peak_rss_increase_bytes"], f["peak_rss_increase_bytes"])
         r["tensor_bytes_adamw_over_flexdemo"] = q(a["tensor_bytes_peak"], f["tensor_bytes_peak"])
         r["step_s_adamw_over_flexdemo"] = q(a["step_s"], f["step_s"])
+        r["peak_rss_train_flexdemo_over_adamw"] = q(f["peak_rss_train_bytes"], a["peak_rss_train_bytes"])
     if a and d:
         r["bytes_adamw_over_detonation"] = q(a["inter_node_bytes_per_step_counted"], d["inter_node_bytes_per_step_counted"])
     return r
+
+
+# The memory goals on t5-small, 2 x 2 (the defaults): peak RSS per rank against each peer.
+GOAL_VS_DETONATION, GOAL_VS_ADAMW = 0.80, 0.85
 
 
 def checks(summaries: dict, rat: dict, ranks_per_node: int) -> list[tuple[str, bool | None]]:
@@ -560,6 +566,12 @@ def checks(summaries: dict, rat: dict, ranks_per_node: int) -> list[tuple[str, b
         out.append(("peak RSS during training: lowband FlexDeMo < DeToNATION", f["peak_rss_train_bytes"] < d["peak_rss_train_bytes"]))
         out.append(("gradients held: DeToNATION (unsharded) / lowband FlexDeMo (shard) >= ranks per node",
                     rat["grad_bytes_detonation_over_flexdemo"] >= ranks_per_node * 0.99))
+        out.append((f"goal: peak RSS FlexDeMo / DeToNATION <= {GOAL_VS_DETONATION} "
+                    f"({rat['peak_rss_train_flexdemo_over_detonation']:.3f})",
+                    rat["peak_rss_train_flexdemo_over_detonation"] <= GOAL_VS_DETONATION))
+    if f and a:
+        out.append((f"goal: peak RSS FlexDeMo / AdamW <= {GOAL_VS_ADAMW} ({rat['peak_rss_train_flexdemo_over_adamw']:.3f})",
+                    rat["peak_rss_train_flexdemo_over_adamw"] <= GOAL_VS_ADAMW))
     for k in ("flexdemo", "adamw"):
         s = summaries.get(k)
         if s and "inter_node_bytes_per_step_link" in s:
@@ -754,6 +766,8 @@ def main(argv: list[str] | None = None) -> int:
         tensor_bytes_adamw_over_flexdemo="params+grads+state, AdamW / FlexDeMo",
         step_s_detonation_over_flexdemo="s/step, DeToNATION / FlexDeMo",
         step_s_adamw_over_flexdemo="s/step, AdamW / FlexDeMo",
+        peak_rss_train_flexdemo_over_detonation="peak RSS in training, FlexDeMo / DeToNATION",
+        peak_rss_train_flexdemo_over_adamw="peak RSS in training, FlexDeMo / AdamW",
     )
     lines.append("Ratios")
     for k, v in rat.items():
