@@ -48,6 +48,17 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 __all__ = ["VocabShard", "ShardedEmbedding", "ShardedTiedProjection", "shard_tied_embedding"]
 
 
+def _all_gather(*args, **kwargs):
+    # torch 2.13 renamed the tensor forms of these collectives (the old names warn); older torch
+    # has only those. Looked up at each call, so that wrappers installed on torch.distributed
+    # (byte counters) see the calls.
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
 @dataclass(eq=False)
 class VocabShard:
     """The tied weight's row shard on this rank and the node group it is sharded over."""
@@ -98,13 +109,13 @@ class VocabShard:
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """(S·m, ...) from every rank's (m, ...), in rank order."""
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        _all_gather(out, x.contiguous(), group=self.group)
         return out
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's (m, ...) block of the sum over ranks of every rank's (S·m, ...)."""
         out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=self.group)
+        _reduce_scatter(out, x.contiguous(), op=dist.ReduceOp.SUM, group=self.group)
         return out
 
 
