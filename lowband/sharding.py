@@ -38,6 +38,7 @@ masks repeat). Parameter names are unchanged, so checkpoints load with or withou
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 import torch
@@ -129,7 +130,9 @@ def shard_model(
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
     if policy is not None:
         kwargs["mp_policy"] = policy
-    tied = _tied_embeddings(model) if tied_embedding_memory and not one_rank else None
+    # fully_shard's ignored_params (torch >= 2.7) keeps the row-sharded weight out of FSDP2.
+    can_ignore = "ignored_params" in inspect.signature(fully_shard).parameters
+    tied = _tied_embeddings(model) if tied_embedding_memory and not one_rank and can_ignore else None
     if tied is not None:
         from lowband.tied_embedding import shard_tied_embedding
 
@@ -154,7 +157,7 @@ def _no_backward_prefetch(model: nn.Module) -> None:
     computation on another CUDA stream. On the CPU there are no streams: the all-gather (gloo,
     synchronous) runs on the calling thread either way, so the prefetch overlaps nothing and only
     holds a second unit's unsharded weights, and its all-gather buffer, through the current unit's
-    backward (32 MiB of t5-small's peak). A unit listed as its own prefetch target turns the
+    backward (about 11 MiB off t5-small's peak, 2 x 2). A unit listed as its own prefetch target turns the
     default prefetch off (its own unshard is then a no-op).
     """
     from torch.distributed.fsdp import FSDPModule
