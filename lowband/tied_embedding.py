@@ -99,12 +99,16 @@ class VocabShard:
         return w.grad.to_local()
 
     # ------------------------------------------------------------------ collectives
-    def max_count(self, n: int, device: torch.device, flag: bool = False) -> tuple[int, bool]:
-        """The largest of the node's ranks' counts n, and whether any rank raised ``flag`` (one
-        all-reduce; every rank calls it with its own)."""
-        t = torch.tensor([n, int(flag)], dtype=torch.int64, device=device)
+    def max_count(self, n: int, device: torch.device, flag: torch.Tensor | None = None) -> tuple[int, bool]:
+        """The largest of the node's ranks' counts n, and whether any rank's ``flag`` (a 0-d bool
+        tensor, left on its device) is set: one all-reduce and one read back to the host."""
+        t = torch.zeros(2, dtype=torch.int64, device=device)
+        t[0] = n
+        if flag is not None:
+            t[1] = flag
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return int(t[0]), bool(t[1])
+        m, any_flag = t.tolist()
+        return m, bool(any_flag)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """(S·m, ...) from every rank's (m, ...), in rank order."""
@@ -133,11 +137,11 @@ class _Lookup(torch.autograd.Function):
     def forward(ctx, anchor, ids, shard: VocabShard, padding_idx):
         flat = ids.reshape(-1)
         n = flat.numel()
-        low, high = (int(v) for v in torch.aminmax(flat)) if n else (0, 0)
-        bad = low < 0 or high >= shard.vocab
+        low, high = torch.aminmax(flat) if n else (flat.new_zeros(()), flat.new_zeros(()))
+        bad = (low < 0) | (high >= shard.vocab)
         m, any_bad = shard.max_count(n, flat.device, bad)  # every rank raises together, none waits
         if any_bad:
-            where = f"ids lie in [{low}, {high}]" if bad else "on another rank of the node"
+            where = f"ids lie in [{int(low)}, {int(high)}]" if bool(bad) else "on another rank of the node"
             raise IndexError(f"token id out of range ({where}): the embedding has {shard.vocab} rows, "
                              f"ids must lie in [0, {shard.vocab - 1}]")
         all_ids = shard.gather(_pad_rows(flat, m, -1))  # -1: padding, owned by nobody
