@@ -20,6 +20,17 @@ def _ids(rank: int, n: int):
     return ids
 
 
+def _tied_model(padding_idx=None):
+    """An embedding and a bias-free head sharing one (VOCAB × DIM) weight."""
+    from torch import nn
+
+    model = nn.Module()
+    model.emb = nn.Embedding(VOCAB, DIM, padding_idx=padding_idx)
+    model.head = nn.Linear(DIM, VOCAB, bias=False)
+    model.head.weight = model.emb.weight
+    return model
+
+
 def _loss(model, ids):
     import torch
 
@@ -34,7 +45,6 @@ def _tied_ops(rank: int, counts: list[int], bf16: bool) -> dict:
 
     import torch
     import torch.distributed as dist
-    from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
     from lowband.tied_embedding import ShardedEmbedding, ShardedTiedProjection, shard_tied_embedding
@@ -42,10 +52,7 @@ def _tied_ops(rank: int, counts: list[int], bf16: bool) -> dict:
     size = dist.get_world_size()
     mesh = init_device_mesh("cpu", (size,))
     torch.manual_seed(0)
-    ref = nn.Module()
-    ref.emb = nn.Embedding(VOCAB, DIM, padding_idx=PAD)
-    ref.head = nn.Linear(DIM, VOCAB, bias=False)
-    ref.head.weight = ref.emb.weight
+    ref = _tied_model(padding_idx=PAD)
     model = copy.deepcopy(ref)
     dtype = torch.bfloat16 if bf16 else None
     param = shard_tied_embedding(model, model.emb, model.head, mesh, dtype)
@@ -102,16 +109,12 @@ def test_sharded_tied_embedding_in_bf16_computes_in_bf16_and_accumulates_in_fp32
 def _out_of_range(rank: int) -> str:
     import torch
     import torch.distributed as dist
-    from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
     from lowband.tied_embedding import shard_tied_embedding
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = nn.Module()
-    model.emb = nn.Embedding(VOCAB, DIM)
-    model.head = nn.Linear(DIM, VOCAB, bias=False)
-    model.head.weight = model.emb.weight
+    model = _tied_model()
     shard_tied_embedding(model, model.emb, model.head, mesh, None)
     ids = torch.tensor([0, VOCAB]) if rank == 1 else torch.tensor([0, 1])
     try:
