@@ -421,13 +421,17 @@ def test_single_process_flexdemo_is_sharded_sign_sgd_without_traffic():
 
 @pytest.mark.parametrize("values", ["bf16", "sign"])
 def test_blockwise_transform_equals_one_block(monkeypatch, values):
-    # Shards are transformed in blocks of chunks to bound temporaries: the result must not depend on it.
+    # Shards are transformed in blocks of chunks to bound temporaries: the result must not depend on it,
+    # up to float rounding: the DCT product of a block of 2 chunk rows may take another BLAS kernel than
+    # one of 60 (measured on a Xeon: coefficients 1 ulp apart). With sign values and Top-2 such an ulp
+    # decides sign(Q) where the two terms ±s·B[i]·... cancel exactly in real arithmetic (DCT rows share
+    # magnitudes), a step of 2·lr: sign values run Top-1 (one term per chunk and replica, no cancellation).
     import lowband.optim.flexdemo as fd
 
     def run(block_elements):
         monkeypatch.setattr(fd, "_BLOCK_ELEMENTS", block_elements)
         model = make_model()
-        opt = FlexDeMo(model.parameters(), lr=LR, topk=2, chunk=8, values=values)
+        opt = FlexDeMo(model.parameters(), lr=LR, topk=1 if values == "sign" else 2, chunk=8, values=values)
         for step in range(3):
             opt.zero_grad()
             loss_of(model, 0, step).backward()
@@ -436,7 +440,7 @@ def test_blockwise_transform_equals_one_block(monkeypatch, values):
 
     one_block, many_blocks = run(1 << 20), run(16)  # 481-element weight: 31 blocks of 2 chunks + a tail
     for a, b in zip(one_block, many_blocks, strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
 
 
 class _LoopbackLink:
@@ -471,7 +475,9 @@ def test_batched_group_equals_one_group_per_parameter(monkeypatch, values, view_
         model, link = make_model(), _LoopbackLink()
         params = list(model.parameters())
         groups = [{"params": [p]} for p in params] if per_parameter else [{"params": params}]
-        opt = FlexDeMo(groups, lr=LR, topk=2, chunk=8, values=values, weight_decay=0.01, link=link)
+        # sign values run Top-1: see test_blockwise_transform_equals_one_block
+        opt = FlexDeMo(groups, lr=LR, topk=1 if values == "sign" else 2, chunk=8, values=values, weight_decay=0.01,
+                       link=link)
         for step in range(3):
             opt.zero_grad()
             loss_of(model, 0, step).backward()
