@@ -77,6 +77,36 @@ def test_topk_keeps_the_largest_magnitudes():
         topk_per_chunk(coeffs, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("k", [1, 4])
+def test_topk_integer_magnitudes_pick_as_float_magnitudes(dtype, k):
+    # The picks compare |X| as integers (the bits without the sign bit); they must be the float picks,
+    # NaN and Inf included (torch picks NaN first, then Inf), and -0.0 counted as 0.
+    g = torch.Generator().manual_seed(0)
+    coeffs = torch.randn(64, 32, generator=g).to(dtype)
+    coeffs[0, 3] = float("nan")
+    coeffs[1, 7] = float("inf")
+    coeffs[2, 4] = -float("inf")
+    coeffs[3, 5] = -float("nan")
+    coeffs[4] = -0.0
+    coeffs[5] = 0.25  # all tied
+    coeffs[6, 9] = -coeffs[6].abs().max() * 2  # a negative largest
+    idx, vals = topk_per_chunk(coeffs, k, workspace=torch.empty_like(coeffs))
+    mag = coeffs.abs()
+    ref = mag.argmax(-1, keepdim=True) if k == 1 else mag.topk(k, dim=-1, sorted=False).indices
+    rows = [r for r in range(64) if r not in (4, 5)]  # without ties every pick is determined
+    assert [sorted(idx[r].tolist()) for r in rows] == [sorted(ref[r].tolist()) for r in rows]
+    assert idx[0].tolist().count(3) == 1 and idx[1].tolist().count(7) == 1 and idx[6].tolist().count(9) == 1
+    assert torch.equal(vals.isnan(), coeffs.gather(-1, idx).isnan())
+    finite = ~vals.isnan()
+    assert torch.equal(vals[finite], coeffs.gather(-1, idx)[finite])
+    if k == 1:  # all tied: argmax keeps the first, as torch's float argmax does
+        assert idx[5].item() == ref[5].item() == 0 and idx[4].item() == ref[4].item() == 0
+    strided = coeffs.t().contiguous().t()  # not contiguous: the float path, the same picks
+    idx2, _ = topk_per_chunk(strided, k)
+    assert [sorted(idx2[r].tolist()) for r in rows] == [sorted(idx[r].tolist()) for r in rows]
+
+
 def test_decode_is_the_true_mean_over_replicas():
     # docs/algorithms.md (FlexDeMo, decoding): replicas sending {1,1} and {3,5} at positions {0,1} and {1,2} must decode to
     # [0.5, 2, 2.5, 0] (DeToNATION's "mean over those who picked it" gives [1, 2, 5, 0]).
