@@ -18,7 +18,9 @@ from lowband.testing import run_ranks
 # bf16 against fp32 differs by ~8 % in relative norm here; N = 2 against N = 1 by 2.4 %) before
 # the fp32 sum, so the bf16 case
 # uses FlexDeMo with sign off (a step linear in the gradient, where rounding cannot flip a sign).
-TOL = {"fp32": dict(grad=1e-5, param=1e-4, loss=1e-5), "bf16": dict(grad=5e-2, param=1e-3, loss=1e-3)}
+# The bf16 losses (about 7.1) of N = 2 and N = 1 differ by 1.02e-3 at the second step on a Xeon
+# with AVX-512 BF16 (bf16 products in hardware; other CPUs round elsewhere), hence 2e-3.
+TOL = {"fp32": dict(grad=1e-5, param=1e-4, loss=1e-5), "bf16": dict(grad=5e-2, param=1e-3, loss=2e-3)}
 
 
 def _data(cache: str):
@@ -78,6 +80,14 @@ def _accumulation_case(rank: int, cache: str, method: str, precision: str) -> di
         link = Link(topo)
         opt = build_optimizer(method, model.named_parameters(), link=link, hp=hp)
         losses, rs, grads = [], [], []
+        step_fn = opt.step
+
+        def recording_step(*args, _step=step_fn, _grads=grads, _model=model, **kwargs):
+            # The gradient the step uses, read as step() starts (FlexDeMo writes its momentum over it).
+            _grads.append([p.grad.full_tensor() for p in _model.parameters()])
+            return _step(*args, **kwargs)
+
+        opt.step = recording_step
         for step in range(2):
             batch = train_batch(data, step=step, rank=rank, world_size=4, batch_size=4, seed=0)
             micro = split_batch(batch, n, kind="seq2seq")
@@ -90,8 +100,6 @@ def _accumulation_case(rank: int, cache: str, method: str, precision: str) -> di
                 for name, fn in real.items():
                     setattr(dist, name, fn)
             rs.append(calls["reduce_scatter"])
-            # The gradient the step used (train_step zeroes gradients before, not after).
-            grads.append([p.grad.full_tensor() for p in model.parameters()])
             link.end_step()
         results[n] = {"params": full_params(model), "losses": losses, "reduce_scatters": rs, "grads": grads,
                       "micro_shapes": [tuple(b["input_ids"].shape) for b in micro]}
