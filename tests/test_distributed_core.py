@@ -404,6 +404,64 @@ def test_flexdemo_bad_hyperparameters(kwargs, needle):
         FlexDeMo(model.parameters(), **args)
 
 
+@pytest.mark.parametrize("view_min", [64, 1 << 16])  # the 481- and 1073-element weights in place, or all packed
+def test_flexdemo_leaves_the_momentum_in_the_gradients(monkeypatch, view_min):
+    # The gradients are step()'s scratch (documented): after a step p.grad holds β·δ + lr·g, the
+    # momentum that was compressed, and δ is that minus what was sent: q = p.grad − δ, nonzero, and no
+    # larger than the momentum (an orthogonal projection onto k basis rows, bf16 values: 1 % slack).
+    import lowband.optim.flexdemo as fd
+
+    monkeypatch.setattr(fd, "_VIEW_MIN_ELEMENTS", view_min)
+    model = make_model()
+    opt = FlexDeMo(model.parameters(), lr=LR, topk=2, chunk=8, decay=0.9)
+    for step in range(3):
+        opt.zero_grad()
+        loss_of(model, 0, step).backward()
+        params = list(model.parameters())
+        want = [(opt.state[p]["delta"] * 0.9 if opt.state.get(p) else 0.0) + LR * p.grad for p in params]
+        opt.step()
+        for p, w in zip(params, want, strict=True):
+            torch.testing.assert_close(p.grad, w, rtol=0, atol=1e-7)
+            sent = p.grad - opt.state[p]["delta"]  # q: the decode of this rank's message
+            assert 0 < sent.norm() <= w.norm() * 1.01
+
+
+@pytest.mark.parametrize("values, topk, chunk", [("bf16", 1, 128), ("sign", 1, 8), ("fp32", 3, 8), ("bf16", 8, 8)])
+def test_flexdemo_refuses_a_nonfinite_gradient_wherever_it_is(monkeypatch, values, topk, chunk):
+    # FlexDeMo checks only the values it sends: a NaN/Inf anywhere in a gradient must reach them
+    # (through the DCT and the pick). Every parameter (the 481- and 1073-element weights, the
+    # 3-element bias), first, middle and last element, NaN, +Inf and -Inf: the step is refused and
+    # nothing changes; with views (large tensors in place) and all packed.
+    import lowband.optim.flexdemo as fd
+
+    for view_min in (64, 1 << 16):
+        monkeypatch.setattr(fd, "_VIEW_MIN_ELEMENTS", view_min)
+        model = make_model()
+        opt = FlexDeMo(model.parameters(), lr=LR, topk=topk, chunk=chunk, values=values, nonfinite="skip")
+        opt.zero_grad()
+        loss_of(model, 0, 0).backward()
+        opt.step()  # a good step first: δ is non-zero
+        params = list(model.parameters())
+        cases = 0
+        for t, p in enumerate(params):
+            for pos in sorted({0, p.numel() // 2, p.numel() - 1}):
+                for bad in (float("nan"), float("inf"), -float("inf")):
+                    before = [q.detach().clone() for q in params] + [opt.state[q]["delta"].clone() for q in params]
+                    opt.zero_grad()
+                    loss_of(model, 0, 1).backward()
+                    p.grad.view(-1)[pos] = bad
+                    skipped = opt.skipped_steps
+                    opt.step()
+                    after = [q.detach() for q in params] + [opt.state[q]["delta"] for q in params]
+                    assert opt.skipped_steps == skipped + 1, (view_min, t, pos, bad)
+                    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), (t, pos, bad)
+                    cases += 1
+        opt.zero_grad()
+        loss_of(model, 0, 1).backward()
+        opt.step()  # and a finite step still goes through
+        assert opt.skipped_steps == cases
+
+
 def test_single_process_flexdemo_is_sharded_sign_sgd_without_traffic():
     # S = R = 1: no process group; FlexDeMo runs on the whole model and sends nothing.
     model = make_model()

@@ -196,9 +196,11 @@ class FlexDeMo(Optimizer):
     run the momentum, the DCT product, the top-k and both inverse transforms, into block buffers
     reused within the step; per group the encoding, the finite check of the values to send, and the
     decoding (:meth:`lowband.compress.WireFormat.encode_many`: the same bytes as the tensors'
-    payloads one by one). Measured with ``benchmarks/step_cost.py`` (one thread, R = 2, Top-1,
-    chunk 128, bf16): step() costs 1.75× AdamW's on t5-mini shards (47 tensors, 1M elements per
-    rank) and 1.9× on t5-small's (131 tensors, 30M), where the DCT product is a third of it.
+    payloads one by one). The momentum is computed once, over the gradient (see below), and the
+    picks compare magnitudes as integers (:func:`lowband.compress.topk_per_chunk`). Measured with
+    ``benchmarks/step_cost.py`` (one thread, R = 2, Top-1, chunk 128, bf16): step() costs 1.00 to
+    1.06× AdamW's on t5-small shards (131 tensors, 30M elements per rank) and 1.35 to 1.40× on
+    t5-mini's (47 tensors, 1M, where per-block overheads weigh more); the DCT product is a fifth.
 
     All parameters' payloads (each tensor's :class:`lowband.compress.WireFormat` payload, in the
     order of the param groups and their parameters) travel as one flat uint8 message per step
@@ -206,14 +208,22 @@ class FlexDeMo(Optimizer):
     R = 1: nothing is exchanged (plain sign-SGD on shards).
 
     The non-finite check rides in the same message. Phase 1 computes the payload from β·δ + lr·g
-    into temporaries, changing no state; the S ranks of a model copy agree over the fast shard
-    group whether any gradient or value to send holds NaN/Inf; the message ends with one flag
+    (written over the gradients, see below), changing no state; the S ranks of a model copy agree
+    over the fast shard group whether any value to send holds NaN/Inf (which covers the gradients:
+    a NaN or Inf anywhere in a chunk makes all its DCT coefficients non-finite, and those are
+    picked first, so no pass over the gradients of its own is needed); the message ends with one flag
     byte (1: refuse), and a refusing copy sends zeros instead of its payload, so nothing
     non-finite leaves a rank. After the all-gather every rank sees the R flags, so all take the
     same decision: if any is set, ``nonfinite="raise"`` raises :class:`NonFiniteGradientError`
     on every rank and ``"skip"`` leaves parameters and state untouched and counts the skip in
-    ``self.skipped_steps``. Otherwise δ ← β·δ + lr·g − q is committed (recomputed with the same
-    arithmetic as phase 1, so it is exactly what was compressed) and the mean is applied.
+    ``self.skipped_steps``. Otherwise δ ← β·δ + lr·g − q is committed and the mean is applied.
+
+    **The gradients are the step's scratch**: phase 1 writes β·δ + lr·g over each parameter's
+    (flat, local) gradient, and the commit reads it from there, exactly what was compressed, so the
+    momentum is computed once and δ needs no copy to stay as it was when the step is refused. After
+    ``step()`` (accepted or refused, also for a non-finite gradient) ``p.grad`` holds that
+    momentum, not the gradient: read or clip gradients before ``step()`` and zero them before the
+    next backward, as training loops do (DeMo's reference optimizer also overwrites its gradients).
     Bytes per rank and step: :meth:`payload_bytes` + 1 (the flag), all-gathered.
 
     With ``overlap=True`` the exchange of step t runs while step t+1 computes (Psyche's and
@@ -335,7 +345,8 @@ class FlexDeMo(Optimizer):
         if not work and self.link is None:
             return loss
 
-        grads = [[local(p.grad) for p in w.params] for w in work]
+        # Flat gradients, per param group; phase 1 writes the momentum over them (the step's scratch).
+        grads = [[local(p.grad).reshape(-1) for p in w.params] for w in work]
         if self.overlap:
             self._settle()
         picks = self._compress(work, grads)
@@ -450,7 +461,8 @@ class FlexDeMo(Optimizer):
 
     # ------------------------------------------------------------------ phases
     def _compress(self, work: list[_Work], grads: list[list[torch.Tensor]]) -> list | None:
-        """Phase 1: this step's momentum, compressed, without changing any state.
+        """Phase 1: this step's momentum, compressed, without changing any state (the momentum is
+        written over the flat gradients ``grads``, the step's scratch; δ and the parameters are untouched).
 
         Returns per param group ``(idx, sent_vals, payload)``: the kept indices and the values as the
         peers will decode them, (Σ chunks, k) over the group's parameters in the layout of its plan,
@@ -458,15 +470,17 @@ class FlexDeMo(Optimizer):
         this model copy (the node's ranks agree over the fast shard group, so every rank of a copy
         sends the same verdict).
         """
-        bad = not all_finite([g for gs in grads for g in gs])
-        picks: list | None = None
-        if not bad:
-            picks = []
-            for w, gs in zip(work, grads, strict=True):
-                idx, vals = self._topk_of_momentum(w, gs)
-                payload, sent_vals = w.plan.wire.encode_many(idx, vals, w.plan.rows)  # sent: what peers unpack
-                picks.append((idx, sent_vals, payload))
-            bad = not all_finite([sv for _, sv, _ in picks])  # one host sync for every parameter
+        picks = []
+        for w, gflats in zip(work, grads, strict=True):
+            idx, vals = self._topk_of_momentum(w, gflats)
+            payload, sent_vals = w.plan.wire.encode_many(idx, vals, w.plan.rows)  # sent: what peers unpack
+            picks.append((idx, sent_vals, payload))
+        # One check covers the gradients too (no pass over them of its own): a NaN or Inf anywhere in a
+        # chunk of β·δ + lr·g makes every DCT coefficient of that chunk NaN or ±Inf (each is a sum over
+        # all the chunk's elements, times basis entries none of which is 0), and the top-k picks
+        # non-finite magnitudes first, so the values to send are finite exactly when the gradients,
+        # δ and the transform are. One host sync for every parameter.
+        bad = not all_finite([sv for _, sv, _ in picks])
         shard_group = self._shard_group()
         if shard_group is not None:
             device = grads[0][0].device if grads else torch.device("cpu")
@@ -484,36 +498,48 @@ class FlexDeMo(Optimizer):
         return out
 
     def _block_momentum(self, seg: _Seg, deltas: list, gflats: list, group: dict, chunk: int,
-                        ws: _Workspace, *, in_place: bool) -> torch.Tensor:
-        """β·δ + lr·g of one block (rows, chunk): δ's own view updated in place (``in_place``, a view
-        block), else in the workspace. Phase 1 and the commit run exactly this arithmetic."""
+                        ws: _Workspace) -> torch.Tensor:
+        """Phase 1's β·δ + lr·g of one block (rows, chunk), written over the gradient, δ unchanged.
+
+        The gradient is this step's scratch: the momentum goes into its storage (a view block's rows
+        of it, or each piece of a packed block, which is computed in the workspace and copied back),
+        so that the commit reads it back instead of computing it a second time, and no copy of δ is
+        needed to leave δ as it was when the step is refused.
+        """
         decay, lr = group["decay"], group["lr"]
         if seg.view:
             t, start, stop, _, _ = seg.pieces[0]
             g_blk = gflats[t][start:stop].view(seg.rows, chunk)
             d = deltas[t]
-            if d is None:  # before the first step δ = 0 (the commit then finds fresh zeros in place)
-                return ws("m", seg.rows, chunk, g_blk.dtype, g_blk.device).zero_().mul_(decay).add_(g_blk, alpha=lr)
-            d_blk = d[start:stop].view(seg.rows, chunk)
-            if in_place:
-                return d_blk.mul_(decay).add_(g_blk, alpha=lr)
-            m = torch.mul(d_blk, decay, out=ws("m", seg.rows, chunk, g_blk.dtype, g_blk.device))
-            return m.add_(g_blk, alpha=lr)
+            if d is None:  # before the first step δ = 0: β·0 + lr·g
+                return g_blk.mul_(lr)
+            m = torch.mul(d[start:stop].view(seg.rows, chunk), decay, out=ws("m", seg.rows, chunk, g_blk.dtype,
+                                                                             g_blk.device))
+            return torch.add(m, g_blk, alpha=lr, out=g_blk)
         like = gflats[seg.pieces[0][0]]
-        # A packed block is a copy already: the momentum goes into it.
         m = _gather(seg, deltas, chunk, like, out=ws("m", seg.rows, chunk, like.dtype, like.device))
         g = _gather(seg, gflats, chunk, like, out=ws("g", seg.rows, chunk, like.dtype, like.device))
-        return m.mul_(decay).add_(g, alpha=lr)
+        m.mul_(decay).add_(g, alpha=lr)
+        torch._foreach_copy_(*_scatter_views(seg, gflats, m))
+        return m
 
-    def _topk_of_momentum(self, w: _Work, grads: list[torch.Tensor]):
-        """Top-k DCT coefficients of β·δ + lr·g over the group's chunk rows, block by block, into temporaries."""
+    def _block_committed(self, seg: _Seg, gflats: list, chunk: int, ws: _Workspace) -> torch.Tensor:
+        """The commit's view of a block's momentum, as phase 1 left it in the gradient's storage."""
+        if seg.view:
+            t, start, stop, _, _ = seg.pieces[0]
+            return gflats[t][start:stop].view(seg.rows, chunk)
+        like = gflats[seg.pieces[0][0]]  # a packed block: its pieces again, zero-padded as in phase 1
+        return _gather(seg, gflats, chunk, like, out=ws("m", seg.rows, chunk, like.dtype, like.device))
+
+    def _topk_of_momentum(self, w: _Work, gflats: list[torch.Tensor]):
+        """Top-k DCT coefficients of β·δ + lr·g over the group's chunk rows, block by block (the momentum
+        written over the flat gradients ``gflats``, δ unchanged)."""
         group, chunk = w.group, w.plan.wire.chunk
         deltas = self._flats(w.params)
-        gflats = [g.reshape(-1) for g in grads]
         picks = []
         ws = _Workspace(w.plan)
         for seg in w.plan.segs:
-            m = self._block_momentum(seg, deltas, gflats, group, chunk, ws, in_place=False).float()
+            m = self._block_momentum(seg, deltas, gflats, group, chunk, ws).float()
             basis_t = dct_basis(chunk, m.dtype, m.device).T
             coeffs = torch.mm(m, basis_t, out=ws("X", seg.rows, chunk, m.dtype, m.device))  # the DCT
             picks.append(topk_per_chunk(coeffs, group["topk"], workspace=ws("A", seg.rows, chunk, m.dtype, m.device)))
@@ -557,7 +583,9 @@ class FlexDeMo(Optimizer):
         return True
 
     def _commit(self, work: list[_Work], grads: list[list[torch.Tensor]], picks: list) -> None:
-        """Phase 2 (every replica accepted the step): δ ← β·δ + lr·g − q, with q what was sent."""
+        """Phase 2 (every replica accepted the step): δ ← β·δ + lr·g − q, with q what was sent.
+
+        β·δ + lr·g is read back from ``grads``, where phase 1 wrote it: exactly what was compressed."""
         steps = []
         for w in work:
             for p in w.params:
@@ -567,19 +595,21 @@ class FlexDeMo(Optimizer):
                     state["delta"] = replica_state_like(p, self._topology)
                 steps.append(state["step"])
         torch._foreach_add_(steps, 1.0)
-        for w, gs, (idx, sent_vals, _) in zip(work, grads, picks, strict=True):
+        for w, gflats, (idx, sent_vals, _) in zip(work, grads, picks, strict=True):
             chunk = w.plan.wire.chunk
             deltas = self._flats(w.params)
-            gflats = [g.reshape(-1) for g in gs]
             ws = _Workspace(w.plan)
             for seg in w.plan.segs:
-                blk = self._block_momentum(seg, deltas, gflats, w.group, chunk, ws, in_place=True)
+                m = self._block_committed(seg, gflats, chunk, ws)
                 rows = slice(seg.row0, seg.row0 + seg.rows)
                 q = idct_sparse(idx[rows], sent_vals[rows], chunk,
                                 out=ws("q", seg.rows, chunk, sent_vals.dtype, sent_vals.device))
-                blk.sub_(q.to(blk.dtype))
-                if not seg.view:  # a packed copy: write its pieces back
-                    torch._foreach_copy_(*_scatter_views(seg, deltas, blk))
+                if seg.view:
+                    t, start, stop, _, _ = seg.pieces[0]
+                    torch.sub(m, q.to(m.dtype), out=deltas[t][start:stop].view(seg.rows, chunk))
+                else:  # a packed copy: write its pieces back
+                    m.sub_(q.to(m.dtype))
+                    torch._foreach_copy_(*_scatter_views(seg, deltas, m))
 
     def _apply(self, work: list[_Work], gathered: torch.Tensor, into: dict | None = None) -> None:
         """Phase 3: decode the mean over replicas and step (or, ``into``, store the update per parameter)."""
