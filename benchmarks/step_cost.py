@@ -18,7 +18,8 @@ indices the peers picked, so the compute is that of an R-replica step; the link'
 it (the bench models that separately).
 
 Timing: after ``--warmup`` steps of each (the first allocates the state), ``--repeats`` rounds of
-one FlexDeMo step then one AdamW step. Per round the script takes the process CPU time and the
+one FlexDeMo step then one AdamW step. FlexDeMo writes its momentum over the gradients, so they
+are copied back before each of its steps, outside the timed region. Per round the script takes the process CPU time and the
 wall time of each step; it prints the medians over the rounds and the median of the per-round
 ratios FlexDeMo / AdamW. On a loaded machine the ratio is the figure to compare, not the absolute
 times. ``--threads`` sets torch's intra-op threads (default 1: one rank's share of a core, as the
@@ -160,13 +161,23 @@ def time_steps(shards: list[tuple[str, torch.Tensor]], *, model: str, vocab_size
                           values=values, lr=lr)
     adam = build_adamw(make_params(shards, device=device), lr=lr)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    # FlexDeMo writes its momentum over the gradients (its step's scratch): every FlexDeMo step gets
+    # the original gradients back first, outside the timed region, so both optimizers step on the same.
+    flex_params = [p for group in flex.param_groups for p in group["params"]]
+    grads = [p.grad.clone() for p in flex_params]
+
+    def restore() -> None:
+        torch._foreach_copy_([p.grad for p in flex_params], grads)
+
     for _ in range(warmup):
+        restore()
         flex.step()
         adam.step()
     cost = StepCost(model=model, vocab_size=vocab_size, shards=n_shards, replicas=replicas, topk=topk, chunk=chunk,
                     values=values, threads=torch.get_num_threads(), tensors=len(shards),
                     elements=sum(t.numel() for _, t in shards))
     for _ in range(repeats):
+        restore()
         c, w = _timed(flex.step, sync)
         cost.flexdemo_cpu_s.append(c)
         cost.flexdemo_wall_s.append(w)

@@ -41,3 +41,30 @@ def test_cpu_smoke_run_writes_every_section(tmp_path):
     assert [r["method"] for r in doc["bf16_training"]] == list(METHODS)
     assert all(r["finite"] and r["peak_bytes"] is None for r in doc["bf16_training"])
     assert not dist.is_initialized()  # the one-rank group is gone again
+
+
+def test_step_cost_steps_flexdemo_on_the_same_gradients_every_round(monkeypatch):
+    # FlexDeMo writes its momentum over the gradients; benchmarks/step_cost.py must hand every timed
+    # FlexDeMo step the original gradients (else it would time steps on the previous momentum).
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    step_cost = importlib.import_module("step_cost")
+    seen = []
+    build = step_cost.build_flexdemo
+
+    def recording_build(*args, **kwargs):
+        opt = build(*args, **kwargs)
+        step = opt.step
+
+        def recording_step(*a, **k):
+            seen.append([p.grad.clone() for group in opt.param_groups for p in group["params"]])
+            return step(*a, **k)
+
+        opt.step = recording_step
+        return opt
+
+    monkeypatch.setattr(step_cost, "build_flexdemo", recording_build)
+    shards = [("w", torch.randn(300, 128)), ("b", torch.randn(77))]
+    cost = step_cost.time_steps(shards, model="toy", vocab_size=0, n_shards=1, repeats=3, warmup=1)
+    assert len(cost.flexdemo_cpu_s) == 3 and len(seen) == 4
+    for grads in seen[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads, seen[0], strict=True))

@@ -198,8 +198,8 @@ class FlexDeMo(Optimizer):
     decoding (:meth:`lowband.compress.WireFormat.encode_many`: the same bytes as the tensors'
     payloads one by one). The momentum is computed once, over the gradient (see below), and the
     picks compare magnitudes as integers (:func:`lowband.compress.topk_per_chunk`). Measured with
-    ``benchmarks/step_cost.py`` (one thread, R = 2, Top-1, chunk 128, bf16): step() costs 1.00 to
-    1.06× AdamW's on t5-small shards (131 tensors, 30M elements per rank) and 1.35 to 1.40× on
+    ``benchmarks/step_cost.py`` (one thread, R = 2, Top-1, chunk 128, bf16): step() costs 0.94 to
+    1.04× AdamW's on t5-small shards (131 tensors, 30M elements per rank) and 1.38 to 1.56× on
     t5-mini's (47 tensors, 1M, where per-block overheads weigh more); the DCT product is a fifth.
 
     All parameters' payloads (each tensor's :class:`lowband.compress.WireFormat` payload, in the
