@@ -75,6 +75,11 @@ class VocabShard:
         return self.weight.shape[0]
 
     @property
+    def rows_max(self) -> int:
+        """The most rows any rank holds (torch.chunk's shards: the first ranks' count)."""
+        return max(hi - lo for lo, hi in self.bounds)
+
+    @property
     def lo(self) -> int:
         return self.bounds[self.rank][0]
 
@@ -213,7 +218,7 @@ class _Projection(torch.autograd.Function):
             grad_h = g @ _gather_weight(shard, g.dtype)
             if not learn:
                 return None, grad_h.view(*grad_logits.shape[:-1], ctx.d).to(ctx.in_dtype), None
-            full = torch.zeros(shard.size * _rows_max(shard), flat.shape[-1], dtype=grad.dtype, device=grad.device)
+            full = torch.zeros(shard.size * shard.rows_max, flat.shape[-1], dtype=grad.dtype, device=grad.device)
             _add_product(full[:shard.vocab], g.t(), flat, 1.0)
             grad.add_(shard.reduce_scatter(full)[:shard.hi - shard.lo], alpha=scale)
         return None, grad_h.view(*grad_logits.shape[:-1], ctx.d).to(ctx.in_dtype), None
@@ -227,14 +232,10 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: flo
         acc.add_(a @ b, alpha=alpha)
 
 
-def _rows_max(shard: VocabShard) -> int:
-    return max(hi - lo for lo, hi in shard.bounds)
-
-
 def _gather_weight(shard: VocabShard, dtype: torch.dtype) -> torch.Tensor:
     """The whole (V, D) weight in ``dtype`` (the *gather* schedule), shards padded to equal rows."""
     rows = shard.rows().to(dtype)
-    full = shard.gather(_pad_rows(rows, _rows_max(shard)))
+    full = shard.gather(_pad_rows(rows, shard.rows_max))
     return full[:shard.vocab]  # torch.chunk's shards: only the last ranks are short, so the rows are a prefix
 
 
