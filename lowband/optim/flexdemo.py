@@ -210,7 +210,7 @@ class FlexDeMo(Optimizer):
     The non-finite check rides in the same message. Phase 1 computes the payload from β·δ + lr·g
     (written over the gradients, see below), changing no state; the S ranks of a model copy agree
     over the fast shard group whether any value to send holds NaN/Inf (which covers the gradients:
-    a NaN or Inf anywhere in a chunk makes all its DCT coefficients non-finite, and those are
+    a NaN or Inf anywhere in a chunk makes its DCT coefficients non-finite, and those are
     picked first, so no pass over the gradients of its own is needed); the message ends with one flag
     byte (1: refuse), and a refusing copy sends zeros instead of its payload, so nothing
     non-finite leaves a rank. After the all-gather every rank sees the R flags, so all take the
@@ -476,10 +476,12 @@ class FlexDeMo(Optimizer):
             payload, sent_vals = w.plan.wire.encode_many(idx, vals, w.plan.rows)  # sent: what peers unpack
             picks.append((idx, sent_vals, payload))
         # One check covers the gradients too (no pass over them of its own): a NaN or Inf anywhere in a
-        # chunk of β·δ + lr·g makes every DCT coefficient of that chunk NaN or ±Inf (each is a sum over
-        # all the chunk's elements, times basis entries none of which is 0), and the top-k picks
-        # non-finite magnitudes first, so the values to send are finite exactly when the gradients,
-        # δ and the transform are. One host sync for every parameter.
+        # chunk of β·δ + lr·g makes the chunk's DCT coefficients non-finite (every coefficient sums all
+        # the chunk's elements times basis entries; NaN or Inf times any entry, 0 included, is not
+        # finite; and the first basis row is a non-zero constant, so even a BLAS that skips zero
+        # entries leaves at least that coefficient non-finite), and the top-k picks non-finite
+        # magnitudes first: the values to send are finite exactly when the gradients, δ and the
+        # transform are. One host sync for every parameter.
         bad = not all_finite([sv for _, sv, _ in picks])
         shard_group = self._shard_group()
         if shard_group is not None:
