@@ -104,10 +104,9 @@ def topk_per_chunk(coeffs: torch.Tensor, k: int, *,
     if as_int is not None and coeffs.is_contiguous():
         int_dtype, mask = as_int
         out = workspace.view(int_dtype) if workspace is not None else None
-        mag = torch.bitwise_and(coeffs.view(int_dtype), mask, out=out) if out is not None \
-            else torch.bitwise_and(coeffs.view(int_dtype), mask)
+        mag = torch.bitwise_and(coeffs.view(int_dtype), mask, out=out)
     else:
-        mag = torch.abs(coeffs, out=workspace) if workspace is not None else coeffs.abs()
+        mag = torch.abs(coeffs, out=workspace)
     if k == 1:
         idx = mag.argmax(dim=-1, keepdim=True)
     else:

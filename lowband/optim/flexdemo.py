@@ -125,6 +125,12 @@ def _gather(seg: _Seg, flats: list[torch.Tensor | None], chunk: int, like: torch
     return torch.cat(parts, out=out.view(-1)).view(seg.rows, chunk)
 
 
+def _view_block(seg: _Seg, flats: list[torch.Tensor], chunk: int) -> torch.Tensor:
+    """A view block's (rows, chunk) rows of its parameter's flat tensor in ``flats``, in place."""
+    t, start, stop, _, _ = seg.pieces[0]
+    return flats[t][start:stop].view(seg.rows, chunk)
+
+
 def _scatter_views(seg: _Seg, flats: list[torch.Tensor | None], block: torch.Tensor):
     """(destination, source) views: each piece of ``flats`` and its place in a packed block."""
     src = block.reshape(-1)
@@ -510,13 +516,11 @@ class FlexDeMo(Optimizer):
         """
         decay, lr = group["decay"], group["lr"]
         if seg.view:
-            t, start, stop, _, _ = seg.pieces[0]
-            g_blk = gflats[t][start:stop].view(seg.rows, chunk)
-            d = deltas[t]
-            if d is None:  # before the first step δ = 0: β·0 + lr·g
+            g_blk = _view_block(seg, gflats, chunk)
+            if deltas[seg.pieces[0][0]] is None:  # before the first step δ = 0: β·0 + lr·g
                 return g_blk.mul_(lr)
-            m = torch.mul(d[start:stop].view(seg.rows, chunk), decay, out=ws("m", seg.rows, chunk, g_blk.dtype,
-                                                                             g_blk.device))
+            m = torch.mul(_view_block(seg, deltas, chunk), decay,
+                          out=ws("m", seg.rows, chunk, g_blk.dtype, g_blk.device))
             return torch.add(m, g_blk, alpha=lr, out=g_blk)
         like = gflats[seg.pieces[0][0]]
         m = _gather(seg, deltas, chunk, like, out=ws("m", seg.rows, chunk, like.dtype, like.device))
@@ -528,8 +532,7 @@ class FlexDeMo(Optimizer):
     def _block_committed(self, seg: _Seg, gflats: list, chunk: int, ws: _Workspace) -> torch.Tensor:
         """The commit's view of a block's momentum, as phase 1 left it in the gradient's storage."""
         if seg.view:
-            t, start, stop, _, _ = seg.pieces[0]
-            return gflats[t][start:stop].view(seg.rows, chunk)
+            return _view_block(seg, gflats, chunk)
         like = gflats[seg.pieces[0][0]]  # a packed block: its pieces again, zero-padded as in phase 1
         return _gather(seg, gflats, chunk, like, out=ws("m", seg.rows, chunk, like.dtype, like.device))
 
@@ -607,8 +610,7 @@ class FlexDeMo(Optimizer):
                 q = idct_sparse(idx[rows], sent_vals[rows], chunk,
                                 out=ws("q", seg.rows, chunk, sent_vals.dtype, sent_vals.device))
                 if seg.view:
-                    t, start, stop, _, _ = seg.pieces[0]
-                    torch.sub(m, q.to(m.dtype), out=deltas[t][start:stop].view(seg.rows, chunk))
+                    torch.sub(m, q.to(m.dtype), out=_view_block(seg, deltas, chunk))
                 else:  # a packed copy: write its pieces back
                     m.sub_(q.to(m.dtype))
                     torch._foreach_copy_(*_scatter_views(seg, deltas, m))
