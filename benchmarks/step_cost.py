@@ -64,6 +64,9 @@ class LoopbackLink:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         self.replicas = replicas
 
+    def commit(self) -> bool:  # no fault tolerance: every step is applied
+        return True
+
     def all_gather(self, message: torch.Tensor, async_op: bool = False) -> torch.Tensor:
         if async_op:
             raise ValueError("LoopbackLink has no asynchronous all-gather; build FlexDeMo with overlap=False")

@@ -34,6 +34,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions
 
 from lowband.topology import Topology
 
@@ -162,6 +163,10 @@ class Link:
             as tbf, which has no delay) it is slept on top of the measured transfer.
         timeout_s: how long point-to-point exchanges wait for a peer before raising
             :class:`PeerTimeoutError`.
+        ft: fault tolerance (:class:`lowband.ft.FaultTolerance`): the replicate group is then the
+            live nodes of the current quorum, reached through torchft's reconfigurable process group;
+            a failed collective is reported to it instead of raised (its result is zeros), and
+            :meth:`commit` is the node's vote on whether the step may be applied.
     """
 
     def __init__(
@@ -171,6 +176,7 @@ class Link:
         bandwidth_bps: float | None = None,
         latency_s: float = 0.0,
         timeout_s: float = 300.0,
+        ft=None,
     ) -> None:
         if bandwidth_bps is not None and not bandwidth_bps > 0:
             raise ValueError(f"bandwidth_bps must be > 0, got {bandwidth_bps}")
@@ -182,9 +188,16 @@ class Link:
         self.bandwidth_bps = bandwidth_bps
         self.latency_s = latency_s
         self.timeout_s = timeout_s
+        self.ft = ft
+        if ft is not None and topology.replicas != 1:
+            raise ValueError(
+                f"fault tolerance runs one torchrun per node, each node one model copy; this node holds "
+                f"{topology.replicas} copies ({topology.describe()}). Shard over all ranks of the node "
+                "(DeMo under fault tolerance: one rank per node)."
+            )
         self.distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self._group = topology.replicate_group() if self.distributed else None
+        self._group = topology.replicate_group() if self.distributed and ft is None else None
         self._group_ranks = topology.replicate_group_ranks(self.rank)
         self._step = 0
         self._current = StepTraffic(step=0)
@@ -196,11 +209,25 @@ class Link:
     # ---------------------------------------------------------------- properties
     @property
     def group_size(self) -> int:
+        """Replicas in this rank's replicate group (with fault tolerance: the live nodes of the quorum)."""
+        if self.ft is not None:
+            return max(self.ft.members, 1)
         return len(self._group_ranks)
 
     @property
     def group_ranks(self) -> list[int]:
+        if self.ft is not None:
+            return list(range(self.group_size))
         return list(self._group_ranks)
+
+    def commit(self) -> bool:
+        """May this step's exchanges be applied? Optimizers ask once per communicating step, before
+        they change any state. Without fault tolerance always True (a failed collective raises);
+        with it, the node's vote: False when any collective of any rank of the node failed this step
+        (then every rank of the node drops the step)."""
+        if self.ft is None:
+            return True
+        return self.ft.commit()
 
     @property
     def shaping(self) -> bool:
@@ -222,16 +249,21 @@ class Link:
     # ---------------------------------------------------------------- accounting
     def _ring_record(self, sent_per_rank: int) -> tuple[int, int, int]:
         """Inter-node bytes (sent, received) for this rank and for its node, ring order = group order."""
-        ranks = self._group_ranks
+        if self.ft is not None:  # members of a quorum are nodes: every hop crosses
+            ranks, me_rank = self.group_ranks, self.ft.member_rank if self.group_size > 1 else 0
+
+            def node(r: int) -> int:
+                return r
+        else:
+            ranks, me_rank, node = self._group_ranks, self.rank, self.topology.node_of
         g = len(ranks)
-        me = ranks.index(self.rank)
-        node = self.topology.node_of
+        me = ranks.index(me_rank)
         nxt, prv = ranks[(me + 1) % g], ranks[(me - 1) % g]
-        inter_sent = sent_per_rank if node(nxt) != node(self.rank) else 0
-        inter_recv = sent_per_rank if node(prv) != node(self.rank) else 0
+        inter_sent = sent_per_rank if node(nxt) != node(me_rank) else 0
+        inter_recv = sent_per_rank if node(prv) != node(me_rank) else 0
         # All ranks of my node run the same operation for their own shard at the same time
         # (S concurrent replicate groups): the node's uplink carries all of it.
-        my_node = node(self.rank)
+        my_node = node(me_rank)
         members_crossing = sum(
             1 for i, r in enumerate(ranks) if node(r) == my_node and node(ranks[(i + 1) % g]) != my_node
         )
@@ -285,10 +317,16 @@ class Link:
     # ---------------------------------------------------------------- collectives
     @contextlib.contextmanager
     def _peers_guard(self, kind: str):
-        """Turn a collective's transport error into one that names the group and the way out."""
+        """Turn a collective's transport error into one that names the group and the way out.
+
+        With fault tolerance the error is reported to the Manager instead (the step will not commit)."""
         try:
             yield
         except RuntimeError as e:
+            if self.ft is not None:
+                log.warning("rank %d: %s between nodes failed (%s); this step will be dropped", self.rank, kind, e)
+                self.ft.report_error(e)
+                return
             nodes = sorted({self.topology.node_of(r) for r in self._group_ranks} - {self.topology.node_of(self.rank)})
             raise PeerLostError(
                 f"rank {self.rank}: {kind} over ranks {self._group_ranks} failed: a peer on node(s) {nodes} "
@@ -308,7 +346,18 @@ class Link:
         payload = _nbytes(tensor)
         works: list = []
         result = tensor
-        if g > 1:
+        if g > 1 and self.ft is not None:
+            if op == "avg" and not tensor.is_floating_point():
+                raise ValueError("avg all-reduce needs a floating-point tensor")
+            opts = AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+            if not self.ft.errored:  # after a failure the step is dropped: send nothing more
+                with self._peers_guard("all_reduce"):
+                    works.append(self.ft.pg.allreduce([tensor], opts))
+            if op == "avg":
+                def result():
+                    return tensor.div_(g)
+        elif g > 1:
             if op == "avg" and not tensor.is_floating_point():
                 raise ValueError("avg all-reduce needs a floating-point tensor")
             if op == "avg" and dist.get_backend(self._group) == "gloo":
@@ -340,7 +389,13 @@ class Link:
         start = time.perf_counter()
         payload = _nbytes(tensor)
         works: list = []
-        if g > 1:
+        if g > 1 and self.ft is not None:
+            out = torch.zeros((g, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+            if not self.ft.errored:
+                with self._peers_guard("all_gather"):
+                    works.append(self.ft.pg.allgather([list(out.unbind(0))], [tensor.contiguous()],
+                                                      AllgatherOptions()))
+        elif g > 1:
             out = torch.empty((g, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
             with self._peers_guard("all_gather"):
                 works.append(dist.all_gather_into_tensor(out.view(-1), tensor.contiguous().view(-1),
@@ -363,6 +418,8 @@ class Link:
         this rank. Raises :class:`PeerTimeoutError` naming the peers if they don't answer within
         ``timeout_s`` (on ``wait()`` when ``async_op=True``; the handle's result is the list).
         """
+        if self.ft is not None:
+            raise ValueError("point-to-point exchanges (NoLoCo) do not run under fault tolerance yet")
         peers = [int(p) for p in peers if int(p) != self.rank]
         start = time.perf_counter()
         payload = _nbytes(tensor)
@@ -456,6 +513,8 @@ class LinkHandle:
                 with link._peers_guard(self.record.kind):
                     w.wait()
         self._value = self._result() if callable(self._result) else self._result
+        if link.ft is not None and link.ft.errored and isinstance(self._value, torch.Tensor):
+            self._value.zero_()  # a failed collective leaves partial data: the step is dropped anyway
         remaining = self._ready_at - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)

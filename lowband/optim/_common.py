@@ -25,6 +25,7 @@ __all__ = [
     "all_finite",
     "param_label",
     "NONFINITE_POLICIES",
+    "committed",
 ]
 
 NONFINITE_POLICIES = ("raise", "skip")
@@ -142,3 +143,17 @@ def check_lr(lr: Any) -> None:
     """ValueError unless ``lr`` > 0 (a tensor lr, as torch's optimizers accept, is not checked)."""
     if not isinstance(lr, torch.Tensor) and not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr}")
+
+
+def committed(link: Link | None) -> bool:
+    """Whether the step's exchanges may be applied (:meth:`lowband.link.Link.commit`); True without a link.
+
+    Every optimizer asks once per communicating step, after its last collective and before it
+    changes any state: under fault tolerance a step whose exchange failed anywhere in the node is
+    dropped whole, on every rank of the node.
+    """
+    if link is None or link.commit():
+        return True
+    log.warning("a collective between nodes failed: step dropped (state unchanged); the next step runs on the "
+                "nodes that are left")
+    return False

@@ -22,6 +22,7 @@ from lowband.optim._common import (
     all_finite,
     check_lr,
     check_sharded,
+    committed,
     local,
     replica_state_like,
     run_closure,
@@ -300,6 +301,7 @@ class FlexDeMo(Optimizer):
         self.link = link
         self.nonfinite = nonfinite
         self.skipped_steps = 0
+        self.dropped_steps = 0  # fault tolerance: steps whose exchange failed somewhere
         self.overlap = bool(overlap)
         # overlap: the step whose exchange is in flight: (handle or gathered tensor, work, backups).
         self._flight: tuple | None = None
@@ -369,11 +371,31 @@ class FlexDeMo(Optimizer):
             self._flight = (handle, work, backups)
             return loss
         gathered = self._exchange(message)
+        if not committed(self.link):
+            self.dropped_steps += 1
+            return loss
         if self._refused(gathered):
             return loss
         self._commit(work, grads, picks)
         self._apply(work, gathered)
         return loss
+
+    # ------------------------------------------------------------------ fault tolerance
+    def communicates_next(self) -> bool:
+        """Every step exchanges its compressed momentum."""
+        return True
+
+    @torch.no_grad()
+    def reset_replica_state(self) -> None:
+        """After this replica copied a live peer's state (fault tolerance): δ ← 0.
+
+        δ is this replica's own residual: what its gradients have not yet sent. A copy of a peer's δ
+        would send the peer's residual twice (once from each), so a joining replica starts as a new
+        DeMo replica does, with δ = 0; parameters, step counts and hyper-parameters are the peer's.
+        """
+        for st in self.state.values():
+            if "delta" in st:
+                state_view(st["delta"]).zero_()
 
     # ------------------------------------------------------------------ overlap
     def _settle(self) -> None:

@@ -26,6 +26,7 @@ from lowband.optim._common import (
     NonFiniteGradientError,
     check_lr,
     check_sharded,
+    committed,
     local,
     run_closure,
 )
@@ -81,16 +82,28 @@ class _FullSyncMixin:
         self.link = link
         self.nonfinite = nonfinite
         self.skipped_steps = 0
+        self.dropped_steps = 0  # fault tolerance: steps whose exchange failed somewhere
         topo = link.topology if link is not None else None
         check_sharded(self.param_groups, topo)  # type: ignore[attr-defined]
         self._shard_group = (
             topo.shard_group() if topo is not None and topo.shards > 1 and topo.world_size > 1 else None
         )
 
+    def communicates_next(self) -> bool:
+        """Every step all-reduces its gradients."""
+        return True
+
+    def reset_replica_state(self) -> None:
+        """After this replica copied a live peer's state (fault tolerance): nothing is per replica."""
+
     def _sync(self) -> bool:
         """All-reduce the gradients; True if the step may go ahead."""
         grads = [local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]  # type: ignore[attr-defined]
-        if sync_gradients(grads, self.link, shard_group=self._shard_group):
+        bad = sync_gradients(grads, self.link, shard_group=self._shard_group)
+        if not committed(self.link):
+            self.dropped_steps += 1
+            return False
+        if bad:
             if self.nonfinite == "raise":
                 raise NonFiniteGradientError(
                     "a gradient holds NaN or Inf on at least one rank; the step was refused before any "

@@ -45,6 +45,7 @@ from lowband.link import Link, LinkHandle, PeerTimeoutError
 from lowband.optim._common import (
     NonFiniteGradientError,
     check_sharded,
+    committed,
     grads_nonfinite,
     local,
     replica_state_like,
@@ -208,6 +209,7 @@ class _LocalSGD(Optimizer):
         self.sync_every = int(sync_every)
         self.max_grad_norm = max_grad_norm
         self.last_sync_time_s = 0.0
+        self.dropped_outer_steps = 0  # fault tolerance: outer steps whose exchange failed somewhere
         self._topology = link.topology if link is not None else None
         check_sharded(self.param_groups, self._topology)
         topo = self._topology
@@ -438,12 +440,39 @@ class _LocalSGD(Optimizer):
                 self._flight = self._begin_outer(outer_index, async_op=True)
             else:
                 flight = self._begin_outer(outer_index, async_op=False)
-                what = self._end_outer(flight, flight.result)
-                if what is not None:
-                    raise self._nonfinite_outer(what)
+                if committed(self.link):
+                    what = self._end_outer(flight, flight.result)
+                    if what is not None:
+                        raise self._nonfinite_outer(what)
+                else:
+                    # The outer step failed between nodes: φ stays; the inner weights keep their H steps
+                    # and the next outer step's pseudo-gradient covers them (nothing trained is lost).
+                    self.dropped_outer_steps += 1
             self.last_sync_time_s = time.perf_counter() - start
             log.debug("%s outer step %d took %.3f s", type(self).__name__, self.outer_steps, self.last_sync_time_s)
         return loss
+
+    # ------------------------------------------------------------------ fault tolerance
+    def communicates_next(self) -> bool:
+        """Whether the next :meth:`step` takes an outer step (its exchange between nodes)."""
+        return (self.inner_steps + 1) % self.sync_every == 0
+
+    @torch.no_grad()
+    def reset_replica_state(self) -> None:
+        """After this replica copied a live peer's state (fault tolerance): θ ← φ, error feedback 0.
+
+        The outer weights φ, the outer momentum and the inner optimizer's moments are the peer's
+        (φ and the outer momentum are equal on every replica; the moments are an estimate of the
+        gradient's, as good as any). The peer's inner weights hold its own inner steps since the last
+        outer step: this replica starts its inner steps from φ instead, so that no replica's progress
+        is counted twice in the next outer mean. Error feedback is per replica: zero.
+        """
+        for p in self._params():
+            state = self.state[p]
+            local(p).copy_(state_view(state["slow"]))
+            for key in self._ERROR_KEYS:
+                if key in state:
+                    state_view(state[key]).zero_()
 
     def _begin_outer(self, outer_index: int, *, async_op: bool) -> _OuterFlight:
         raise NotImplementedError
