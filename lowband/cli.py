@@ -17,6 +17,8 @@ COMMANDS = {
               "methods × links on emulated nodes: tables, results.json and plots"),
     "report": ("lowband.bench", "add_report_arguments", "report_main",
                "re-render report.md and plots of a bench run directory"),
+    "lighthouse": ("lowband.ft", "add_lighthouse_arguments", "lighthouse_main",
+                   "run the torchft Lighthouse that a fault-tolerant job's nodes report to"),
     "simulate": ("lowband.simulate", "add_arguments", "main",
                  "model DiLoCo's all-reduce against NoLoCo's gossip for 2..1024 replicas, check it on emulated links"),
 }

@@ -83,6 +83,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--link-latency", type=parse_duration, default=d.link_latency_s, metavar="DURATION",
                    help="add this latency per message between nodes, e.g. 20ms (default: 0)")
 
+    f = p.add_argument_group("fault tolerance (torchft: one torchrun per node, nodes may die and join; "
+                             "see docs/fault-tolerance.md)")
+    f.add_argument("--ft-lighthouse", default=None, metavar="URL", help="the Lighthouse's address "
+                   "(http://HOST:PORT, printed by `lowband lighthouse`); turns fault tolerance on")
+    f.add_argument("--ft-node", type=int, default=d.ft_node, help="this node's slot, 0 <= N < --ft-max-nodes "
+                   "(a restarted node takes its old slot)")
+    f.add_argument("--ft-max-nodes", type=int, default=d.ft_max_nodes, help="the most nodes at once; each step's "
+                   "global batch is laid out for this many (a dead node's slice is skipped)")
+    f.add_argument("--ft-timeout", type=parse_duration, default=d.ft_timeout_s, metavar="DURATION",
+                   help="a collective between nodes, a commit vote or a state transfer that takes longer fails "
+                        "(the step is dropped), e.g. 10s")
+
     r = p.add_argument_group("run")
     r.add_argument("--steps", type=int, default=d.steps)
     r.add_argument("--batch-size", type=int, default=d.batch_size, help="examples per rank per micro-batch")
@@ -140,6 +152,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         ckpt_every=args.ckpt_every, ckpt_at_end=args.ckpt_at_end, resume=args.resume, out=args.out,
         link_bandwidth_bps=args.link_bandwidth, link_latency_s=args.link_latency,
         tensorboard=args.tensorboard, progress=not args.no_progress,
+        ft_lighthouse=args.ft_lighthouse, ft_node=args.ft_node, ft_max_nodes=args.ft_max_nodes,
+        ft_timeout_s=args.ft_timeout,
     )
 
 

@@ -136,6 +136,24 @@ class TrainConfig:
     progress: bool = True
     link_bandwidth_bps: float | None = None
     link_latency_s: float = 0.0
+    ft_lighthouse: str | None = None
+    ft_node: int = 0
+    ft_max_nodes: int = 1
+    ft_timeout_s: float = 10.0
+
+    def ft_config(self):
+        """The node's fault-tolerance configuration, or None (no ``ft_lighthouse``)."""
+        if self.ft_lighthouse is None:
+            return None
+        from lowband.ft import FaultToleranceConfig, fingerprint
+
+        method = method_config(self.method, self.hp)
+        return FaultToleranceConfig(
+            lighthouse=self.ft_lighthouse, node=self.ft_node, max_nodes=self.ft_max_nodes, timeout_s=self.ft_timeout_s,
+            fingerprint=fingerprint(self.method, sorted(method.as_dict().items()), self.model, self.data,
+                                    self.max_examples, self.seed, self.batch_size, self.grad_accum, self.precision,
+                                    self.steps, self.ft_max_nodes),
+        )
 
     def validate(self) -> None:
         """Check everything that can be checked before any process group exists."""
@@ -161,6 +179,12 @@ class TrainConfig:
             raise ValueError(f"--link-latency must be >= 0 s, got {self.link_latency_s}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.ft_lighthouse is not None:
+            from lowband.ft import require_torchft
+
+            self.ft_config()
+            method.check_fault_tolerance()
+            require_torchft()
         for flag, path in (("--data", self.data), ("--val-data", self.val_data), ("--tokenizer", self.tokenizer)):
             if path is not None and not Path(path).exists():
                 raise FileNotFoundError(f"{flag} {path!r} does not exist; pass a local file (data: .jsonl, .csv, "
@@ -298,6 +322,9 @@ class Trainer:
         self.local = METHODS[cfg.method].family == "local"
         self.tally = _Tally()
         self.start_step = 0
+        self.ft = None  # lowband.ft.FaultTolerance under --ft-lighthouse
+        self._healed_to: int | None = None
+        self.next_step = 0
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -323,6 +350,17 @@ class Trainer:
         self.topology.check_launch()
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
+        # Which slice of each step's global batch this rank reads (fault tolerance: by node slot).
+        self.data_rank, self.data_world = self.rank, self.world
+        self.ft_cfg = cfg.ft_config()
+        if self.ft_cfg is not None:
+            from lowband.ft import data_slot
+
+            if self.topology.num_nodes != 1:
+                raise ValueError("fault tolerance runs one torchrun per node (--nnodes 1 --nproc-per-node S, each node "
+                                 f"with its own --ft-node), but this job spans {self.topology.num_nodes} nodes")
+            self.data_rank, self.data_world = data_slot(self.ft_cfg, local_rank=self.rank,
+                                                        ranks_per_node=self.topology.ranks_per_node)
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
         # T5 blocks return views; FSDP2 warns that an in-place op on them would skip its hook. Neither
@@ -349,7 +387,13 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         cfg = self.cfg
-        self.link = Link(self.topology, bandwidth_bps=cfg.link_bandwidth_bps, latency_s=cfg.link_latency_s)
+        if self.ft_cfg is not None:
+            from lowband.ft import FaultTolerance
+
+            self.ft = FaultTolerance(self.ft_cfg, rank=self.rank, world_size=self.world,
+                                     state_dict=self._ft_state, load_state_dict=self._ft_load)
+        self.link = Link(self.topology, bandwidth_bps=cfg.link_bandwidth_bps, latency_s=cfg.link_latency_s,
+                         ft=self.ft)
         self.optimizer = self.method.build(list(self.model.named_parameters()), link=self.link, model=self.model)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         # The training clock and token count (see the module docstring); a resumed run goes on from
@@ -382,9 +426,10 @@ class Trainer:
         cfg = self.cfg
         self.step_batch = cfg.batch_size * cfg.grad_accum  # examples per rank per optimizer step
         self.profile = PhaseMemory(self.device, return_freed=cfg.memory_profile)
+        # A node that rejoins a fault-tolerant job appends to the record of its earlier life.
         self.metrics = _Metrics(self.out, enabled=self.rank == 0, tensorboard=cfg.tensorboard,
-                                append=self.start_step > 0)
-        self.steps_per_epoch = steps_per_epoch(self.data, world_size=self.world, batch_size=self.step_batch)
+                                append=self.start_step > 0 or self.ft is not None)
+        self.steps_per_epoch = steps_per_epoch(self.data, world_size=self.data_world, batch_size=self.step_batch)
         self.bar = None
         if self.rank == 0 and cfg.progress:
             from tqdm import tqdm
@@ -402,12 +447,13 @@ class Trainer:
         cfg, kind, t = self.cfg, self.spec.kind, self.tally
         t_batch = time.perf_counter()
         batch = {k: v.to(self.device) for k, v in
-                 train_batch(self.data, step=step, rank=self.rank, world_size=self.world,
+                 train_batch(self.data, step=step, rank=self.data_rank, world_size=self.data_world,
                              batch_size=self.step_batch, seed=cfg.seed).items()}
         # Dropout masks as a function of (seed, step, rank): a resumed run repeats them exactly.
         torch.manual_seed((cfg.seed * 1_000_003 + step) * self.world + self.rank)
         t0 = time.perf_counter()
         self.clock["tokens"] += _batch_tokens(batch, seq2seq=kind == "seq2seq")
+        dropped0 = self._dropped()
         loss = train_step(self.model, self.optimizer, split_batch(batch, cfg.grad_accum, kind=kind), kind=kind,
                           profile=self.profile)
         self.scheduler.step()
@@ -432,8 +478,9 @@ class Trainer:
         if (traffic.ops or exposed > 0) and self.local:
             t.sync_times.append(exposed)  # the outer step's time on the critical path
         t.add_ops(traffic.by_kind())
-        epoch = epoch_of(step, data=self.data, world_size=self.world, batch_size=self.step_batch)
-        self.metrics.write({"type": "train", "step": step + 1, "epoch": epoch, "loss": loss,
+        epoch = epoch_of(step, data=self.data, world_size=self.data_world, batch_size=self.step_batch)
+        ft = {} if self.ft is None else {"replicas": self.ft.last_members, "dropped": self._dropped() > dropped0}
+        self.metrics.write({"type": "train", **ft, "step": step + 1, "epoch": epoch, "loss": loss,
                             "step_time_s": step_time, "compute_time_s": step_time - exposed,
                             "comm_time_s": traffic.comm_time_s, "exposed_comm_time_s": exposed,
                             "inter_node_bytes_sent": traffic.inter_node_bytes_sent, "tokens": self.clock["tokens"],
@@ -452,7 +499,7 @@ class Trainer:
         cfg = self.cfg
         v = evaluate(self.model, self.data, batch_size=cfg.batch_size, max_batches=cfg.val_batches,
                      device=self.device)
-        point = {"step": step, "epoch": epoch_of(max(step - 1, 0), data=self.data, world_size=self.world,
+        point = {"step": step, "epoch": epoch_of(max(step - 1, 0), data=self.data, world_size=self.data_world,
                                                  batch_size=self.step_batch),
                  "tokens": self.clock["tokens"], "train_time_s": self.clock["train_time_s"],
                  "wall_s": time.perf_counter() - self.wall0, "val_loss": v}  # fmt: skip
@@ -509,9 +556,15 @@ class Trainer:
         if self.start_step == 0:
             self.evaluate(0)
         try:
-            for step in range(self.start_step, cfg.steps):
+            step, first = self.start_step, True
+            while step < cfg.steps:
+                if self.ft is not None and (first or self.optimizer.communicates_next()):
+                    step = self._membership(step)  # a joining node may jump ahead to the live step
+                    if step >= cfg.steps:
+                        break
+                first = False
                 self.train_step(step)
-                done = step + 1
+                done = step = step + 1
                 end_of_epoch = done % self.steps_per_epoch == 0
                 if done < cfg.steps and ((cfg.val_every and done % cfg.val_every == 0) or end_of_epoch):
                     self.evaluate(done)
@@ -527,9 +580,141 @@ class Trainer:
                 self.bar.close()
             self.metrics.close()
         summary = self.summarize()
+        if self.ft is not None:
+            self._ft_record()
         if dist.is_initialized():
             dist.barrier()
+        if self.ft is not None:
+            self.ft.shutdown()
         return summary
+
+    # ------------------------------------------------------------------ fault tolerance
+    def _dropped(self) -> int:
+        """Steps (outer steps for DiLoCo) the optimizer dropped because an exchange failed."""
+        return int(getattr(self.optimizer, "dropped_steps", 0) + getattr(self.optimizer, "dropped_outer_steps", 0))
+
+    def _membership(self, step: int) -> int:
+        """Form the quorum for ``step``; heal from a live peer if this node is behind. Returns the step to run."""
+        self.next_step = step
+        _reshard(self.model)  # a peer copies (and this node loads) the sharded parameters
+        before = self.ft.last_members
+        healed0 = len(self.ft.healed_at)
+        self.ft.start_step()
+        if self._healed_to is not None:
+            log.warning("node %d joined at step %d: model and optimizer state copied from a live peer in %.2f s "
+                        "(%s)", self.ft_cfg.node, self._healed_to, self.ft.last_quorum_s,
+                        "per-replica state reset as the method's rule says")
+            step, self._healed_to = self._healed_to, None
+            if self.bar is not None:
+                self.bar.n = step
+                self.bar.refresh()
+        members = self.ft.last_members
+        if members != before or len(self.ft.healed_at) != healed0:
+            log.warning("step %d: %d live node(s) (was %d); quorum took %.2f s", step, members, before,
+                        self.ft.last_quorum_s)
+            self.metrics.write({"type": "membership", "step": step, "replicas": members, "was": before,
+                                "healed": len(self.ft.healed_at) != healed0, "quorum_s": self.ft.last_quorum_s,
+                                "wall_s": time.perf_counter() - self.wall0, "unix_s": time.time()})
+        return step
+
+    def _ft_state(self) -> dict:
+        """What a joining node copies from this one (called on torchft's thread while this rank waits for the
+        quorum, so the state is that of the step boundary ``self.next_step``)."""
+        from lowband.ft import local_state
+
+        return {
+            "fingerprint": self.ft_cfg.fingerprint,
+            "trainer": {"step": self.next_step, **self.clock},
+            "scheduler": self.scheduler.state_dict(),
+            "params": {n: local_state(p) for n, p in self.model.named_parameters()},
+            "buffers": {n: local_state(b) for n, b in self.model.named_buffers()},
+            "optimizer": [_optimizer_local_state(o) for o in _state_owners(self.optimizer)],
+        }
+
+    def _ft_load(self, state: dict) -> None:
+        from lowband.ft import load_local_state
+
+        load_local_state(dict(self.model.named_parameters()), state["params"], what="parameters")
+        load_local_state(dict(self.model.named_buffers()), state["buffers"], what="buffers")
+        for owner, peer in zip(_state_owners(self.optimizer), state["optimizer"], strict=True):
+            _load_optimizer_local_state(owner, peer, self.topology)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer.reset_replica_state()
+        self.clock = {"train_time_s": float(state["trainer"]["train_time_s"]), "tokens": int(state["trainer"]["tokens"])}
+        self._healed_to = int(state["trainer"]["step"])
+
+    def _ft_record(self) -> None:
+        """``ft_rank{R}.json``: membership, healing and dropped steps of this rank, and a digest of its shards."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, p in self.model.named_parameters():
+            h.update(name.encode())
+            h.update(_local(p).detach().cpu().contiguous().numpy().tobytes())
+        record = {"rank": self.rank, "node": self.ft_cfg.node, "replicas": self.ft.last_members,
+                  "committed_steps": self.ft.committed_steps, "dropped_steps": self._dropped(),
+                  "healed": self.ft.healed_at, "quorum_s": self.ft.quorum_s, "commit_s": self.ft.commit_s,
+                  "param_sha256": h.hexdigest(), "steps": self.cfg.steps}
+        (self.out / f"ft_rank{self.rank}.json").write_text(json.dumps(record, indent=1))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Put every FSDP2 unit in its sharded state (after a forward pass the root may hold full parameters)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _state_owners(optimizer) -> list:
+    """The optimizer and, for DiLoCo/NoLoCo, its inner optimizer: the objects whose ``state`` a peer copies."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return [optimizer] if inner is None else [optimizer, inner]
+
+
+def _optimizer_local_state(opt) -> dict:
+    from lowband.ft import local_state
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {"state": {i: local_state(dict(opt.state[p])) for i, p in enumerate(params) if opt.state.get(p)},
+            "groups": [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in opt.param_groups]}
+
+
+def _load_optimizer_local_state(opt, peer: dict, topology: Topology) -> None:
+    """Load a peer's optimizer state (local tensors) into ``opt``, creating state this replica has not made yet."""
+    from torch.distributed.tensor import DTensor
+
+    from lowband.ft import load_local_state
+    from lowband.optim._common import replica_state_like, state_view
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if len(peer["groups"]) != len(opt.param_groups):
+        raise ValueError("healing: the peer's optimizer has another number of parameter groups")
+    for group, theirs in zip(opt.param_groups, peer["groups"], strict=True):
+        group.update(theirs)
+    for i, entries in peer["state"].items():
+        p = params[int(i)]
+        st = opt.state[p]
+        lp = _local(p)
+        for k, v in entries.items():
+            if isinstance(st.get(k), torch.Tensor):
+                load_local_state(st[k], v, what=f"optimizer state {k}")
+            elif isinstance(v, torch.Tensor) and tuple(v.shape) == (1, *lp.shape):
+                r = replica_state_like(p, topology, dtype=v.dtype)
+                state_view(r).copy_(v[0])
+                st[k] = r
+            elif isinstance(v, torch.Tensor) and v.shape == lp.shape and isinstance(p, DTensor):
+                st[k] = DTensor.from_local(v.to(lp.device).clone(), p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
+            else:
+                st[k] = v.clone() if isinstance(v, torch.Tensor) else v
 
 
 def run_training(cfg: TrainConfig) -> RunSummary:

@@ -161,6 +161,9 @@ class MethodConfig:
         """Why a run of ``steps`` would end in a state that misrepresents the method, or None (most never)."""
         return None
 
+    def check_fault_tolerance(self) -> None:
+        """ValueError if this configuration cannot run under fault tolerance (``--ft-lighthouse``)."""
+
     def build(self, params: list, *, link: Link, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         raise NotImplementedError
 
@@ -240,6 +243,11 @@ class FlexDeMoConfig(MethodConfig):
         if self.topk > self.chunk:
             raise ValueError(f"topk={self.topk} exceeds chunk={self.chunk}; topk must lie in 1..chunk")
 
+    def check_fault_tolerance(self) -> None:
+        if self.overlap:
+            raise ValueError("overlap=true does not run under fault tolerance yet (a step applied one step later "
+                             "cannot be dropped when its exchange fails); use the blocking variant (overlap=false)")
+
     def build(self, params, *, link, model=None):
         return FlexDeMo(params, link=link, **self.as_dict())
 
@@ -272,6 +280,11 @@ class _LocalConfig(MethodConfig):
     def tail_note(self, steps: int) -> str | None:
         """Why a run of ``steps`` ends between outer steps (its last inner steps unmerged), or None."""
         return unmerged_tail_note(steps, self.sync_every)  # type: ignore[attr-defined]
+
+    def check_fault_tolerance(self) -> None:
+        if self.outer_delay():
+            raise ValueError("an overlapped outer step (overlap/delay) does not run under fault tolerance yet; "
+                             "use the blocking outer step (overlap=false, delay=0)")
 
     def _optimizer_kwargs(self) -> tuple[Any, dict[str, Any]]:
         kw = self.as_dict()
@@ -335,6 +348,11 @@ class NoLoCoConfig(_LocalConfig):
     quant_block: int = _NOLOCO["quant_block"]
     overlap: bool = _NOLOCO["overlap"]
     delay: int = _NOLOCO["delay"]
+
+    def check_fault_tolerance(self) -> None:
+        raise ValueError("NoLoCo does not run under fault tolerance yet: its gossip groups exchange point to point, "
+                         "which torchft's quorum (one per outer step, over all nodes) would turn into a global "
+                         "barrier; use DiLoCo, FlexDeMo, Deto-Full or AdamW with --ft-lighthouse")
 
     def build(self, params, *, link, model=None):
         inner, kw = self._optimizer_kwargs()

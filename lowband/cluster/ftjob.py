@@ -1,0 +1,142 @@
+"""A fault-tolerant job on this machine: one Lighthouse, one torchrun per node, nodes killed and restarted.
+
+Used by the multi-process tests and for trying faults by hand::
+
+    job = FaultTolerantJob(train_args=["--method", "flexdemo", "--steps", "60"], nodes=3, ranks_per_node=2,
+                           out="runs/ft")
+    job.start_all()
+    job.wait_for_step(2, 15)      # node 2 has trained 15 steps
+    job.kill(2)                   # SIGKILL to every process of node 2 (torchrun and its ranks)
+    job.start(2)                  # it rejoins and heals from a live peer
+    codes = job.wait()            # {node: exit code}
+
+Every node is its own process group (session), so :meth:`kill` takes the whole node down at once
+as a machine failure would, and :meth:`close` leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["FaultTolerantJob"]
+
+
+class FaultTolerantJob:
+    """Lighthouse + ``nodes`` torchrun launches of ``lowband train --ft-lighthouse ...`` on this machine.
+
+    Args:
+        train_args: ``lowband train`` arguments shared by every node (not --out and the --ft-* flags).
+        nodes: node slots (``--ft-max-nodes``).
+        ranks_per_node: ranks of each node (``--nproc-per-node``).
+        out: run directory; node i writes ``out/node{i}`` and its log ``out/node{i}.log``.
+        heartbeat_timeout_s, join_timeout_s: the Lighthouse's (see :func:`lowband.ft.start_lighthouse`).
+        ft_timeout_s: each node's ``--ft-timeout``.
+    """
+
+    def __init__(self, *, train_args: list[str], nodes: int, ranks_per_node: int, out: str | Path,
+                 heartbeat_timeout_s: float = 2.0, join_timeout_s: float = 1.0, ft_timeout_s: float = 5.0) -> None:
+        from lowband.ft import start_lighthouse
+
+        self.train_args = list(train_args)
+        self.nodes = nodes
+        self.ranks_per_node = ranks_per_node
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.ft_timeout_s = ft_timeout_s
+        self.lighthouse = start_lighthouse(bind="127.0.0.1:0", heartbeat_timeout_s=heartbeat_timeout_s,
+                                           join_timeout_s=join_timeout_s)
+        port = self.lighthouse.address().rsplit(":", 1)[1]
+        self.address = f"http://127.0.0.1:{port}"
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.events: list[dict] = []  # what was done to which node, and when
+
+    def node_out(self, node: int) -> Path:
+        return self.out / f"node{node}"
+
+    def start(self, node: int) -> None:
+        """Start (or restart) node ``node``: a torchrun of ``ranks_per_node`` ranks in its own session."""
+        if node in self.procs and self.procs[node].poll() is None:
+            raise RuntimeError(f"node {node} is running")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={self.ranks_per_node}", "-m", "lowband.cli", "train", *self.train_args,
+               "--ft-lighthouse", self.address, "--ft-node", str(node), "--ft-max-nodes", str(self.nodes),
+               "--ft-timeout", f"{self.ft_timeout_s}s", "--out", str(self.node_out(node)), "--no-progress"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG=os.environ.get("RUST_LOG", "error"))
+        log = open(self.out / f"node{node}.log", "a")  # noqa: SIM115 (closed with the process)
+        self.procs[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        log.close()
+        self.events.append({"event": "start", "node": node, "unix_s": time.time()})
+
+    def start_all(self) -> None:
+        for i in range(self.nodes):
+            self.start(i)
+
+    def kill(self, node: int) -> None:
+        """SIGKILL every process of ``node`` (its torchrun agent and all its ranks) at once.
+
+        torchrun starts each rank in a session of its own, so the agent's process group is not enough:
+        every descendant is found first, then all are killed together."""
+        from lowband.cluster._procs import descendants
+
+        p = self.procs[node]
+        self.events.append({"event": "kill", "node": node, "unix_s": time.time(), "step": self.steps_done(node)})
+        for pid in [p.pid, *descendants([p.pid])]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()
+
+    def steps_done(self, node: int) -> int:
+        """The last training step node ``node`` recorded (0 before its first)."""
+        path = self.node_out(node) / "metrics.jsonl"
+        last = 0
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line being written
+                if rec.get("type") == "train":
+                    last = int(rec["step"])
+        return last
+
+    def wait_for_step(self, node: int, step: int, *, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.steps_done(node) < step:
+            if self.procs[node].poll() is not None:
+                raise RuntimeError(f"node {node} exited with {self.procs[node].returncode} before step {step}; "
+                                   f"see {self.out / f'node{node}.log'}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {node} did not reach step {step} in {timeout_s:g} s")
+            time.sleep(0.2)
+
+    def wait(self, *, timeout_s: float = 600.0) -> dict[int, int]:
+        """Wait for every running node; {node: exit code}."""
+        deadline = time.monotonic() + timeout_s
+        codes = {}
+        for node, p in self.procs.items():
+            codes[node] = p.wait(timeout=max(deadline - time.monotonic(), 1.0))
+        return codes
+
+    def close(self) -> None:
+        """Kill whatever still runs and stop the Lighthouse."""
+        from lowband.cluster._procs import kill_trees
+
+        kill_trees([p.pid for p in self.procs.values() if p.poll() is None], grace_s=2.0)
+        for p in self.procs.values():
+            p.wait()
+        self.lighthouse.shutdown()
+
+    def __enter__(self) -> FaultTolerantJob:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

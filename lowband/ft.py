@@ -1,0 +1,303 @@
+"""Fault tolerance: nodes that die or join while the job goes on, on torchft.
+
+A fault-tolerant job is one torchrun per node (``--nnodes 1``, the node's ranks shard one model
+copy with FSDP2 as always) plus one torchft *Lighthouse* that every node can reach
+(``lowband lighthouse``). Each rank runs a torchft :class:`~torchft.manager.Manager` for its
+node (the node is torchft's *replica group*) and talks to the ranks holding the same shard on
+the other nodes through a reconfigurable gloo process group that the Manager owns. So:
+
+- **membership** is the Lighthouse's quorum, formed again at the start of every step that
+  communicates (every step for AdamW, Deto-Full, FlexDeMo/DeMo; the outer steps of DiLoCo);
+  a node that stops sending heartbeats (``heartbeat_timeout_s``) is dropped from the next quorum;
+- **a failed exchange** (a peer vanished mid-collective, or did not answer within ``timeout_s``)
+  is not an exception: the link reports it to the Manager, the optimizer asks
+  :meth:`FaultTolerance.commit` before it changes any state, the node's ranks agree not to
+  commit, and the step is dropped (its batch is lost, nothing else). The next step runs on the
+  nodes that are left;
+- **a node that joins** (a restarted one, or a new one) is behind the others: at its first quorum
+  torchft fetches the live state of a peer that holds the newest step over HTTP (the peer's
+  parameters, optimizer state, schedule, step and training clock; no shared disk) and loads it
+  before the step's forward pass. What a replica must not copy is reset by the optimizer's
+  ``reset_replica_state`` (FlexDeMo: δ = 0; DiLoCo: the inner weights start from the outer ones).
+
+This module is the only one that imports torchft (an optional dependency: ``pip install
+lowband[ft]``). The link, the optimizers and the trainer see :class:`FaultTolerance` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FaultToleranceConfig", "FaultTolerance", "start_lighthouse", "local_state", "load_local_state",
+           "require_torchft"]
+
+
+def require_torchft():
+    """Import torchft, or say how to install it."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError as e:
+        raise ValueError(
+            "fault tolerance (--ft-lighthouse, --faults, lowband lighthouse) needs torchft: "
+            "pip install 'lowband[ft]' (or pip install torchft==0.2.0)"
+        ) from e
+    import torchft
+
+    return torchft
+
+
+@dataclass(kw_only=True)
+class FaultToleranceConfig:
+    """One node's place in a fault-tolerant job.
+
+    Args:
+        lighthouse: the Lighthouse's address, ``http://HOST:PORT`` (``lowband lighthouse`` prints it).
+        node: this node's slot, 0 ≤ node < max_nodes. It names the node to the Lighthouse and fixes
+            which slice of every step's global batch the node reads (the data rule: see
+            :func:`data_slot`). A restarted node takes its old slot.
+        max_nodes: the most nodes the job can have at once: the global batch is laid out for this
+            many; a slot that is not live at a step leaves its slice of that step untrained.
+        timeout_s: how long a collective between nodes, a commit vote or a state transfer may take
+            before the peer counts as lost.
+        quorum_timeout_s: how long a node waits for a quorum (joining nodes wait for the others to
+            reach a step that communicates: at most one outer step for DiLoCo).
+        advertise: the host name or address the other nodes reach this node's Manager and state
+            server at (default: $LOWBAND_FT_ADVERTISE, else 127.0.0.1).
+        fingerprint: what must be equal on every node for them to train together (method,
+            hyper-parameters, model, data, shards); a node whose fingerprint differs is refused.
+    """
+
+    lighthouse: str
+    node: int
+    max_nodes: int
+    timeout_s: float = 10.0
+    quorum_timeout_s: float = 120.0
+    advertise: str | None = None
+    fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.lighthouse.startswith(("http://", "https://")):
+            raise ValueError(f"--ft-lighthouse must be an address like http://HOST:PORT, got {self.lighthouse!r} "
+                             "(`lowband lighthouse` prints it)")
+        if self.max_nodes < 1:
+            raise ValueError(f"--ft-max-nodes must be >= 1, got {self.max_nodes}")
+        if not 0 <= self.node < self.max_nodes:
+            raise ValueError(f"--ft-node must be in [0, {self.max_nodes}) (--ft-max-nodes {self.max_nodes}), "
+                             f"got {self.node}")
+        if not self.timeout_s > 0 or not self.quorum_timeout_s > 0:
+            raise ValueError("--ft-timeout and the quorum timeout must be > 0 s")
+
+
+def start_lighthouse(*, bind: str = "[::]:0", min_nodes: int = 1, join_timeout_s: float = 1.0,
+                     heartbeat_timeout_s: float = 3.0, quorum_tick_s: float = 0.05):
+    """Start a torchft Lighthouse in this process; returns the server (``.address()``, ``.shutdown()``).
+
+    Args:
+        bind: address and port to listen on ("[::]:0": any free port).
+        min_nodes: a quorum needs at least this many nodes.
+        join_timeout_s: how long a quorum waits for nodes of the previous quorum that have not asked
+            yet (while it has ``min_nodes``): the time a dead node can hold the others back, at most.
+        heartbeat_timeout_s: a node without a heartbeat for this long is dead and not waited for.
+        quorum_tick_s: how often the Lighthouse checks whether a quorum can form.
+    """
+    require_torchft()
+    from torchft._torchft import LighthouseServer
+
+    return LighthouseServer(bind=bind, min_replicas=min_nodes, join_timeout_ms=int(join_timeout_s * 1000),
+                            quorum_tick_ms=int(quorum_tick_s * 1000),
+                            heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+
+
+# --------------------------------------------------------------------------- state for healing
+def local_state(obj: Any) -> Any:
+    """A copy of a (nested) state with every DTensor replaced by its local part, detached."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach().clone()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: local_state(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(local_state(v) for v in obj)
+    return obj
+
+
+def load_local_state(target: Any, source: Any, *, what: str = "state") -> Any:
+    """Copy ``source`` (from :func:`local_state` on a peer) into ``target``'s tensors in place.
+
+    Tensors are copied into the existing storage (DTensors into their local part), so optimizers,
+    FSDP2 and schedulers keep their references. Returns the updated non-tensor values.
+    """
+    if isinstance(target, DTensor | torch.Tensor):
+        dst = target.to_local() if isinstance(target, DTensor) else target
+        if not isinstance(source, torch.Tensor) or source.shape != dst.shape:
+            raise ValueError(f"healing: {what} has shape {tuple(dst.shape)} here but "
+                             f"{None if not isinstance(source, torch.Tensor) else tuple(source.shape)} on the peer: "
+                             "the nodes run different models or shardings")
+        with torch.no_grad():
+            dst.copy_(source.to(dst.device, dst.dtype))
+        return target
+    if isinstance(target, dict):
+        missing = set(target) ^ set(source) if isinstance(source, dict) else {"(not a dict)"}
+        if missing:
+            raise ValueError(f"healing: {what} differs between this node and the peer in {sorted(map(str, missing))}")
+        for k in target:
+            target[k] = load_local_state(target[k], source[k], what=f"{what}.{k}")
+        return target
+    if isinstance(target, list):
+        if not isinstance(source, list | tuple) or len(source) != len(target):
+            raise ValueError(f"healing: {what} has {len(target)} entries here and another count on the peer")
+        for i in range(len(target)):
+            target[i] = load_local_state(target[i], source[i], what=f"{what}[{i}]")
+        return target
+    return source
+
+
+class FaultTolerance:
+    """This rank's membership in a fault-tolerant job: a torchft Manager and its process group.
+
+    Args:
+        cfg: the node's configuration.
+        rank, world_size: this rank in its node, and the node's ranks (torchrun's RANK/WORLD_SIZE
+            of a per-node job).
+        state_dict, load_state_dict: what a joining node fetches from a live peer, and how it is
+            loaded here (the trainer passes its model, optimizer, schedule and step).
+        store_addr, store_port: the node's TCPStore (default: torchrun's MASTER_ADDR/PORT).
+    """
+
+    def __init__(self, cfg: FaultToleranceConfig, *, rank: int, world_size: int,
+                 state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None],
+                 store_addr: str | None = None, store_port: int | None = None) -> None:
+        require_torchft()
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        self.cfg = cfg
+        self.rank = rank
+        self._load_user = load_state_dict
+        self.healed_at: list[dict] = []  # one record per state transfer into this node
+        self.quorum_s = 0.0  # time spent forming quorums (and healing), summed
+        self.commit_s = 0.0
+        self.last_quorum_s = 0.0
+        self.last_members = 0
+        self._errored_this_step = False
+        advertise = cfg.advertise or os.environ.get("LOWBAND_FT_ADVERTISE") or "127.0.0.1"
+        timeout = timedelta(seconds=cfg.timeout_s)
+        self.pg = ProcessGroupGloo(timeout=timeout)
+        # Healing copies a peer's state (HTTP); torchft checks the step, we check the fingerprint.
+        self.manager = Manager(
+            pg=self.pg, load_state_dict=self._load, state_dict=state_dict, min_replica_size=1,
+            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=cfg.quorum_timeout_s), rank=rank, world_size=world_size,
+            store_addr=store_addr, store_port=store_port, lighthouse_addr=cfg.lighthouse,
+            replica_id=f"lowband_node{cfg.node}", hostname=advertise, init_sync=False,
+        )
+
+    # ------------------------------------------------------------------ membership
+    def _load(self, state: dict) -> None:
+        fp = state.get("fingerprint")
+        if fp != self.cfg.fingerprint:
+            raise ValueError("the node this one heals from runs another job, model, method or hyper-parameters "
+                             f"(fingerprint {fp!r} there, {self.cfg.fingerprint!r} here)")
+        self._load_user(state)
+        self.healed_at.append({"step": int(state.get("trainer", {}).get("step", -1)), "wall": time.time()})
+
+    def start_step(self) -> None:
+        """Form the quorum for the next communicating step; heal this node first if it is behind."""
+        t0 = time.perf_counter()
+        self._errored_this_step = False
+        self.manager.start_quorum()
+        self.last_members = self.manager.num_participants()
+        self.last_quorum_s = time.perf_counter() - t0
+        self.quorum_s += self.last_quorum_s
+
+    @property
+    def members(self) -> int:
+        """Live nodes in the current quorum (this one included)."""
+        return self.manager.num_participants()
+
+    @property
+    def member_rank(self) -> int:
+        """This node's place in the current quorum, 0 ≤ member_rank < members."""
+        r = self.manager.participating_rank()
+        if r is None:
+            raise RuntimeError("this node is not in the current quorum")
+        return int(r)
+
+    def report_error(self, e: BaseException) -> None:
+        """A collective between nodes failed: this step will not commit anywhere in the node."""
+        self._errored_this_step = True
+        self.manager.report_error(e if isinstance(e, Exception) else RuntimeError(str(e)))
+
+    @property
+    def errored(self) -> bool:
+        return self._errored_this_step or self.manager.errored() is not None
+
+    def commit(self) -> bool:
+        """The node's vote: True when every rank of the node may apply the step (call once per step)."""
+        t0 = time.perf_counter()
+        try:
+            return self.manager.should_commit()
+        finally:
+            self.commit_s += time.perf_counter() - t0
+
+    @property
+    def committed_steps(self) -> int:
+        return self.manager.current_step()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def fingerprint(*parts: Any) -> str:
+    """A short digest of what must agree between nodes (method, hyper-parameters, model, data, shards)."""
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+def data_slot(cfg: FaultToleranceConfig, *, local_rank: int, ranks_per_node: int) -> tuple[int, int]:
+    """(rank, world size) for :func:`lowband.train.data.train_batch` in a fault-tolerant job.
+
+    The data rule: every step's global batch is laid out for ``max_nodes`` nodes; node slot i reads
+    slice i, whoever else is alive. So no example is trained twice in an epoch across nodes, a
+    dead node's slices are skipped (not given to others), and a node that rejoins continues with
+    its own slice at the step it heals to. The global batch therefore shrinks with the live nodes.
+    """
+    return cfg.node * ranks_per_node + local_rank, cfg.max_nodes * ranks_per_node
+
+
+# --------------------------------------------------------------------------- lowband lighthouse
+def add_lighthouse_arguments(p) -> None:
+    from lowband.util import parse_duration
+
+    p.add_argument("--bind", default="[::]:29510", help="address:port to listen on (default [::]:29510)")
+    p.add_argument("--min-nodes", type=int, default=1, help="a quorum needs at least this many nodes")
+    p.add_argument("--join-timeout", type=parse_duration, default=1.0, metavar="DURATION",
+                   help="how long a quorum waits for nodes of the previous one that have not asked yet")
+    p.add_argument("--heartbeat-timeout", type=parse_duration, default=3.0, metavar="DURATION",
+                   help="a node silent for this long is dead: the next quorum goes on without it")
+
+
+def lighthouse_main(args) -> int:
+    if args.min_nodes < 1:
+        raise ValueError(f"--min-nodes must be >= 1, got {args.min_nodes}")
+    server = start_lighthouse(bind=args.bind, min_nodes=args.min_nodes, join_timeout_s=args.join_timeout,
+                              heartbeat_timeout_s=args.heartbeat_timeout)
+    print(f"lighthouse at {server.address()} (pass --ft-lighthouse http://<this host's address>:<port> to "
+          "every node's `lowband train`); Ctrl-C stops it", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        server.shutdown()
