@@ -1,0 +1,109 @@
+"""Fault tolerance with real processes: 3 nodes × 2 ranks, one node killed (SIGKILL to all its processes)
+mid-run and started again, for every method that runs under fault tolerance.
+
+Each node is its own torchrun; a torchft Lighthouse runs in the test process. What must hold:
+
+- every node's run finishes (exit 0): the survivors went on without the dead node;
+- at most one step is dropped per fault (DiLoCo: at most one outer step);
+- the restarted node copied its state from a live peer (over the network, no checkpoint on disk) and,
+  after training on, holds the same parameters as the others, bit for bit (every method keeps its
+  parameters equal across replicas after each step; DiLoCo's run ends on an outer step);
+- nothing is left behind: no process of the job outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from lowband.cluster._procs import descendants
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+torchft = pytest.importorskip("torchft")
+
+COMMON = ["--model", "t5-tiny", "--max-examples", "1500", "--val-size", "64", "--vocab-size", "512",
+          "--batch-size", "4", "--val-batches", "2"]
+
+
+def _records(out) -> dict[int, list[dict]]:
+    recs: dict[int, list[dict]] = {}
+    for node in range(3):
+        for rank in range(2):
+            path = out / f"node{node}" / f"ft_rank{rank}.json"
+            assert path.exists(), f"node {node} rank {rank} wrote no ft record: {(out / f'node{node}.log').read_text()[-3000:]}"
+            recs.setdefault(node, []).append(json.loads(path.read_text()))
+    return recs
+
+
+def _membership(out, node: int) -> list[dict]:
+    events = []
+    for line in (out / f"node{node}" / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["type"] == "membership":
+            events.append(rec)
+    return events
+
+
+@pytest.mark.parametrize("method, extra, steps", [
+    ("flexdemo", ["--topk", "2"], 260),
+    ("adamw", [], 260),
+    ("deto-full", [], 260),
+    ("diloco", ["--sync-every", "5"], 260),
+])
+def test_a_killed_node_leaves_the_others_training_and_rejoins_equal(tmp_path, method, extra, steps):
+    from lowband.cluster.ftjob import FaultTolerantJob
+
+    args = ["--method", method, *extra, "--steps", str(steps), *COMMON]
+    with FaultTolerantJob(train_args=args, nodes=3, ranks_per_node=2, out=tmp_path) as job:
+        job.start_all()
+        job.wait_for_step(2, 20)
+        pids = [job.procs[2].pid, *descendants([job.procs[2].pid])]
+        assert len(pids) >= 3, "node 2 should be torchrun and its two ranks"
+        job.kill(2)
+        assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
+                       for p in pids), "a process of the killed node survived"
+        job.wait_for_step(0, 40)  # the survivors went on past the fault
+        job.start(2)
+        codes = job.wait(timeout_s=360)
+        all_pids = [p.pid for p in job.procs.values()]
+    assert codes == {0: 0, 1: 0, 2: 0}, {n: (tmp_path / f"node{n}.log").read_text()[-3000:] for n in codes}
+    assert not descendants(all_pids), "processes of the job outlived it"
+
+    recs = _records(tmp_path)
+    # The survivors saw the membership go 3 -> 2 -> 3.
+    for node in (0, 1):
+        seen = [e["replicas"] for e in _membership(tmp_path, node)]
+        assert 2 in seen and seen[-1] == 3, (node, seen)
+        for r in recs[node]:
+            assert r["dropped_steps"] <= 1, r  # at most one step (DiLoCo: outer step) lost to the fault
+    # The restarted node healed from a live peer, at a step the others had reached.
+    for r in recs[2]:
+        assert r["healed"], f"node 2 rank {r['rank']} did not heal: {r}"
+        assert r["healed"][-1]["step"] >= 40
+    # Same shard, same parameters on every node, bit for bit.
+    for rank in range(2):
+        digests = {recs[node][rank]["param_sha256"] for node in range(3)}
+        assert len(digests) == 1, f"shard {rank} differs between nodes: {[recs[n][rank] for n in range(3)]}"
+
+
+def test_a_node_of_another_job_is_refused_and_the_job_goes_on(tmp_path):
+    """A node with another model (same Lighthouse) asks to join: it is refused with a clear error, the job finishes."""
+    from lowband.cluster.ftjob import FaultTolerantJob
+
+    args = ["--method", "flexdemo", "--steps", "200", *COMMON]
+    with FaultTolerantJob(train_args=args, nodes=3, ranks_per_node=2, out=tmp_path) as job:
+        job.start(0)
+        job.start(1)
+        job.wait_for_step(0, 20)
+        job.train_args = ["--method", "flexdemo", "--steps", "200", *COMMON, "--seed", "7"]  # another job
+        job.start(2)
+        codes = job.wait(timeout_s=360)
+    assert codes[0] == 0 and codes[1] == 0, (tmp_path / "node0.log").read_text()[-3000:]
+    assert codes[2] != 0
+    log = (tmp_path / "node2.log").read_text()
+    assert "runs another job, model, method or hyper-parameters" in log, log[-3000:]
+    recs = [json.loads((tmp_path / f"node{n}" / "ft_rank0.json").read_text()) for n in (0, 1)]
+    assert recs[0]["param_sha256"] == recs[1]["param_sha256"]
