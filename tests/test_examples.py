@@ -70,3 +70,53 @@ def test_diloco_example_syncs_every_h_steps(tmp_path: Path) -> None:
     # Inner steps stay inside the node; the outer steps (after steps 4 and 8) cross between nodes.
     assert [step for step, s in sent.items() if s > 0] == [4, 8], sent
     assert sent[4] == sent[8], sent
+
+
+def _clip_on_shards(rank: int) -> tuple[float, float, float]:
+    """(unsharded norm of the node's mean gradient, clip_grad_norm_'s norm on the shards, norm after the clip)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lowband.sharding import shard_model
+    from lowband.topology import Topology
+    from lowband.train.models import transformer_blocks
+
+    config = GPT2Config(vocab_size=512, n_positions=16, n_embd=64, n_layer=2, n_head=2, bos_token_id=None,
+                        eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+    def ids(r: int) -> torch.Tensor:
+        return torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(r))
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    topo = Topology.from_env()
+    torch.manual_seed(0)
+    ref = GPT2LMHeadModel(config)
+    node = topo.shard_group_ranks(rank)
+    (sum(ref(input_ids=ids(r), labels=ids(r), use_cache=False).loss for r in node) / len(node)).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    model = shard_model(model, topo, blocks=transformer_blocks(model))
+    model(input_ids=ids(rank), labels=ids(rank), use_cache=False).loss.backward()
+    assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+    norm = full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)).item()
+    after = full(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])).item()
+    return expected, norm, after
+
+
+def test_clip_grad_norm_on_fsdp2_shards_is_the_model_copys() -> None:
+    """What the README and the FlexDeMo example rely on: clip_grad_norm_ on a sharded model (tied embedding
+    row-sharded too) takes the norm of the node's whole gradient and scales every shard by the same factor."""
+    from transformers import GPT2LMHeadModel  # noqa: F401 - imported once here; the forked ranks inherit it
+
+    from lowband.testing import run_ranks
+
+    results = run_ranks(_clip_on_shards, world_size=4, ranks_per_node=2, timeout_s=120)
+    for expected, norm, after in results:
+        assert norm == pytest.approx(expected, rel=1e-5), results
+        assert after == pytest.approx(0.1, rel=1e-4), results
+    assert results[0][1] == results[1][1] and results[2][1] == results[3][1], results  # one norm per node
+    assert results[0][1] != results[2][1], results  # each node clips its own gradient
