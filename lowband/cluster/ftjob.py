@@ -41,17 +41,27 @@ class FaultTolerantJob:
 
     def __init__(self, *, train_args: list[str], nodes: int, ranks_per_node: int, out: str | Path,
                  heartbeat_timeout_s: float = 2.0, join_timeout_s: float = 1.0, ft_timeout_s: float = 5.0) -> None:
-        from lowband.ft import start_lighthouse
+        from lowband.ft import require_torchft
 
+        require_torchft()
         self.train_args = list(train_args)
         self.nodes = nodes
         self.ranks_per_node = ranks_per_node
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.ft_timeout_s = ft_timeout_s
-        self.lighthouse = start_lighthouse(bind="127.0.0.1:0", heartbeat_timeout_s=heartbeat_timeout_s,
-                                           join_timeout_s=join_timeout_s)
-        port = self.lighthouse.address().rsplit(":", 1)[1]
+        # The Lighthouse runs as a process of its own, as on a cluster (and so that torchft's runtime
+        # threads never live in a process that later forks).
+        self.lighthouse = subprocess.Popen(
+            [sys.executable, "-m", "lowband.cli", "lighthouse", "--bind", "127.0.0.1:0",
+             "--heartbeat-timeout", f"{heartbeat_timeout_s}s", "--join-timeout", f"{join_timeout_s}s"],
+            stdout=subprocess.PIPE, stderr=open(self.out / "lighthouse.log", "w"), text=True,  # noqa: SIM115
+            env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "error")), start_new_session=True)
+        line = self.lighthouse.stdout.readline()
+        if not line.startswith("lighthouse at "):
+            self.lighthouse.kill()
+            raise RuntimeError(f"the Lighthouse did not start: {line!r}; see {self.out / 'lighthouse.log'}")
+        port = line.split()[2].rsplit(":", 1)[1]
         self.address = f"http://127.0.0.1:{port}"
         self.procs: dict[int, subprocess.Popen] = {}
         self.events: list[dict] = []  # what was done to which node, and when
@@ -133,7 +143,8 @@ class FaultTolerantJob:
         kill_trees([p.pid for p in self.procs.values() if p.poll() is None], grace_s=2.0)
         for p in self.procs.values():
             p.wait()
-        self.lighthouse.shutdown()
+        self.lighthouse.kill()
+        self.lighthouse.wait()
 
     def __enter__(self) -> FaultTolerantJob:
         return self
