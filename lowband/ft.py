@@ -201,7 +201,9 @@ class FaultTolerance:
             pg=self.pg, load_state_dict=self._load, state_dict=state_dict, min_replica_size=1,
             use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
             connect_timeout=timedelta(seconds=cfg.quorum_timeout_s), rank=rank, world_size=world_size,
-            store_addr=store_addr, store_port=store_port, lighthouse_addr=cfg.lighthouse,
+            # The node's store must be reachable from other nodes (they configure the quorum's process
+            # group through the first member's store): advertise it at the node's address.
+            store_addr=store_addr or advertise, store_port=store_port, lighthouse_addr=cfg.lighthouse,
             replica_id=f"lowband_node{cfg.node}", hostname=advertise, init_sync=False,
         )
 
@@ -212,7 +214,8 @@ class FaultTolerance:
             raise ValueError("the node this one heals from runs another job, model, method or hyper-parameters "
                              f"(fingerprint {fp!r} there, {self.cfg.fingerprint!r} here)")
         self._load_user(state)
-        self.healed_at.append({"step": int(state.get("trainer", {}).get("step", -1)), "wall": time.time()})
+        self.healed_at.append({"step": int(state.get("trainer", {}).get("step", -1)), "unix_s": time.time(),
+                               "bytes": state_bytes(state)})
 
     def start_step(self) -> None:
         """Form the quorum for the next communicating step; heal this node first if it is behind."""
@@ -259,6 +262,17 @@ class FaultTolerance:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def state_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested state (what a heal transfers, serialisation overhead aside)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(state_bytes(v) for v in obj)
+    return 0
 
 
 def fingerprint(*parts: Any) -> str:

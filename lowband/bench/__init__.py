@@ -142,6 +142,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what each node runs with `train ...` arguments (default: %(default)s, i.e. "
              "`python -m lowband train`); for tests and custom trainers",
     )  # fmt: skip
+    parser.add_argument(
+        "--ft", choices=("off", "on", "both"), default="off",
+        help="fault tolerance (torchft; one torchrun per node and a Lighthouse): off (default), on, or both "
+             "(every method with and without it, side by side: what it costs when nothing fails)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--faults", default=None, metavar="PLAN",
+        help="kill and restart nodes during every run, e.g. 'node1:kill@30,node1:start@60' (steps of the job, "
+             "or @45s: seconds after the start); each method then also runs fault-free under fault tolerance, "
+             "and the report sets the faulted run beside its twin. Implies --ft on",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -186,6 +197,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         preset=preset,
         run_timeout_s=args.run_timeout,
         entry=args.entry,
+        ft=args.ft,
+        faults=args.faults,
     )
 
 

@@ -210,6 +210,8 @@ class BenchConfig:
     train_args: tuple[str, ...] = ()
     target_loss: float | None = None
     preset: str | None = None
+    ft: str = "off"
+    faults: tuple = ()  # lowband.bench.faults.FaultEvent
 
     @property
     def seed(self) -> int:
@@ -235,6 +237,8 @@ class BenchConfig:
             "run_timeout_s": self.run_timeout_s,
             "entry": self.entry,
             "train_args": list(self.train_args),
+            "ft": self.ft,
+            "faults": [str(e) for e in self.faults],
         }
 
 
@@ -395,6 +399,8 @@ def make_config(
     run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
     entry: str = DEFAULT_ENTRY,
     train_args: str | Sequence[str] = (),
+    ft: str = "off",
+    faults: str | None = None,
 ) -> BenchConfig:
     """Check everything a user gave and build a :class:`BenchConfig`.
 
@@ -454,6 +460,8 @@ def make_config(
     _check_group_sizes(specs, nodes=nodes, ranks_per_node=ranks_per_node, shards=shard_values)
     if data is not None:
         _check_data_columns(data, model, entry_args)
+    fault_events = _check_fault_tolerance(specs, ft=ft, faults=faults, nodes=nodes, steps=steps, entry=entry,
+                                          ranks_per_node=ranks_per_node)
     return BenchConfig(
         methods=specs,
         bandwidths_bps=bandwidths_bps,
@@ -471,7 +479,45 @@ def make_config(
         run_timeout_s=run_timeout_s,
         entry=entry,
         train_args=entry_args,
+        ft=ft,
+        faults=fault_events,
     )
+
+
+FT_MODES = ("off", "on", "both")
+
+
+def _check_fault_tolerance(specs: Sequence[BenchMethod], *, ft: str, faults: str | None, nodes: int, steps: int,
+                           entry: str, ranks_per_node: int) -> tuple:
+    """Check ``--ft`` and ``--faults`` before anything starts; return the parsed fault plan."""
+    from lowband.bench.faults import parse_faults
+    from lowband.bench.methods import BENCH_KEYS
+    from lowband.train.methods import canonical_names, method_config
+
+    if ft not in FT_MODES:
+        raise ValueError(f"--ft {ft!r}: accepted: {', '.join(FT_MODES)} (both: every method with and without "
+                         "fault tolerance, side by side)")
+    events = parse_faults(faults, nodes=nodes, steps=steps) if faults is not None else ()
+    if ft == "off" and not events:
+        return ()
+    from lowband.ft import require_torchft
+
+    require_torchft()
+    if entry != DEFAULT_ENTRY:
+        raise ValueError(f"--ft/--faults run `python -m lowband.cli train` on every node; --entry {entry} is not "
+                         "supported with them")
+    for spec in specs:
+        try:
+            hp = canonical_names(spec.name, {k: v for k, v in dict(spec.params).items() if k not in BENCH_KEYS})
+            method_config(spec.name, hp).check_fault_tolerance()
+        except ValueError as exc:
+            raise ValueError(f"{spec}: {exc}") from None
+        one_copy_per_node = spec.get("shards") in (None, ranks_per_node) and METHODS[spec.name].shards_per_node != 1
+        if not one_copy_per_node and ranks_per_node > 1:
+            raise ValueError(f"{spec}: under fault tolerance every node holds one model copy sharded over all its "
+                             f"ranks; this runs {ranks_per_node} copies per node. Use --ranks-per-node 1 for DeMo "
+                             "(or shards=ranks per node)")
+    return events
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -493,6 +539,8 @@ class RunPlan:
     nodes: int
     ranks_per_node: int
     seed: int = DEFAULT_SEED
+    ft: bool = False  # under fault tolerance (one torchrun per node, torchft)
+    faults: tuple = ()  # the fault plan this run carries out (its twin runs without)
 
     @property
     def shards(self) -> int:
@@ -555,14 +603,23 @@ def plan_runs(config: BenchConfig) -> list[RunPlan]:
             if key in seen:
                 continue
             seen.add(key)
-            label = method_label(name, params)
-            index = len(plans)
-            run_id = f"{index:02d}-{_slug(label)}-s{s}-{_bandwidth_slug(bw)}-seed{seed}"
-            plans.append(
-                RunPlan(
-                    index=index, id=run_id, method=name, spec=str(spec), label=label, params=params,
-                    bandwidth_bps=bw, latency_s=config.latency_s, nodes=config.nodes,
-                    ranks_per_node=config.ranks_per_node, seed=seed,
-                )  # fmt: skip
-            )
+            base = method_label(name, params)
+            variants = [(False, ())] if config.ft in ("off", "both") and not config.faults else []
+            if config.ft == "both" and config.faults:
+                variants.append((False, ()))
+            if config.ft != "off" or config.faults:
+                variants.append((True, ()))  # the fault-free twin of a faulted run, or FT's cost
+            if config.faults:
+                variants.append((True, config.faults))
+            for ft, faults in variants:
+                label = base + (" FT" if ft else "") + (" faults" if faults else "")
+                index = len(plans)
+                run_id = f"{index:02d}-{_slug(label)}-s{s}-{_bandwidth_slug(bw)}-seed{seed}"
+                plans.append(
+                    RunPlan(
+                        index=index, id=run_id, method=name, spec=str(spec), label=label, params=params,
+                        bandwidth_bps=bw, latency_s=config.latency_s, nodes=config.nodes,
+                        ranks_per_node=config.ranks_per_node, seed=seed, ft=ft, faults=faults,
+                    )  # fmt: skip
+                )
     return plans

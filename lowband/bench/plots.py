@@ -336,4 +336,7 @@ def write_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
     _modelled_plot(vs, target, paths[2])
     _equal_loss_plot(vs, runs, paths[3])
     _step_time_plot(runs, paths[4])
-    return paths
+    from lowband.bench.ft_report import FAULT_PLOT_FILE, fault_plot
+
+    faults = fault_plot(results, out_dir / FAULT_PLOT_FILE)
+    return paths + ([faults] if faults is not None else [])

@@ -122,6 +122,11 @@ class Variant:
         return [r for r in self.runs if r.get("status") == "ok" and r.get("val_loss") is not None]
 
     @property
+    def faulted(self) -> bool:
+        """Runs with nodes killed on purpose (``--faults``): never the reference others are timed to."""
+        return any((r.get("fault_tolerance") or {}).get("faults") for r in self.runs)
+
+    @property
     def seeds(self) -> list[int]:
         return [r.get("seed") for r in self.ok]
 
@@ -181,7 +186,7 @@ def best_lr_labels(vs: Sequence[Variant]) -> set[str]:
 
 def reference_runs(runs: Sequence[Run]) -> list[Run]:
     """The successful runs of the best AdamW variant (lowest mean final loss), at every link."""
-    adamw = [v for v in variants(runs) if v.method == "adamw" and v.ok]
+    adamw = [v for v in variants(runs) if v.method == "adamw" and v.ok and not v.faulted]
     if not adamw:
         return []
     best = min(adamw, key=_mean_final)
@@ -192,7 +197,7 @@ def choose_target(runs: Sequence[Run], target_loss: float | None = None) -> tupl
     """The target loss and where it came from (a sentence for the report)."""
     if target_loss is not None:
         return float(target_loss), f"given with --target-loss {target_loss:g}"
-    adamw = [v for v in variants(runs) if v.method == "adamw" and v.ok]
+    adamw = [v for v in variants(runs) if v.method == "adamw" and v.ok and not v.faulted]
     if not adamw:
         return None, "no target: the bench has no successful AdamW run (add adamw, or give --target-loss)"
     best = min(adamw, key=_mean_final)

@@ -193,13 +193,13 @@ def _mean_range(stat: tuple[float, float, float] | None, fmt: str, n: int, scale
 
 def _reference(vs: Sequence[quality.Variant], v: quality.Variant, target_label: str | None) -> quality.Variant | None:
     """The AdamW variant that set the target, at ``v``'s link if it ran there."""
-    refs = [u for u in vs if u.method == "adamw" and u.label == target_label and u.ok]
+    refs = [u for u in vs if u.method == "adamw" and u.label == target_label and u.ok and not u.faulted]
     same_link = [u for u in refs if u.bandwidth_bps == v.bandwidth_bps]
     return (same_link or refs or [None])[0]
 
 
 def _target_label(vs: Sequence[quality.Variant]) -> str | None:
-    adamw = [v for v in vs if v.method == "adamw" and v.ok]
+    adamw = [v for v in vs if v.method == "adamw" and v.ok and not v.faulted]
     return min(adamw, key=lambda v: v.stat("val_loss")[0]).label if adamw else None
 
 
@@ -546,6 +546,9 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str] = ()) -> st
         out += [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     out += quality_section(results)
     out += hiding_section(results)
+    from lowband.bench.ft_report import ft_section
+
+    out += ft_section(results)
     out += ["## Table 1: seconds per step by link bandwidth", "",
             "Median seconds per training step (warm-up excluded), as in the FlexDeMo paper's Table 1.", ""]  # fmt: skip
     out += [markdown_table(*table1(results)), ""]

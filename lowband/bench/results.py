@@ -167,7 +167,7 @@ RUN_KEYS: tuple[str, ...] = (
     "measured_wire_bytes_per_step", "measured_wire_bytes_per_step_by_node", "link_effective_bps",
     "val_loss", "best_val_loss", "train_time_s", "tokens", "steps_to_target", "tokens_to_target",
     "time_to_target_s", "adamw_steps_to_final", "adamw_time_to_final_s", "train_loss", "peak_rss_mb", "peak_rss_mb_by_rank", "link_ops", "val_history", "run_dir",
-    "logs", "command",
+    "logs", "command", "fault_tolerance",
 )  # fmt: skip
 
 

@@ -211,6 +211,8 @@ def _run_one(
     launcher: Callable[..., Any],
 ) -> dict[str, Any]:
     """Launch one run on every node and fill its record (from :func:`_new_record`) from its output."""
+    if plan.ft:
+        return _run_ft(plan, config, record, out_dir=out_dir, net=net)
     run_dir = out_dir / "runs" / plan.id
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = record["command"]
@@ -241,6 +243,97 @@ def _run_one(
         record["status"] = "failed"
         record["error"] = f"the run's output is unusable: {exc}"
     return record
+
+
+def _steady_node(plan: RunPlan) -> int:
+    """A node the fault plan never kills (its record is the run's; its progress moves the bar)."""
+    killed = {e.node for e in plan.faults if e.action == "kill"}
+    return next(n for n in range(plan.nodes) if n not in killed)
+
+
+def _run_ft(plan: RunPlan, config: BenchConfig, record: dict[str, Any], *, out_dir: Path,
+            net: EmulatedNetwork | None) -> dict[str, Any]:
+    """A run under fault tolerance: one torchrun per node and a Lighthouse, with the plan's faults carried out.
+
+    Node i writes ``run_dir/node{i}``; the run's record is aggregated over the nodes alive at the end
+    (node by node, as if they were the job's only nodes) plus a ``fault_tolerance`` entry: the plan,
+    what was done when, each node's membership changes, dropped steps and heals.
+    """
+    from lowband.cluster.ftjob import FaultTolerantJob
+    from lowband.train.summary import RunSummary
+
+    run_dir = out_dir / "runs" / plan.id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args = list(record["command"][1:])  # after "train"
+    i = args.index("--out")
+    del args[i:i + 2]
+    tx_before = [net.tx_bytes(n) for n in range(plan.nodes)] if net is not None else None
+    t0 = time.monotonic()
+    try:
+        with FaultTolerantJob(train_args=args, nodes=plan.nodes, ranks_per_node=plan.ranks_per_node, out=run_dir,
+                              net=net, log_dir=run_dir / "logs") as job:
+            codes = job.run_plan(plan.faults, timeout_s=config.run_timeout_s)
+            events = [{**e, "t_s": e["unix_s"] - job.t0} for e in job.events]
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the bench
+        log.exception("run %s could not be launched", plan.id)
+        record["error"] = f"the launch failed: {type(exc).__name__}: {exc}"
+        return record
+    record["wall_time_s"] = time.monotonic() - t0
+    last = {e.node: e.action for e in plan.faults}
+    expected = {n: (-9 if last.get(n) == "kill" else 0) for n in range(plan.nodes)}
+    bad = {n: c for n, c in codes.items() if c != expected[n]}
+    if bad:
+        tails = "\n".join(f"node {n}: exit {c} (expected {expected[n]}); log {run_dir / 'logs' / f'node{n}.log'}:\n"
+                          f"{log_excerpt(run_dir / 'logs' / f'node{n}.log')}" for n, c in bad.items())
+        record["error"] = truncate_error(f"under fault tolerance, node(s) {sorted(bad)} ended badly:\n{tails}")
+        return record
+    alive = [n for n in range(plan.nodes) if expected[n] == 0]
+    alive.sort(key=lambda n: n != _steady_node(plan))  # the steady node first: its rank 0 is the run's rank 0
+    try:
+        summaries = []
+        for k, n in enumerate(alive):
+            for r in range(plan.ranks_per_node):
+                s = RunSummary.read(run_dir / f"node{n}" / f"summary_rank{r}.json")
+                s.rank, s.node = k * plan.ranks_per_node + r, k
+                summaries.append(s)
+        wire = None
+        if net is not None and tx_before is not None:
+            wire = [net.tx_bytes(n) - tx_before[n] for n in alive]
+        record["nodes"] = len(alive)
+        aggregate_run(record, summaries, wire_bytes_by_node=wire)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        record["status"] = "failed"
+        record["error"] = f"the run's output is unusable: {exc}"
+    finally:
+        record["nodes"] = plan.nodes
+    record["fault_tolerance"] = _ft_record(plan, run_dir, events)
+    return record
+
+
+def _ft_record(plan: RunPlan, run_dir: Path, events: list[dict]) -> dict[str, Any]:
+    """What fault tolerance did in a run: the plan, the events, and each node's membership, drops and heals."""
+    nodes: dict[str, Any] = {}
+    for n in range(plan.nodes):
+        node_dir = run_dir / f"node{n}"
+        membership, replicas = [], []
+        path = node_dir / "metrics.jsonl"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if rec.get("type") == "membership":
+                    membership.append(rec)
+                elif rec.get("type") == "train" and "replicas" in rec:
+                    replicas.append([rec["step"], rec["replicas"], bool(rec.get("dropped"))])
+        ft_path = node_dir / "ft_rank0.json"
+        ft = json.loads(ft_path.read_text()) if ft_path.exists() else None
+        nodes[str(n)] = {"membership": membership, "replicas_by_step": replicas, "end": ft}
+    return {"faults": [str(e) for e in plan.faults], "events": events, "steady_node": _steady_node(plan),
+            "nodes": nodes}
 
 
 def _link_info(bandwidth_bps: float, net: EmulatedNetwork | None) -> dict[str, Any]:
@@ -335,7 +428,9 @@ def run_bench(
                     write_results(out_dir, results)
                     done_before = plan.index * config.steps
                     try:
-                        with _StepProgress(bar, out_dir / "runs" / plan.id / "metrics.jsonl", done_before):
+                        metrics = out_dir / "runs" / plan.id / (
+                            f"node{_steady_node(plan)}/metrics.jsonl" if plan.ft else "metrics.jsonl")
+                        with _StepProgress(bar, metrics, done_before):
                             _run_one(plan, config, record, out_dir=out_dir, mode=mode, net=net, launcher=launcher)
                     except (KeyboardInterrupt, SystemExit):
                         record["error"] = INTERRUPTED

@@ -40,10 +40,18 @@ class FaultTolerantJob:
     """
 
     def __init__(self, *, train_args: list[str], nodes: int, ranks_per_node: int, out: str | Path,
-                 heartbeat_timeout_s: float = 2.0, join_timeout_s: float = 1.0, ft_timeout_s: float = 5.0) -> None:
+                 heartbeat_timeout_s: float = 2.0, join_timeout_s: float = 1.0, ft_timeout_s: float = 5.0,
+                 net=None, node_dirs: Path | None = None, log_dir: Path | None = None) -> None:
         from lowband.ft import require_torchft
 
         require_torchft()
+        if net is not None and net.num_nodes != nodes:
+            raise ValueError(f"the emulated network has {net.num_nodes} nodes, the job {nodes}")
+        self.net = net
+        self.node_dirs = Path(node_dirs) if node_dirs is not None else None
+        self.log_dir = Path(log_dir) if log_dir is not None else Path(out)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.time()
         self.train_args = list(train_args)
         self.nodes = nodes
         self.ranks_per_node = ranks_per_node
@@ -52,22 +60,29 @@ class FaultTolerantJob:
         self.ft_timeout_s = ft_timeout_s
         # The Lighthouse runs as a process of its own, as on a cluster (and so that torchft's runtime
         # threads never live in a process that later forks).
+        # In a network namespace setup it runs in node 0's namespace, reachable at node 0's address.
+        host = net.nodes[0].ip if net is not None else "127.0.0.1"
+        argv = [sys.executable, "-m", "lowband.cli", "lighthouse", "--bind", f"{'0.0.0.0' if net else host}:0",
+                "--heartbeat-timeout", f"{heartbeat_timeout_s}s", "--join-timeout", f"{join_timeout_s}s"]
+        if net is not None:
+            argv = net.exec_argv(0, argv)
         self.lighthouse = subprocess.Popen(
-            [sys.executable, "-m", "lowband.cli", "lighthouse", "--bind", "127.0.0.1:0",
-             "--heartbeat-timeout", f"{heartbeat_timeout_s}s", "--join-timeout", f"{join_timeout_s}s"],
-            stdout=subprocess.PIPE, stderr=open(self.out / "lighthouse.log", "w"), text=True,  # noqa: SIM115
+            argv, stdout=subprocess.PIPE, stderr=open(self.log_dir / "lighthouse.log", "w"), text=True,  # noqa: SIM115
             env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "error")), start_new_session=True)
         line = self.lighthouse.stdout.readline()
         if not line.startswith("lighthouse at "):
             self.lighthouse.kill()
-            raise RuntimeError(f"the Lighthouse did not start: {line!r}; see {self.out / 'lighthouse.log'}")
+            raise RuntimeError(f"the Lighthouse did not start: {line!r}; see {self.log_dir / 'lighthouse.log'}")
         port = line.split()[2].rsplit(":", 1)[1]
-        self.address = f"http://127.0.0.1:{port}"
+        self.address = f"http://{host}:{port}"
         self.procs: dict[int, subprocess.Popen] = {}
         self.events: list[dict] = []  # what was done to which node, and when
 
     def node_out(self, node: int) -> Path:
-        return self.out / f"node{node}"
+        return (self.node_dirs or self.out) / f"node{node}"
+
+    def log_path(self, node: int) -> Path:
+        return self.log_dir / f"node{node}.log"
 
     def start(self, node: int) -> None:
         """Start (or restart) node ``node``: a torchrun of ``ranks_per_node`` ranks in its own session."""
@@ -77,8 +92,14 @@ class FaultTolerantJob:
                f"--nproc-per-node={self.ranks_per_node}", "-m", "lowband.cli", "train", *self.train_args,
                "--ft-lighthouse", self.address, "--ft-node", str(node), "--ft-max-nodes", str(self.nodes),
                "--ft-timeout", f"{self.ft_timeout_s}s", "--out", str(self.node_out(node)), "--no-progress"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG=os.environ.get("RUST_LOG", "error"))
-        log = open(self.out / f"node{node}.log", "a")  # noqa: SIM115 (closed with the process)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   RUST_LOG=os.environ.get("RUST_LOG", "error"))
+        if self.net is not None:
+            env.update(GLOO_SOCKET_IFNAME=self.net.nodes[node].interface, LOWBAND_FT_ADVERTISE=self.net.nodes[node].ip)
+            cmd = self.net.exec_argv(node, cmd)
+        else:
+            env.update(GLOO_SOCKET_IFNAME="lo", LOWBAND_FT_ADVERTISE="127.0.0.1")
+        log = open(self.log_path(node), "a")  # noqa: SIM115 (closed with the process)
         self.procs[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
         log.close()
@@ -123,7 +144,7 @@ class FaultTolerantJob:
         while self.steps_done(node) < step:
             if self.procs[node].poll() is not None:
                 raise RuntimeError(f"node {node} exited with {self.procs[node].returncode} before step {step}; "
-                                   f"see {self.out / f'node{node}.log'}")
+                                   f"see {self.log_path(node)}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"node {node} did not reach step {step} in {timeout_s:g} s")
             time.sleep(0.2)
@@ -135,6 +156,42 @@ class FaultTolerantJob:
         for node, p in self.procs.items():
             codes[node] = p.wait(timeout=max(deadline - time.monotonic(), 1.0))
         return codes
+
+    def job_step(self) -> int:
+        """The job's progress: the last step any running node has finished."""
+        return max((self.steps_done(n) for n, p in self.procs.items() if p.poll() is None), default=0)
+
+    def run_plan(self, faults, *, timeout_s: float) -> dict[int, int | None]:
+        """Start every node, carry out ``faults`` (:class:`lowband.bench.faults.FaultEvent`) in order, wait.
+
+        Returns {node: exit code} (None: still running when ``timeout_s`` ran out; then all are killed).
+        A node killed by the plan and not started again has the code of its kill (-9).
+        """
+        self.start_all()
+        pending = list(faults)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if pending:
+                ev = pending[0]
+                due = (time.time() - self.t0 >= ev.at_s) if ev.at_s is not None else self.job_step() >= ev.step
+                if due:
+                    pending.pop(0)
+                    if ev.action == "kill":
+                        self.kill(ev.node)
+                    else:
+                        self.start(ev.node)
+                    self.events[-1]["planned"] = str(ev)
+                    self.events[-1]["job_step"] = self.job_step()
+                    continue
+            running = [n for n, p in self.procs.items() if p.poll() is None]
+            if not running and not pending:
+                break
+            if not running and pending:  # every node gone (e.g. failed) before the plan finished
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        return {n: p.poll() for n, p in self.procs.items()}
 
     def close(self) -> None:
         """Kill whatever still runs and stop the Lighthouse."""

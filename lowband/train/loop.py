@@ -601,6 +601,7 @@ class Trainer:
         healed0 = len(self.ft.healed_at)
         self.ft.start_step()
         if self._healed_to is not None:
+            self.ft.healed_at[-1]["quorum_s"] = self.ft.last_quorum_s  # the quorum with the transfer in it
             log.warning("node %d joined at step %d: model and optimizer state copied from a live peer in %.2f s "
                         "(%s)", self.ft_cfg.node, self._healed_to, self.ft.last_quorum_s,
                         "per-replica state reset as the method's rule says")

@@ -1,0 +1,90 @@
+"""Fault plans for ``lowband bench --faults``: which node is killed or started, and when.
+
+Syntax: events separated by commas, each ``node<I>:<action>@<when>``:
+
+- ``action``: ``kill`` (SIGKILL to every process of the node: its torchrun and all its ranks, as a
+  machine that dies) or ``start`` (start the node again; it rejoins and heals from a live peer);
+- ``when``: a training step of the job (``@60``: once a live node has finished step 60) or a time
+  since the run started (``@45s``, ``@1.5m``).
+
+Example: ``--faults "node1:kill@30,node1:start@60"``. Events run in the order given; a node must
+be alive to be killed and dead to be started, and at least one node stays alive.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["FaultEvent", "parse_faults", "format_faults"]
+
+_EVENT = re.compile(r"node(\d+):(kill|start)@(\d+(?:\.\d+)?)(s|m)?")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultEvent:
+    """One planned fault: ``action`` on ``node`` at ``step`` (job steps) or ``at_s`` (seconds after the start)."""
+
+    node: int
+    action: str  # kill | start
+    step: int | None = None
+    at_s: float | None = None
+
+    def __str__(self) -> str:
+        when = f"{self.step}" if self.step is not None else f"{self.at_s:g}s"
+        return f"node{self.node}:{self.action}@{when}"
+
+    def as_dict(self) -> dict:
+        return {"node": self.node, "action": self.action, "step": self.step, "at_s": self.at_s}
+
+
+def parse_faults(text: str, *, nodes: int, steps: int | None = None) -> tuple[FaultEvent, ...]:
+    """Parse and check a fault plan against ``nodes`` nodes (and ``steps`` training steps).
+
+    Raises:
+        ValueError: naming the bad event and what is accepted.
+    """
+    events: list[FaultEvent] = []
+    alive = set(range(nodes))
+    last_step = -1
+    for raw in (t.strip() for t in text.split(",")):
+        if not raw:
+            continue
+        m = _EVENT.fullmatch(raw.lower())
+        if m is None:
+            raise ValueError(f"--faults: cannot read {raw!r}; write node<I>:kill@<step> or node<I>:start@<step>, "
+                             "or @<seconds>s, separated by commas, e.g. 'node1:kill@30,node1:start@60'")
+        node, action, value, unit = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if not 0 <= node < nodes:
+            raise ValueError(f"--faults: {raw!r} names node {node}, but the bench has nodes 0..{nodes - 1}")
+        if unit is None:
+            if "." in value:
+                raise ValueError(f"--faults: {raw!r}: a step is a whole number (or give seconds: @{value}s)")
+            event = FaultEvent(node=node, action=action, step=int(value))
+            if steps is not None and event.step >= steps:
+                raise ValueError(f"--faults: {raw!r} is at step {event.step}, but runs have {steps} steps; "
+                                 "put it before the last step")
+            if event.step < last_step:
+                raise ValueError(f"--faults: {raw!r} comes before the step of the event ahead of it; "
+                                 "list events in the order they happen")
+            last_step = event.step
+        else:
+            event = FaultEvent(node=node, action=action, at_s=float(value) * (60.0 if unit == "m" else 1.0))
+        if action == "kill":
+            if node not in alive:
+                raise ValueError(f"--faults: {raw!r} kills node {node}, which is not running then; start it first")
+            if len(alive) == 1:
+                raise ValueError(f"--faults: {raw!r} would kill the last live node; keep one node alive")
+            alive.discard(node)
+        else:
+            if node in alive:
+                raise ValueError(f"--faults: {raw!r} starts node {node}, which is running then; kill it first")
+            alive.add(node)
+        events.append(event)
+    if not events:
+        raise ValueError("--faults: no event given; e.g. --faults 'node1:kill@30,node1:start@60'")
+    return tuple(events)
+
+
+def format_faults(events: tuple[FaultEvent, ...]) -> str:
+    return ",".join(str(e) for e in events)

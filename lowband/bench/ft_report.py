@@ -1,0 +1,213 @@
+"""The fault-tolerance part of a bench report: faulted runs beside their twins, and what FT costs.
+
+- **Faults** (``--faults``): each faulted run beside its fault-free twin (same method, seed and
+  link, under fault tolerance): the final validation loss of both and the difference, set against
+  the twin's seed spread where it ran at several seeds; steps dropped; for each kill the time until
+  the survivors' next quorum without the node (detection and reconfiguration); for each start the
+  step it healed to, the state it copied (MB) and the time the quorum with the transfer took.
+- **Cost** (``--ft both``): seconds per step and bytes per step with fault tolerance on against off,
+  measured side by side in the same bench.
+- ``faults.png``: validation loss against step for each faulted run and its twin, the faults marked,
+  and the live nodes over the steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lowband.bench.quality import variants
+
+__all__ = ["ft_section", "fault_plot", "FAULT_PLOT_FILE"]
+
+FAULT_PLOT_FILE = "faults.png"
+
+Run = Mapping[str, Any]
+
+
+def _ft(run: Run) -> dict:
+    return run.get("fault_tolerance") or {}
+
+
+def _is_ft(run: Run) -> bool:
+    return bool(run.get("fault_tolerance"))
+
+
+def _twin_label(label: str) -> str:
+    return label.removesuffix(" faults")
+
+
+def _find(runs: Sequence[Run], *, label: str, seed: Any, bw: Any) -> Run | None:
+    for r in runs:
+        if r["label"] == label and r.get("seed") == seed and r.get("bandwidth_bps") == bw:
+            return r
+    return None
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def fault_events(run: Run) -> list[dict]:
+    """Per planned event: what it did and what it cost, from the run's fault-tolerance record."""
+    ft = _ft(run)
+    nodes = ft.get("nodes") or {}
+    steady = nodes.get(str(ft.get("steady_node", 0))) or {}
+    membership = steady.get("membership") or []
+    out = []
+    for ev in ft.get("events") or []:
+        if not ev.get("planned"):
+            continue
+        row = {"event": ev["planned"], "node": ev["node"], "action": ev["event"], "job_step": ev.get("job_step"),
+               "t_s": ev.get("t_s")}
+        if ev["event"] == "kill":
+            # The steady node's first membership change to fewer nodes after the kill.
+            after = [m for m in membership if m.get("unix_s", 0) >= ev["unix_s"] and m["replicas"] < m["was"]]
+            if after:
+                m = after[0]
+                row["detect_s"] = m["unix_s"] - ev["unix_s"]
+                row["quorum_s"] = m["quorum_s"]
+                row["resumed_step"] = m["step"]
+        else:
+            node = nodes.get(str(ev["node"])) or {}
+            heals = [h for h in ((node.get("end") or {}).get("healed") or []) if h.get("unix_s", 0) >= ev["unix_s"]]
+            if heals:
+                h = heals[0]
+                row["healed_step"] = h.get("step")
+                row["heal_mb"] = h.get("bytes", 0) / 1e6
+                row["heal_quorum_s"] = h.get("quorum_s")
+                row["join_s"] = h["unix_s"] - ev["unix_s"]  # start-up + waiting for a quorum + transfer
+        out.append(row)
+    return out
+
+
+def dropped_steps(run: Run) -> int:
+    """Steps (outer steps for DiLoCo/NoLoCo) the steady node dropped because an exchange failed."""
+    ft = _ft(run)
+    steady = (ft.get("nodes") or {}).get(str(ft.get("steady_node", 0))) or {}
+    return int((steady.get("end") or {}).get("dropped_steps") or 0)
+
+
+def fault_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    runs = results["runs"]
+    vs = {(v.label, v.bandwidth_bps): v for v in variants(runs)}
+    headers = ["variant", "seed", "faults", "steps dropped", "kill → quorum without it (s)",
+               "rejoin: healed at step, MB, transfer s", "final loss", "twin's final loss", "Δ", "twin's seed spread"]
+    rows = []
+    for r in runs:
+        if not _ft(r).get("faults"):
+            continue
+        twin = _find(runs, label=_twin_label(r["label"]), seed=r.get("seed"), bw=r.get("bandwidth_bps"))
+        evs = fault_events(r)
+        kills = "; ".join(f"{e['event']}: {_fmt(e.get('detect_s'), '.2f')}" for e in evs if e["action"] == "kill")
+        starts = "; ".join(f"{e['event']}: {e.get('healed_step', '–')}, {_fmt(e.get('heal_mb'), '.2f')}, "
+                           f"{_fmt(e.get('heal_quorum_s'), '.2f')}" for e in evs if e["action"] == "start")
+        loss, tloss = r.get("val_loss"), (twin or {}).get("val_loss")
+        delta = loss - tloss if loss is not None and tloss is not None else None
+        tv = vs.get((_twin_label(r["label"]), r.get("bandwidth_bps")))
+        spread = "one seed: unknown"
+        if tv is not None and len(tv.ok) > 1:
+            mean, lo, hi = tv.stat("val_loss")
+            spread = f"{lo:.4f}–{hi:.4f}" + (" (within)" if loss is not None and lo <= loss <= hi else " (outside)")
+        rows.append([r["label"], str(r.get("seed")), ", ".join(_ft(r)["faults"]),
+                     str(dropped_steps(r)) if r.get("status") == "ok" else "run failed", kills or "–", starts or "–",
+                     _fmt(loss, ".4f"), _fmt(tloss, ".4f"), _fmt(delta, "+.4f"), spread])
+    return headers, rows
+
+
+def cost_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Fault tolerance on against off, per variant, seed and link (``--ft both``)."""
+    runs = results["runs"]
+    headers = ["variant", "seed", "link", "s/step off", "s/step on", "on/off", "MB/step/node off", "MB/step/node on",
+               "on/off"]
+    rows = []
+    from lowband.bench.config import format_bandwidth
+
+    for r in runs:
+        if not _is_ft(r) or _ft(r).get("faults") or not r["label"].endswith(" FT"):
+            continue
+        off = _find(runs, label=r["label"].removesuffix(" FT"), seed=r.get("seed"), bw=r.get("bandwidth_bps"))
+        if off is None or off.get("status") != "ok" or r.get("status") != "ok":
+            continue
+        a, b = off.get("step_time_s"), r.get("step_time_s")
+        ba, bb = off.get("inter_node_bytes_per_step"), r.get("inter_node_bytes_per_step")
+        rows.append([off["label"], str(r.get("seed")), format_bandwidth(r["bandwidth_bps"]), _fmt(a, ".3f"),
+                     _fmt(b, ".3f"), _fmt(b / a if a and b else None, ".3f"), _fmt(ba / 1e6 if ba else None, ".4f"),
+                     _fmt(bb / 1e6 if bb else None, ".4f"), _fmt(bb / ba if ba and bb else None, ".3f")])
+    return headers, rows
+
+
+def ft_section(results: Mapping[str, Any]) -> list[str]:
+    from lowband.bench.report import markdown_table
+
+    out: list[str] = []
+    headers, rows = fault_rows(results)
+    if rows:
+        out += ["## Faults: each faulted run beside its fault-free twin", "",
+                "Both run under fault tolerance (one torchrun per node, torchft), on the same data, seed and link; "
+                "the faulted one carries out the plan (kill: SIGKILL to every process of the node; start: the node "
+                "rejoins and copies its state from a live peer over the network). *Steps dropped*: steps whose "
+                "exchange failed and were applied nowhere (DiLoCo: outer steps). *kill → quorum without it*: "
+                "from the kill to the survivors' next quorum without the node. *rejoin*: the step it healed to, the "
+                "state it copied and how long the quorum with the transfer took (start-up of the restarted node "
+                "not included). A difference in final loss is judged against the twin's seed spread, which needs "
+                "the twin at several seeds (--seeds). The global batch shrinks while a node is dead (its slice "
+                "of each step's batch is skipped).", "", markdown_table(headers, rows), ""]
+    headers, rows = cost_rows(results)
+    if rows:
+        out += ["## What fault tolerance costs when nothing fails", "",
+                "The same runs with fault tolerance off and on (--ft both), side by side in this bench: the "
+                "quorum before every communicating step and the commit vote after it are on the critical path.",
+                "", markdown_table(headers, rows), ""]
+    return out
+
+
+def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
+    """``faults.png``: per faulted run, loss against step beside its twin, faults marked, live nodes below."""
+    runs = results["runs"]
+    faulted = [r for r in runs if _ft(r).get("faults") and r.get("status") == "ok"]
+    if not faulted:
+        return None
+    from matplotlib.figure import Figure
+
+    n = min(len(faulted), 6)
+    fig = Figure(figsize=(6.5 * min(n, 3), 6.0 * ((n + 2) // 3)))
+    grid = fig.add_gridspec(2 * ((n + 2) // 3), min(n, 3), height_ratios=[3, 1] * ((n + 2) // 3))
+    for i, r in enumerate(faulted[:n]):
+        row, col = 2 * (i // 3), i % 3
+        ax = fig.add_subplot(grid[row, col])
+        axn = fig.add_subplot(grid[row + 1, col], sharex=ax)
+        twin = _find(runs, label=_twin_label(r["label"]), seed=r.get("seed"), bw=r.get("bandwidth_bps"))
+        for run, style, name in ((twin, "-", "fault-free twin"), (r, "--", "with faults")):
+            if run is None or not run.get("val_history"):
+                continue
+            pts = [(p["step"], p["val_loss"]) for p in run["val_history"]]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", label=name)
+        for e in fault_events(r):
+            if e.get("job_step") is None:
+                continue
+            colour = "tab:red" if e["action"] == "kill" else "tab:green"
+            for a in (ax, axn):
+                a.axvline(e["job_step"], color=colour, alpha=0.6, lw=1)
+            ax.annotate(e["event"], (e["job_step"], 1.0), xycoords=("data", "axes fraction"), rotation=90,
+                        va="top", ha="right", fontsize=7, color=colour)
+        ax.set_title(f"{r['label']} (seed {r.get('seed')})", fontsize=9)
+        ax.set_ylabel("validation loss")
+        ax.legend(fontsize=7)
+        ft = _ft(r)
+        steady = (ft.get("nodes") or {}).get(str(ft.get("steady_node", 0))) or {}
+        reps = steady.get("replicas_by_step") or []
+        if reps:
+            axn.step([p[0] for p in reps], [p[1] for p in reps], where="post", color="tab:blue")
+            drops = [p[0] for p in reps if p[2]]
+            axn.plot(drops, [0.5] * len(drops), "x", color="tab:red", label="dropped step")
+            if drops:
+                axn.legend(fontsize=7, loc="lower right")
+        axn.set_ylim(0, int(r.get("nodes") or 3) + 0.5)
+        axn.set_ylabel("live nodes")
+        axn.set_xlabel("step")
+    fig.suptitle("Faults: validation loss beside the fault-free twin (kills red, starts green), live nodes below")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
