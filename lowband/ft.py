@@ -196,6 +196,15 @@ class FaultTolerance:
         advertise = cfg.advertise or os.environ.get("LOWBAND_FT_ADVERTISE") or "127.0.0.1"
         timeout = timedelta(seconds=cfg.timeout_s)
         self.pg = ProcessGroupGloo(timeout=timeout)
+        from torchft.checkpointing.http_transport import HTTPTransport
+
+        class _Transport(HTTPTransport):
+            """torchft's HTTP state transfer, at the node's advertised address (torchft gives the host name,
+            which inside a network namespace, or on a host whose name maps to 127.0.0.1, others cannot reach)."""
+
+            def address(self) -> str:
+                return f"http://{advertise}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
         # Healing copies a peer's state (HTTP); torchft checks the step, we check the fingerprint.
         self.manager = Manager(
             pg=self.pg, load_state_dict=self._load, state_dict=state_dict, min_replica_size=1,
@@ -205,6 +214,7 @@ class FaultTolerance:
             # group through the first member's store): advertise it at the node's address.
             store_addr=store_addr or advertise, store_port=store_port, lighthouse_addr=cfg.lighthouse,
             replica_id=f"lowband_node{cfg.node}", hostname=advertise, init_sync=False,
+            checkpoint_transport=_Transport(timeout=timeout, num_chunks=0),
         )
 
     # ------------------------------------------------------------------ membership

@@ -128,7 +128,8 @@ def test_bench_with_faults_end_to_end(tmp_path, mode):
     bench.add_arguments(parser)
     out = tmp_path / "bench"
     args = parser.parse_args([
-        "--methods", "flexdemo:topk=2", "--steps", "160", "--model", "t5-tiny", "--nodes", "3",
+        # 100 ms per message makes a step take ~0.2 s, so the restarted node (~15 s to start) rejoins a live job.
+        "--methods", "flexdemo:topk=2", "--steps", "200", "--model", "t5-tiny", "--nodes", "3", "--latency", "100ms",
         "--ranks-per-node", "1", "--bandwidth", "1gbit", "--emulation", mode, "--out", str(out), "--no-progress",
         "--faults", "node2:kill@15,node2:start@30",
         "--train-args", "--max-examples 1500 --val-size 64 --vocab-size 512 --batch-size 4 --val-batches 2 "
@@ -136,7 +137,7 @@ def test_bench_with_faults_end_to_end(tmp_path, mode):
     assert bench.main(args) == 0, (out / "report.md").read_text() if (out / "report.md").exists() else ""
     results = load_results(out)
     twin, faulted = results["runs"]
-    assert twin["label"] == "FlexDeMo Top2 FT" and faulted["label"] == "FlexDeMo Top2 FT faults"
+    assert twin["label"] == "DeMo Top2 FT" and faulted["label"] == "DeMo Top2 FT faults"  # one rank per node
     assert twin["status"] == faulted["status"] == "ok"
     ft = faulted["fault_tolerance"]
     assert [e["planned"] for e in ft["events"] if e.get("planned")] == ["node2:kill@15", "node2:start@30"]

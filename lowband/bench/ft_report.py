@@ -113,6 +113,8 @@ def fault_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
         rows.append([r["label"], str(r.get("seed")), ", ".join(_ft(r)["faults"]),
                      str(dropped_steps(r)) if r.get("status") == "ok" else "run failed", kills or "–", starts or "–",
                      _fmt(loss, ".4f"), _fmt(tloss, ".4f"), _fmt(delta, "+.4f"), spread])
+        for note in _ft(r).get("notes") or []:
+            rows[-1][5] += f" ({note})"
     return headers, rows
 
 
@@ -207,7 +209,10 @@ def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
         axn.set_ylim(0, int(r.get("nodes") or 3) + 0.5)
         axn.set_ylabel("live nodes")
         axn.set_xlabel("step")
-    fig.suptitle("Faults: validation loss beside the fault-free twin (kills red, starts green), live nodes below")
+    import textwrap
+
+    fig.suptitle(textwrap.fill("Faults: validation loss beside the fault-free twin (kills red, starts green); "
+                               "live nodes below, dropped steps x", 60 * min(n, 3)), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path

@@ -289,7 +289,17 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: dict[str, Any], *, out_d
                           f"{log_excerpt(run_dir / 'logs' / f'node{n}.log')}" for n, c in bad.items())
         record["error"] = truncate_error(f"under fault tolerance, node(s) {sorted(bad)} ended badly:\n{tails}")
         return record
+    notes = []
     alive = [n for n in range(plan.nodes) if expected[n] == 0]
+    for n in [n for n in alive if last.get(n) == "start"]:
+        # A node restarted after the others had finished trains alone from scratch: not part of the job.
+        started = max(e["unix_s"] for e in events if e["node"] == n and e["event"] == "start")
+        ft_path = run_dir / f"node{n}" / "ft_rank0.json"
+        healed = json.loads(ft_path.read_text()).get("healed", []) if ft_path.exists() else []
+        if not any(h.get("unix_s", 0) >= started for h in healed):
+            alive.remove(n)
+            notes.append(f"node {n} was started again but never joined the job (the others had finished or it "
+                         "found no live peer): left out of the run's figures")
     alive.sort(key=lambda n: n != _steady_node(plan))  # the steady node first: its rank 0 is the run's rank 0
     try:
         summaries = []
@@ -308,7 +318,7 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: dict[str, Any], *, out_d
         record["error"] = f"the run's output is unusable: {exc}"
     finally:
         record["nodes"] = plan.nodes
-    record["fault_tolerance"] = _ft_record(plan, run_dir, events)
+    record["fault_tolerance"] = {**_ft_record(plan, run_dir, events), "notes": notes}
     return record
 
 
