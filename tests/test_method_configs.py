@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from lowband.bench.methods import method_label, parse_method_spec, train_hp_args
-from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo
+from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo, SparseLoCo
 from lowband.optim.local_sgd import DILOCO_INNER_DEFAULTS, NOLOCO_INNER_DEFAULTS
+from lowband.optim.sparseloco import SPARSELOCO_INNER_DEFAULTS
 from lowband.train.cli import add_arguments, config_from_args
 from lowband.train.methods import (
     ALIASES,
@@ -23,8 +24,9 @@ from lowband.train.methods import (
 )
 
 OPTIMIZER = {"AdamWConfig": AdamWFullSync, "DetoFullConfig": DetoFull, "FlexDeMoConfig": FlexDeMo,
-             "DiLoCoConfig": DiLoCo, "NoLoCoConfig": NoLoCo}
-INNER = {"DiLoCoConfig": DILOCO_INNER_DEFAULTS, "NoLoCoConfig": NOLOCO_INNER_DEFAULTS}
+             "DiLoCoConfig": DiLoCo, "NoLoCoConfig": NoLoCo, "SparseLoCoConfig": SparseLoCo}
+INNER = {"DiLoCoConfig": DILOCO_INNER_DEFAULTS, "NoLoCoConfig": NOLOCO_INNER_DEFAULTS,
+         "SparseLoCoConfig": SPARSELOCO_INNER_DEFAULTS}
 
 
 def _parse(*argv: str) -> argparse.Namespace:

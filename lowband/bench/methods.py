@@ -10,6 +10,7 @@ some of its hyper-parameters::
     flexdemo:topk=8,chunk=64      ... of every chunk of 64
     diloco:H=100                  DiLoCo, 100 inner steps per outer step
     noloco:H=10,n=2               NoLoCo, pairs of replicas average every 10 steps
+    sparseloco:H=30,topk=2        SparseLoCo, top-2 of every chunk of 128, 2-bit values, every 30 steps
 
 The methods, their hyper-parameters, types, defaults and checks come from the method configs
 (:mod:`lowband.train.methods`, one per optimizer, for ``lowband train`` and ``lowband bench``
@@ -60,7 +61,7 @@ __all__ = [
 #: Names in tables and plots (the papers' spelling); other methods show their own name.
 DISPLAY_NAMES: dict[str, str] = {
     "adamw": "AdamW", "deto-full": "Deto-Full", "demo": "DeMo", "flexdemo": "FlexDeMo",
-    "diloco": "DiLoCo", "noloco": "NoLoCo",
+    "diloco": "DiLoCo", "noloco": "NoLoCo", "sparseloco": "SparseLoCo",
 }  # fmt: skip
 #: Methods that run at every ``--shards`` value (the rows of the FlexDeMo paper's Table 2).
 SHARD_SWEEP: tuple[str, ...] = ("deto-full", "demo", "flexdemo")

@@ -18,9 +18,9 @@ Adding a hyper-parameter is one field in the method's config (see docs/architect
 
 Short aliases (spec keys, ``--hp`` keys and report labels; :data:`ALIASES`)::
 
-    H       sync_every       DiLoCo, NoLoCo: inner steps per outer step
+    H       sync_every       DiLoCo, NoLoCo, SparseLoCo: inner steps per outer step
     n       group_size       NoLoCo: replicas per gossip group
-    clip    max_grad_norm    DiLoCo, NoLoCo: inner gradient clipping (flag --clip kept too)
+    clip    max_grad_norm    DiLoCo, NoLoCo, SparseLoCo: inner gradient clipping (flag --clip kept too)
 
 One command-line spelling differs from its field: NoLoCo's ``seed`` is ``--gossip-seed``
 (``--seed`` is the run's seed).
@@ -39,9 +39,10 @@ from typing import Any
 import torch
 
 from lowband.compress.quant import OUTER_VALUE_FORMATS
+from lowband.compress.sparse import SPARSE_VALUE_FORMATS
 from lowband.compress.wire import VALUE_FORMATS
 from lowband.link import Link
-from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo
+from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo, SparseLoCo
 from lowband.optim._common import NONFINITE_POLICIES
 from lowband.optim.local_sgd import (
     DILOCO_INNER_DEFAULTS,
@@ -49,6 +50,7 @@ from lowband.optim.local_sgd import (
     check_delay,
     unmerged_tail_note,
 )
+from lowband.optim.sparseloco import SPARSELOCO_INNER_DEFAULTS, SPARSELOCO_TRANSFORMS
 from lowband.util import parse_bool
 
 __all__ = [
@@ -62,6 +64,7 @@ __all__ = [
     "MethodConfig",
     "MethodSpec",
     "NoLoCoConfig",
+    "SparseLoCoConfig",
     "build_optimizer",
     "check_hyperparameters",
     "hp_fields",
@@ -359,11 +362,50 @@ class NoLoCoConfig(_LocalConfig):
         return NoLoCo(params, inner, link=link, **kw)
 
 
+@dataclass(frozen=True, kw_only=True)
+class SparseLoCoConfig(MethodConfig):
+    """SparseLoCo (:class:`lowband.optim.SparseLoCo`) with an inner AdamW(lr, weight_decay)."""
+
+    lr: float = _lr(SPARSELOCO_INNER_DEFAULTS["lr"])
+    weight_decay: float = option(SPARSELOCO_INNER_DEFAULTS["weight_decay"], "the inner optimizer's weight decay",
+                                 minimum=0.0)
+    sync_every: int = option(_signature_default(SparseLoCo, "sync_every"), "inner steps H between outer steps",
+                             alias="H", minimum=1)
+    outer_lr: float = option(_signature_default(SparseLoCo, "outer_lr"), "outer learning rate alpha", minimum=0.0,
+                             exclusive=True)
+    decay: float = option(_signature_default(SparseLoCo, "decay"), "decay beta of the error-feedback accumulator, "
+                          "in [0, 1)", minimum=0.0, below_one=True)
+    topk: int = option(_signature_default(SparseLoCo, "topk"), "values kept per chunk (1..chunk)", minimum=1)
+    chunk: int = option(_signature_default(SparseLoCo, "chunk"), "chunk size of the top-k selection", minimum=1)
+    values: str = option(_signature_default(SparseLoCo, "values"), "wire format of the kept values",
+                         choices=SPARSE_VALUE_FORMATS)
+    transform: str = option(_signature_default(SparseLoCo, "transform"), "none: top-k of the flat chunks; dct: of "
+                            "each chunk's DCT (as DeMo)", choices=SPARSELOCO_TRANSFORMS)
+    quant_block: int = option(_signature_default(SparseLoCo, "quant_block"), "kept values per scale for 2bit/1bit",
+                              minimum=1)
+    # Trainer's choice: clip the inner gradient at 1.0 as DiLoCo's config does (SparseLoCo's own default: none).
+    max_grad_norm: float | None = option(1.0, "clip the inner gradient's norm to this (none: no clipping)",
+                                         alias="clip", minimum=0.0, exclusive=True)
+
+    def check(self) -> None:
+        if self.topk > self.chunk:
+            raise ValueError(f"topk={self.topk} exceeds chunk={self.chunk}; topk must lie in 1..chunk")
+
+    def tail_note(self, steps: int) -> str | None:
+        return unmerged_tail_note(steps, self.sync_every)
+
+    def build(self, params, *, link, model=None):
+        kw = self.as_dict()
+        inner = functools.partial(torch.optim.AdamW, lr=kw.pop("lr"), weight_decay=kw.pop("weight_decay"))
+        return SparseLoCo(params, inner, link=link, **kw)
+
+
 #: Defaults that ``lowband train`` sets differently from the optimizer class: (config, field) -> why.
 TRAINER_DEFAULTS: dict[tuple[str, str], str] = {
     ("AdamWConfig", "weight_decay"): "0.0 as the paper's AdamW baseline; torch.optim.AdamW's is 0.01",
     ("DiLoCoConfig", "sync_every"): "50 for runs of hundreds of steps; DiLoCo's own is the paper's 500",
     ("DiLoCoConfig", "max_grad_norm"): "1.0 as NoLoCo; DiLoCo's own is None (no clipping)",
+    ("SparseLoCoConfig", "max_grad_norm"): "1.0 as DiLoCo's config; SparseLoCo's own is None (no clipping)",
 }
 
 
@@ -377,7 +419,7 @@ class MethodSpec:
         config: its hyper-parameters' config class (a :class:`MethodConfig`).
         shards_per_node: "all" (shard a copy over all ranks of a node) or 1 (every rank a replica).
         family: "demo" for the decoupled-momentum family, "full" for full sync, "local" for
-            DiLoCo/NoLoCo.
+            DiLoCo/NoLoCo/SparseLoCo.
     """
 
     name: str
@@ -407,6 +449,9 @@ METHODS: dict[str, MethodSpec] = {
                    description="DiLoCo: H local AdamW steps, then an all-reduced Nesterov outer step"),
         MethodSpec(name="noloco", family="local", config=NoLoCoConfig,
                    description="NoLoCo: H local Adam steps, then gossip averaging in random groups of n"),
+        MethodSpec(name="sparseloco", family="local", config=SparseLoCoConfig,
+                   description="SparseLoCo: H local AdamW steps, then an all-gather of each replica's top-k of its "
+                   "error feedback, 2-bit"),
     )
 }  # fmt: skip
 
