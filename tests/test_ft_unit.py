@@ -22,9 +22,9 @@ def test_bad_fault_tolerance_configuration_is_named(kwargs, needle):
 
 
 @pytest.mark.parametrize("method, hp, needle", [
-    ("noloco", {}, "NoLoCo does not run under fault tolerance"),
     ("flexdemo", {"overlap": True}, "overlap=true does not run under fault tolerance"),
     ("diloco", {"overlap": True, "sync_every": 10}, "overlapped outer step"),
+    ("noloco", {"overlap": True, "sync_every": 10}, "overlapped outer step"),
 ])
 def test_methods_that_cannot_run_under_fault_tolerance_refuse_before_any_process(method, hp, needle):
     cfg = TrainConfig(method=method, hp=hp, ft_lighthouse="http://127.0.0.1:1", ft_max_nodes=2, steps=20)
@@ -32,7 +32,7 @@ def test_methods_that_cannot_run_under_fault_tolerance_refuse_before_any_process
         cfg.validate()
 
 
-@pytest.mark.parametrize("method", ["flexdemo", "adamw", "deto-full", "diloco"])
+@pytest.mark.parametrize("method", ["flexdemo", "adamw", "deto-full", "diloco", "noloco"])
 def test_methods_that_run_under_fault_tolerance_pass_the_check(method):
     method_config(method, {}).check_fault_tolerance()  # raises if refused
 
