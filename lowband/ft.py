@@ -7,7 +7,8 @@ node (the node is torchft's *replica group*) and talks to the ranks holding the 
 the other nodes through a reconfigurable gloo process group that the Manager owns. So:
 
 - **membership** is the Lighthouse's quorum, formed again at the start of every step that
-  communicates (every step for AdamW, Deto-Full, FlexDeMo/DeMo; the outer steps of DiLoCo);
+  communicates (every step for AdamW, Deto-Full, FlexDeMo/DeMo; the outer steps of DiLoCo and
+  NoLoCo);
   a node that stops sending heartbeats (``heartbeat_timeout_s``) is dropped from the next quorum;
 - **a failed exchange** (a peer vanished mid-collective, or did not answer within ``timeout_s``)
   is not an exception: the link reports it to the Manager, the optimizer asks
@@ -18,7 +19,8 @@ the other nodes through a reconfigurable gloo process group that the Manager own
   torchft fetches the live state of a peer that holds the newest step over HTTP (the peer's
   parameters, optimizer state, schedule, step and training clock; no shared disk) and loads it
   before the step's forward pass. What a replica must not copy is reset by the optimizer's
-  ``reset_replica_state`` (FlexDeMo: δ = 0; DiLoCo: the inner weights start from the outer ones).
+  ``reset_replica_state`` (FlexDeMo: δ = 0; DiLoCo, NoLoCo: the inner weights start from the outer
+  ones).
 
 This module is the only one that imports torchft (an optional dependency: ``pip install
 lowband[ft]``). The link, the optimizers and the trainer see :class:`FaultTolerance` only.
