@@ -481,7 +481,11 @@ class Link:
             raise ValueError(f"exchange: peers {outside} are not replica ranks of the current quorum (0..{g - 1}); "
                              "with fault tolerance peers are indices into Link.group_ranks, not global ranks")
         start = time.perf_counter()
-        t = tensor.contiguous()
+        # gloo's send/recv take the tensor's memory as host memory (no device staging, unlike its
+        # collectives): tensors on an accelerator travel through CPU copies.
+        device = tensor.device
+        staged = device.type != "cpu"
+        t = tensor.detach().to("cpu").contiguous() if staged else tensor.contiguous()
         payload = _nbytes(t)
         received = [torch.zeros_like(t) for _ in peers]
         works: list = []
@@ -498,7 +502,8 @@ class Link:
                  bytes_sent=inter, bytes_recv=inter, inter_node_bytes_sent=inter, inter_node_bytes_recv=inter,
                  node_inter_node_bytes_sent=inter * self.topology.shards,  # type: ignore[operator]
                  messages=1 if peers else 0),
-            start, works, received, timeout_what=None, async_op=async_op,
+            start, works, (lambda: [b.to(device) for b in received]) if staged else received,
+            timeout_what=None, async_op=async_op,
         )
 
 

@@ -48,11 +48,13 @@ class FakePG:
         self.net, self.me, self.lost, self.calls = net, me, lost, []
 
     def send(self, tensors, dst, tag):
+        assert tensors[0].device.type == "cpu", "gloo's send/recv read host memory"
         self.calls.append(("send", dst, tag))
         self.net.setdefault((self.me, dst, tag), queue.Queue()).put(tensors[0].clone())
         return _Done()
 
     def recv(self, tensors, src, tag):
+        assert tensors[0].device.type == "cpu", "gloo's send/recv read host memory"
         self.calls.append(("recv", src, tag))
         return _Recv(self.net, (src, self.me, tag), tensors[0], src in self.lost)
 
@@ -108,6 +110,16 @@ def test_exchange_under_fault_tolerance_posts_receives_first_and_counts_every_pe
     assert op.bytes_sent == op.inter_node_bytes_sent == op.inter_node_bytes_recv == 40
     assert op.node_inter_node_bytes_sent == 40  # one rank per node here (S = 1)
     assert link.commit()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_exchange_under_fault_tolerance_stages_device_tensors_through_the_cpu():
+    net: dict = {(0, 1, 0): queue.Queue()}
+    net[(0, 1, 0)].put(torch.full((3,), 7.0))
+    link = ft_link(members=2, rank=1, max_nodes=2, net=net)
+    (got,) = link.exchange(torch.arange(3.0, device="cuda"), [0])
+    assert got.device.type == "cuda" and got.tolist() == [7.0, 7.0, 7.0]
+    assert net[(1, 0, 0)].get_nowait().tolist() == [0.0, 1.0, 2.0]
 
 
 def test_exchange_under_fault_tolerance_reports_a_lost_peer_and_returns_zeros():
