@@ -1004,7 +1004,8 @@ class NoLoCo(_LocalSGD):
         momentum of the φ just copied, and (φ, δ) together are where the peer's outer trajectory
         is. Zero would make this replica's next outer step differ from its twin's for no reason
         other than the restart. The replica is then a copy of the peer until the groups and the data
-        (each node reads its own slice) make them differ again.
+        (each node reads its own slice) make them differ again. (torchft picks the peer per rank: a
+        node sharded over several ranks may copy its shards from different peers at the same step.)
         """
         super().reset_replica_state()
 
