@@ -7,7 +7,8 @@ node (the node is torchft's *replica group*) and talks to the ranks holding the 
 the other nodes through a reconfigurable gloo process group that the Manager owns. So:
 
 - **membership** is the Lighthouse's quorum, formed again at the start of every step that
-  communicates (every step for AdamW, Deto-Full, FlexDeMo/DeMo; the outer steps of DiLoCo);
+  communicates (every step for AdamW, Deto-Full, FlexDeMo/DeMo; the outer steps of DiLoCo and
+  NoLoCo);
   a node that stops sending heartbeats (``heartbeat_timeout_s``) is dropped from the next quorum;
 - **a failed exchange** (a peer vanished mid-collective, or did not answer within ``timeout_s``)
   is not an exception: the link reports it to the Manager, the optimizer asks
@@ -18,7 +19,8 @@ the other nodes through a reconfigurable gloo process group that the Manager own
   torchft fetches the live state of a peer that holds the newest step over HTTP (the peer's
   parameters, optimizer state, schedule, step and training clock; no shared disk) and loads it
   before the step's forward pass. What a replica must not copy is reset by the optimizer's
-  ``reset_replica_state`` (FlexDeMo: δ = 0; DiLoCo: the inner weights start from the outer ones).
+  ``reset_replica_state`` (FlexDeMo: δ = 0; DiLoCo, NoLoCo: the inner weights start from the outer
+  ones).
 
 This module is the only one that imports torchft (an optional dependency: ``pip install
 lowband[ft]``). The link, the optimizers and the trainer see :class:`FaultTolerance` only.
@@ -41,7 +43,7 @@ from torch.distributed.tensor import DTensor
 log = logging.getLogger(__name__)
 
 __all__ = ["FaultToleranceConfig", "FaultTolerance", "start_lighthouse", "local_state", "load_local_state",
-           "require_torchft"]
+           "require_torchft", "quorum_step", "committed_of"]
 
 
 def require_torchft():
@@ -227,10 +229,21 @@ class FaultTolerance:
         self.healed_at.append({"step": int(state.get("trainer", {}).get("step", -1)), "unix_s": time.time(),
                                "bytes": state_bytes(state)})
 
-    def start_step(self) -> None:
-        """Form the quorum for the next communicating step; heal this node first if it is behind."""
+    def start_step(self, step: int) -> None:
+        """Form the quorum for training step ``step`` (a communicating one); heal this node first if it is behind.
+
+        torchft heals a node whose step is below the quorum's newest and takes any node at the newest
+        step as a source, choosing it per rank (the ranks of a node may copy different peers). So the
+        step torchft compares is :func:`quorum_step` (the training step, then the committed steps),
+        not the commit count alone: two nodes with equal commit counts may be at different training
+        steps (one that started late forms its first quorum at step 0 while the others, which have not
+        committed yet either, are at their first outer step), and a node whose ranks copied those two
+        would hold shards of different steps.
+        """
         t0 = time.perf_counter()
         self._errored_this_step = False
+        self.manager.load_state_dict({"step": quorum_step(step, self.committed_steps),
+                                      "batches_committed": self.manager.batches_committed()})
         self.manager.start_quorum()
         self.last_members = self.manager.num_participants()
         self.last_quorum_s = time.perf_counter() - t0
@@ -268,7 +281,8 @@ class FaultTolerance:
 
     @property
     def committed_steps(self) -> int:
-        return self.manager.current_step()
+        """Steps this node committed (those copied from a peer when it healed included)."""
+        return committed_of(self.manager.current_step())
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
@@ -283,6 +297,29 @@ def state_bytes(obj: Any) -> int:
     if isinstance(obj, list | tuple):
         return sum(state_bytes(v) for v in obj)
     return 0
+
+
+#: quorum_step = training step × _STEP_SCALE + committed steps: commits stay far below it.
+_STEP_SCALE = 1 << 32
+
+
+def quorum_step(step: int, committed: int) -> int:
+    """The step a node reports to torchft's quorum: ordered by training step, then by committed steps.
+
+    torchft heals every node below the newest and treats all nodes at the newest as equal sources. With
+    this order a node behind in training steps (late at the start, restarted) heals forward, and
+    among nodes at the same training step one that dropped a step the others committed heals too;
+    nodes at the newest value are at the same step with the same commits. Each commit adds 1
+    (torchft's own count), which keeps the order.
+    """
+    if not 0 <= committed < _STEP_SCALE or step < 0:
+        raise ValueError(f"step {step} and committed steps {committed} must be >= 0 (committed < 2**32)")
+    return step * _STEP_SCALE + committed
+
+
+def committed_of(quorum_step_value: int) -> int:
+    """The committed steps in a :func:`quorum_step` value."""
+    return quorum_step_value % _STEP_SCALE
 
 
 def fingerprint(*parts: Any) -> str:

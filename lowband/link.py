@@ -216,9 +216,27 @@ class Link:
 
     @property
     def group_ranks(self) -> list[int]:
+        """The members of the replicate group: global ranks; with fault tolerance the quorum's replica
+        ranks 0 .. group_size − 1 (the same order on every node)."""
         if self.ft is not None:
             return list(range(self.group_size))
         return list(self._group_ranks)
+
+    @property
+    def group_rank(self) -> int:
+        """This rank's index in its replicate group, 0 ≤ group_rank < group_size: ``group_ranks[group_rank]``
+        is this rank. With fault tolerance its node's place in the current quorum (0 while alone)."""
+        if self.ft is not None:
+            return self.ft.member_rank if self.group_size > 1 else 0
+        return self._group_ranks.index(self.rank)
+
+    @property
+    def max_group_size(self) -> int:
+        """The most replicas the replicate group can hold: ``group_size``; with fault tolerance the node
+        slots (``--ft-max-nodes``), since the live nodes change from quorum to quorum."""
+        if self.ft is not None:
+            return int(self.ft.cfg.max_nodes)
+        return len(self._group_ranks)
 
     def commit(self) -> bool:
         """May this step's exchanges be applied? Optimizers ask once per communicating step, before
@@ -250,7 +268,7 @@ class Link:
     def _ring_record(self, sent_per_rank: int) -> tuple[int, int, int]:
         """Inter-node bytes (sent, received) for this rank and for its node, ring order = group order."""
         if self.ft is not None:  # members of a quorum are nodes: every hop crosses
-            ranks, me_rank = self.group_ranks, self.ft.member_rank if self.group_size > 1 else 0
+            ranks, me_rank = self.group_ranks, self.group_rank
 
             def node(r: int) -> int:
                 return r
@@ -417,9 +435,14 @@ class Link:
         Symmetric point-to-point (batch_isend_irecv); the group of the operation is the peers plus
         this rank. Raises :class:`PeerTimeoutError` naming the peers if they don't answer within
         ``timeout_s`` (on ``wait()`` when ``async_op=True``; the handle's result is the list).
+
+        With fault tolerance ``peers`` are replica ranks of the current quorum (``group_ranks``,
+        0 .. group_size − 1), reached through torchft's process group (send/recv): a peer that
+        vanishes or stays silent for ``--ft-timeout`` is reported to the Manager, not raised, and
+        the received tensors are zeros (the step will not commit on this node).
         """
         if self.ft is not None:
-            raise ValueError("point-to-point exchanges (NoLoCo) do not run under fault tolerance yet")
+            return self._exchange_ft(tensor, peers, async_op=async_op)
         peers = [int(p) for p in peers if int(p) != self.rank]
         start = time.perf_counter()
         payload = _nbytes(tensor)
@@ -448,6 +471,47 @@ class Link:
                  node_inter_node_bytes_sent=node_sent, messages=1 if peers else 0),
             start, works, received, timeout_what=peers, async_op=async_op,
         )
+
+    def _exchange_ft(self, tensor: torch.Tensor, peers: Sequence[int], *, async_op: bool):
+        """:meth:`exchange` under fault tolerance: peers are replica ranks of the quorum, every one another node."""
+        g, me = self.group_size, self.group_rank
+        peers = [int(p) for p in peers if int(p) != me]
+        outside = [p for p in peers if not 0 <= p < g]
+        if outside:
+            raise ValueError(f"exchange: peers {outside} are not replica ranks of the current quorum (0..{g - 1}); "
+                             "with fault tolerance peers are indices into Link.group_ranks, not global ranks")
+        start = time.perf_counter()
+        # gloo's send/recv take the tensor's memory as host memory (no device staging, unlike its
+        # collectives): tensors on an accelerator travel through CPU copies.
+        device = tensor.device
+        staged = device.type != "cpu"
+        t = tensor.detach().to("cpu").contiguous() if staged else tensor.contiguous()
+        payload = _nbytes(t)
+        received = [torch.zeros_like(t) for _ in peers]
+        works: list = []
+        if peers and not self.ft.errored:  # after a failure the step is dropped: send nothing more
+            with self._peers_guard("exchange"):
+                # Receives first, as in the plain exchange (gloo sends once the receiver has announced).
+                posted = [self.ft.pg.recv([buf], p, _EXCHANGE_TAG) for p, buf in zip(peers, received, strict=True)]
+                posted += [self.ft.pg.send([t], p, _EXCHANGE_TAG) for p in peers]
+                works = posted
+        # Every member of a quorum is another node: each peer is one message across.
+        inter = len(peers) * payload
+        return self._launch(
+            dict(kind="exchange", group_size=len(peers) + 1, payload_bytes=payload,
+                 bytes_sent=inter, bytes_recv=inter, inter_node_bytes_sent=inter, inter_node_bytes_recv=inter,
+                 node_inter_node_bytes_sent=inter * self.topology.shards,  # type: ignore[operator]
+                 messages=1 if peers else 0),
+            start, works, (lambda: [b.to(device) for b in received]) if staged else received,
+            timeout_what=None, async_op=async_op,
+        )
+
+
+#: The tag of the point-to-point messages of an exchange under fault tolerance. One tag is enough:
+#: between two ranks messages of one tag arrive in order, and torchft gives every new quorum (also
+#: the one after a failed step) a freshly configured process group, so nothing of a failed exchange
+#: is left to be received by the next one.
+_EXCHANGE_TAG = 0
 
 
 class LinkHandle:
@@ -513,8 +577,11 @@ class LinkHandle:
                 with link._peers_guard(self.record.kind):
                     w.wait()
         self._value = self._result() if callable(self._result) else self._result
-        if link.ft is not None and link.ft.errored and isinstance(self._value, torch.Tensor):
-            self._value.zero_()  # a failed collective leaves partial data: the step is dropped anyway
+        if link.ft is not None and link.ft.errored:
+            # A failed operation leaves partial data: the step is dropped anyway.
+            for t in self._value if isinstance(self._value, list) else [self._value]:
+                if isinstance(t, torch.Tensor):
+                    t.zero_()
         remaining = self._ready_at - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)

@@ -595,8 +595,8 @@ def test_add_param_group_reaches_the_inner_optimizer():
 class _StubLink:
     """Enough of a link to validate hyper-parameters against R = 4 replicas."""
 
-    group_size = 4
-    topology = None
+    group_size = max_group_size = 4
+    topology = ft = None
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowband.ft import FaultToleranceConfig, data_slot, load_local_state, local_state
+from lowband.ft import (
+    FaultToleranceConfig,
+    committed_of,
+    data_slot,
+    load_local_state,
+    local_state,
+    quorum_step,
+)
 from lowband.train.loop import TrainConfig
 from lowband.train.methods import method_config
 
@@ -22,9 +29,9 @@ def test_bad_fault_tolerance_configuration_is_named(kwargs, needle):
 
 
 @pytest.mark.parametrize("method, hp, needle", [
-    ("noloco", {}, "NoLoCo does not run under fault tolerance"),
     ("flexdemo", {"overlap": True}, "overlap=true does not run under fault tolerance"),
     ("diloco", {"overlap": True, "sync_every": 10}, "overlapped outer step"),
+    ("noloco", {"overlap": True, "sync_every": 10}, "overlapped outer step"),
 ])
 def test_methods_that_cannot_run_under_fault_tolerance_refuse_before_any_process(method, hp, needle):
     cfg = TrainConfig(method=method, hp=hp, ft_lighthouse="http://127.0.0.1:1", ft_max_nodes=2, steps=20)
@@ -32,7 +39,7 @@ def test_methods_that_cannot_run_under_fault_tolerance_refuse_before_any_process
         cfg.validate()
 
 
-@pytest.mark.parametrize("method", ["flexdemo", "adamw", "deto-full", "diloco"])
+@pytest.mark.parametrize("method", ["flexdemo", "adamw", "deto-full", "diloco", "noloco"])
 def test_methods_that_run_under_fault_tolerance_pass_the_check(method):
     method_config(method, {}).check_fault_tolerance()  # raises if refused
 
@@ -65,3 +72,16 @@ def test_state_copied_from_a_peer_loads_in_place_and_keeps_references():
 def test_state_of_another_model_is_refused_by_name(peer, needle):
     with pytest.raises(ValueError, match=needle):
         load_local_state({"w": torch.zeros(3)}, peer)
+
+
+def test_the_quorum_orders_nodes_by_training_step_then_by_committed_steps():
+    # A node that started late (step 0) is behind nodes at their first outer step that have not
+    # committed yet either: it heals forward instead of joining them at another step.
+    assert quorum_step(0, 0) < quorum_step(4, 0)
+    # At the same training step, a node that dropped a step the others committed is behind.
+    assert quorum_step(9, 1) < quorum_step(9, 2)
+    # The training step comes first, and a commit (torchft adds 1) stays inside its step.
+    assert quorum_step(9, 7) < quorum_step(14, 0) and quorum_step(9, 7) + 1 == quorum_step(9, 8)
+    assert committed_of(quorum_step(123_456, 41)) == 41 and committed_of(quorum_step(123_456, 41) + 1) == 42
+    with pytest.raises(ValueError, match="must be >= 0"):
+        quorum_step(3, -1)

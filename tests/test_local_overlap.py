@@ -202,8 +202,8 @@ def test_nonfinite_outer_message_is_refused_at_the_merge_and_changes_nothing():
 
 
 class _StubLink:
-    group_size = 4
-    topology = None
+    group_size = max_group_size = 4
+    topology = ft = None
 
 
 @pytest.mark.parametrize(

@@ -53,8 +53,8 @@ from lowband.optim._common import (
     state_view,
 )
 
-__all__ = ["DILOCO_INNER_DEFAULTS", "NOLOCO_INNER_DEFAULTS", "DiLoCo", "NoLoCo", "check_delay", "noloco_groups",
-           "unmerged_tail_note", "warmup_cosine", "warmup_cosine_factor"]
+__all__ = ["DILOCO_INNER_DEFAULTS", "NOLOCO_INNER_DEFAULTS", "DiLoCo", "NoLoCo", "check_delay", "noloco_group_size",
+           "noloco_groups", "unmerged_tail_note", "warmup_cosine", "warmup_cosine_factor"]
 
 log = logging.getLogger(__name__)
 
@@ -817,6 +817,20 @@ def noloco_groups(num_replicas: int, group_size: int, *, seed: int, outer_index:
     return [sorted(g) for g in groups]
 
 
+def noloco_group_size(group_size: int, live_replicas: int) -> int:
+    """The group size n of an outer step with ``live_replicas`` replicas: min(n, live replicas).
+
+    Without fault tolerance n ≤ R is checked when NoLoCo is built and this is n. Under fault
+    tolerance the live nodes change from one outer step's quorum to the next: with fewer live than
+    n, the step takes all live replicas as one group (an exchange needs no replica that is not
+    there, and a run that lost nodes goes on rather than stopping mid-run); with one, nothing is
+    exchanged.
+    """
+    if live_replicas < 1:
+        raise ValueError(f"live_replicas must be >= 1, got {live_replicas}")
+    return max(min(group_size, live_replicas), 1)
+
+
 class NoLoCo(_LocalSGD):
     r"""NoLoCo: local steps, then an outer step that averages only inside small random groups.
 
@@ -851,6 +865,16 @@ class NoLoCo(_LocalSGD):
     θ_i ← φ_i + (θ_i − θ_sent). Still point-to-point inside the group only; a refused group raises
     at step kH + τ; checkpoints in flight resume bit for bit; a peer's timeout is raised by the wait.
 
+    **Fault tolerance** (a link with ``ft``, blocking outer step only): the replicas are the live nodes
+    of each outer step's torchft quorum, R = ``link.group_size`` and i = ``link.group_rank`` (its
+    place in the quorum, the same order on every node); the groups are drawn from them as above, n
+    clipped to the live count (:func:`noloco_group_size`: n is checked against the node slots,
+    ``--ft-max-nodes``, when NoLoCo is built; alone, a node exchanges nothing). A peer lost during
+    the exchange is not raised: the outer step is dropped on this node (φ, δ, θ unchanged, asked
+    through ``Link.commit()`` before any change), and at the next quorum torchft heals the node
+    from a peer that committed it, if any did (see :meth:`reset_replica_state`). The wait for a
+    peer is bounded by ``--ft-timeout``, not ``timeout_s``.
+
     Param groups are shared with the inner optimizer (``lr`` is the inner lr); ``alpha``, ``beta``,
     ``gamma`` are per group, ``group_size`` and ``seed`` must be the same in all groups.
 
@@ -876,7 +900,8 @@ class NoLoCo(_LocalSGD):
         delay: τ, as for :class:`DiLoCo` (0 ≤ τ < H; 0: blocking).
 
     Attributes:
-        last_group: global ranks of this rank's group in the last outer step.
+        last_group: global ranks of this rank's group in the last outer step (under fault tolerance:
+            replica ranks in that step's quorum).
         ``last_sync_time_s``, ``inner_steps``, ``outer_steps``: as :class:`DiLoCo`.
     """
 
@@ -902,7 +927,9 @@ class NoLoCo(_LocalSGD):
         delay: int = 0,
     ) -> None:
         gamma = beta if gamma is None else gamma
-        replicas = link.group_size if link is not None else 1
+        # Under fault tolerance the live replicas are known only at each outer step's quorum: n is
+        # checked against the node slots here and clipped to the live nodes at the outer step.
+        replicas = link.max_group_size if link is not None else 1
         self._validate(alpha, beta, gamma, group_size, replicas)
         if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
             raise ValueError(f"seed must be an integer, got {seed!r}")
@@ -911,6 +938,9 @@ class NoLoCo(_LocalSGD):
         if replicas == 1:
             log.warning("NoLoCo with a single replica: group_size=%d is ignored and nothing is exchanged",
                         group_size)
+        if timeout_s is not None and link is not None and link.ft is not None:
+            log.warning("NoLoCo timeout_s=%g is not used under fault tolerance: --ft-timeout bounds the wait "
+                        "for a peer", timeout_s)
         super().__init__(
             params,
             inner_optimizer,
@@ -925,6 +955,7 @@ class NoLoCo(_LocalSGD):
         )
         self.timeout_s = timeout_s
         self.last_group: list[int] = []
+        self._clipped_for: int | None = None  # the live count n was last clipped to (one warning per change)
         for group in self.param_groups:
             self._validate(group["alpha"], group["beta"], group["gamma"], group["group_size"], replicas)
         if len({(g["group_size"], g["seed"]) for g in self.param_groups}) != 1:
@@ -947,7 +978,7 @@ class NoLoCo(_LocalSGD):
         A run resumed on fewer replicas than n (e.g. after losing nodes) is refused here, before any
         step, rather than at its first outer step.
         """
-        replicas = self.link.group_size if self.link is not None else 1
+        replicas = self.link.max_group_size if self.link is not None else 1
         for group in state_dict.get("param_groups", []):
             n = group.get("group_size")
             if n is not None and replicas > 1 and n > replicas:
@@ -960,6 +991,23 @@ class NoLoCo(_LocalSGD):
 
     def _init_outer_state(self, p: torch.Tensor, state: dict) -> None:
         state["delta"] = replica_state_like(p, self._topology)
+
+    @torch.no_grad()
+    def reset_replica_state(self) -> None:
+        """After this replica copied a live peer's state (fault tolerance): θ ← φ, error feedback 0, δ kept.
+
+        As for :class:`DiLoCo`: the inner weights restart from φ (the peer's inner steps since the last
+        outer step would otherwise count twice in the next group mean) and the error feedback
+        (``error_phi``, ``error_delta``: what this replica's messages have not sent yet) is zero.
+        φ is the peer's, and so is δ, NoLoCo's outer momentum, on purpose: δ is per replica, but it
+        is never sent (the messages carry φ and θ − φ), so a copy counts nothing twice; it is the
+        momentum of the φ just copied, and (φ, δ) together are where the peer's outer trajectory
+        is. Zero would make this replica's next outer step differ from its twin's for no reason
+        other than the restart. The replica is then a copy of the peer until the groups and the data
+        (each node reads its own slice) make them differ again. (torchft picks the peer per rank: a
+        node sharded over several ranks may copy its shards from different peers at the same step.)
+        """
+        super().reset_replica_state()
 
     @contextlib.contextmanager
     def _group_timeout(self, outer_index: int, me: int, members: list[int], peers: list[int]):
@@ -987,15 +1035,15 @@ class NoLoCo(_LocalSGD):
     def _begin_outer(self, outer_index: int, *, async_op: bool) -> _OuterFlight:
         params = self._params()
         link = self.link
-        replicas = link.group_size if link is not None else 1
         group0 = self.param_groups[0]
         if link is not None:
-            me = self._topology.replica_index(link.rank)  # type: ignore[union-attr]
-            ranks = link.group_ranks
+            # The live replicas (under fault tolerance: the nodes of this outer step's quorum).
+            replicas, me, ranks = link.group_size, link.group_rank, link.group_ranks
         else:
-            me, ranks = 0, [0]
-        members = next(g for g in noloco_groups(replicas, group0["group_size"], seed=group0["seed"],
-                                                outer_index=outer_index) if me in g)
+            replicas, me, ranks = 1, 0, [0]
+        n = self._live_group_size(group0["group_size"], replicas)
+        members = next(g for g in noloco_groups(replicas, n, seed=group0["seed"], outer_index=outer_index)
+                       if me in g)
         peers = [ranks[j] for j in members if j != me]
         self.last_group = [ranks[j] for j in members]
 
@@ -1020,6 +1068,15 @@ class NoLoCo(_LocalSGD):
             with self._group_timeout(outer_index, **extra):
                 received = link.exchange(flat, peers, async_op=async_op)  # type: ignore[union-attr]
         return _OuterFlight(outer_index, received, flat, fp_flat, v, 2 * numel, extra)
+
+    def _live_group_size(self, n: int, replicas: int) -> int:
+        """n for this outer step: :func:`noloco_group_size`, with a warning each time the clip changes."""
+        live_n = noloco_group_size(n, replicas)
+        if live_n != n and replicas > 1 and replicas != self._clipped_for:
+            log.warning("NoLoCo: %d live replicas, fewer than group_size n=%d: this outer step averages over all "
+                        "of them (one group)", replicas, n)
+        self._clipped_for = replicas if live_n != n else None
+        return live_n
 
     def _end_outer(self, flight: _OuterFlight, result: Any) -> str | None:
         flat, fp_flat, numel = flight.message, flight.fp_flat, flight.numel // 2

@@ -599,7 +599,7 @@ class Trainer:
         _reshard(self.model)  # a peer copies (and this node loads) the sharded parameters
         before = self.ft.last_members
         healed0 = len(self.ft.healed_at)
-        self.ft.start_step()
+        self.ft.start_step(step)
         if self._healed_to is not None:
             self.ft.healed_at[-1]["quorum_s"] = self.ft.last_quorum_s  # the quorum with the transfer in it
             log.warning("node %d joined at step %d: model and optimizer state copied from a live peer in %.2f s "

@@ -352,11 +352,6 @@ class NoLoCoConfig(_LocalConfig):
     overlap: bool = _NOLOCO["overlap"]
     delay: int = _NOLOCO["delay"]
 
-    def check_fault_tolerance(self) -> None:
-        raise ValueError("NoLoCo does not run under fault tolerance yet: its gossip groups exchange point to point, "
-                         "which torchft's quorum (one per outer step, over all nodes) would turn into a global "
-                         "barrier; use DiLoCo, FlexDeMo, Deto-Full or AdamW with --ft-lighthouse")
-
     def build(self, params, *, link, model=None):
         inner, kw = self._optimizer_kwargs()
         return NoLoCo(params, inner, link=link, **kw)

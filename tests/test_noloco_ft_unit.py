@@ -1,0 +1,262 @@
+"""NoLoCo under fault tolerance without processes: the link's exchange through torchft's process group,
+the group size clipped to the live nodes, the commit gate, and what a healed replica resets.
+
+torchft is replaced by a stand-in (a quorum of fixed size, a process group whose send/recv go through
+in-memory queues); the nodes of one test run in threads of this process.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lowband.link import Link
+from lowband.optim import NoLoCo
+from lowband.optim._common import state_view
+from lowband.optim.local_sgd import noloco_group_size
+from lowband.testing import tiny_loss, tiny_model
+from lowband.topology import Topology
+
+INNER = functools.partial(torch.optim.Adam, lr=1e-2)
+
+
+class _Done:
+    def wait(self, timeout=None):
+        return True
+
+
+class _Recv:
+    def __init__(self, net, key, buf, fail):
+        self.net, self.key, self.buf, self.fail = net, key, buf, fail
+
+    def wait(self, timeout=None):
+        if self.fail:
+            raise RuntimeError("Connection closed by peer")
+        self.buf.copy_(self.net.setdefault(self.key, queue.Queue()).get(timeout=10))
+        return True
+
+
+class FakePG:
+    """torchft's process group as the link uses it: send/recv of one tensor with a tag, returning a Work."""
+
+    def __init__(self, net: dict, me: int, lost: set[int]):
+        self.net, self.me, self.lost, self.calls = net, me, lost, []
+
+    def send(self, tensors, dst, tag):
+        assert tensors[0].device.type == "cpu", "gloo's send/recv read host memory"
+        self.calls.append(("send", dst, tag))
+        self.net.setdefault((self.me, dst, tag), queue.Queue()).put(tensors[0].clone())
+        return _Done()
+
+    def recv(self, tensors, src, tag):
+        assert tensors[0].device.type == "cpu", "gloo's send/recv read host memory"
+        self.calls.append(("recv", src, tag))
+        return _Recv(self.net, (src, self.me, tag), tensors[0], src in self.lost)
+
+
+class FakeFT:
+    """lowband.ft.FaultTolerance as the link and the optimizers see it."""
+
+    def __init__(self, *, members: int, rank: int, max_nodes: int, net: dict | None = None, lost=()):
+        self.members, self.member_rank = members, rank
+        self.cfg = SimpleNamespace(max_nodes=max_nodes)
+        self.pg = FakePG({} if net is None else net, rank, set(lost))
+        self.errors: list[BaseException] = []
+
+    @property
+    def errored(self) -> bool:
+        return bool(self.errors)
+
+    def report_error(self, e: BaseException) -> None:
+        self.errors.append(e)
+
+    def commit(self) -> bool:
+        return not self.errors
+
+
+def ft_link(**kw) -> Link:
+    return Link(Topology(num_nodes=1, ranks_per_node=1), ft=FakeFT(**kw))
+
+
+# ----------------------------------------------------------------------------- the link
+def test_group_rank_and_bounds_with_and_without_fault_tolerance():
+    plain = Link(Topology(num_nodes=1, ranks_per_node=1))
+    assert (plain.group_rank, plain.group_size, plain.max_group_size) == (0, 1, 1)
+    link = ft_link(members=3, rank=2, max_nodes=4)
+    assert (link.group_rank, link.group_size, link.max_group_size, link.group_ranks) == (2, 3, 4, [0, 1, 2])
+    link.ft.members, link.ft.member_rank = 0, None  # before the first quorum: alone
+    assert (link.group_rank, link.group_size) == (0, 1)
+
+
+def test_exchange_under_fault_tolerance_posts_receives_first_and_counts_every_peer_as_another_node():
+    net: dict = {}
+    link = ft_link(members=3, rank=1, max_nodes=3, net=net)
+    mine = torch.arange(5.0)
+    for peer in (0, 2):  # the peers' messages, already on their way
+        net[(peer, 1, 0)] = queue.Queue()
+        net[(peer, 1, 0)].put(torch.full((5,), float(peer + 10)))
+    handle = link.exchange(mine, [0, 2, 1], async_op=True)  # this node's own rank is left out
+    received = handle.wait()
+    assert [r.tolist() for r in received] == [[10.0] * 5, [12.0] * 5]
+    assert link.ft.pg.calls == [("recv", 0, 0), ("recv", 2, 0), ("send", 0, 0), ("send", 2, 0)]
+    assert torch.equal(net[(1, 0, 0)].get_nowait(), mine) and torch.equal(net[(1, 2, 0)].get_nowait(), mine)
+    (op,) = link.current.ops
+    assert (op.kind, op.group_size, op.payload_bytes, op.messages) == ("exchange", 3, 20, 1)
+    assert op.bytes_sent == op.inter_node_bytes_sent == op.inter_node_bytes_recv == 40
+    assert op.node_inter_node_bytes_sent == 40  # one rank per node here (S = 1)
+    assert link.commit()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_exchange_under_fault_tolerance_stages_device_tensors_through_the_cpu():
+    net: dict = {(0, 1, 0): queue.Queue()}
+    net[(0, 1, 0)].put(torch.full((3,), 7.0))
+    link = ft_link(members=2, rank=1, max_nodes=2, net=net)
+    (got,) = link.exchange(torch.arange(3.0, device="cuda"), [0])
+    assert got.device.type == "cuda" and got.tolist() == [7.0, 7.0, 7.0]
+    assert net[(1, 0, 0)].get_nowait().tolist() == [0.0, 1.0, 2.0]
+
+
+def test_exchange_under_fault_tolerance_reports_a_lost_peer_and_returns_zeros():
+    net: dict = {(0, 1, 0): queue.Queue()}
+    net[(0, 1, 0)].put(torch.ones(4))  # peer 0 answered, peer 2 is gone
+    link = ft_link(members=3, rank=1, max_nodes=3, net=net, lost={2})
+    received = link.exchange(torch.ones(4), [0, 2])  # no exception
+    assert all(torch.equal(r, torch.zeros(4)) for r in received)  # partial data is not handed on
+    assert len(link.ft.errors) == 1 and "closed by peer" in str(link.ft.errors[0])
+    assert not link.commit()
+    calls = len(link.ft.pg.calls)
+    again = link.exchange(torch.ones(4), [0])  # the step is lost already: nothing more is sent
+    assert len(link.ft.pg.calls) == calls and torch.equal(again[0], torch.zeros(4))
+
+
+def test_exchange_under_fault_tolerance_refuses_peers_outside_the_quorum():
+    link = ft_link(members=2, rank=0, max_nodes=4)
+    with pytest.raises(ValueError, match=r"peers \[5\] are not replica ranks of the current quorum \(0..1\)"):
+        link.exchange(torch.ones(2), [5])
+
+
+# ----------------------------------------------------------------------------- NoLoCo
+def test_group_size_is_clipped_to_the_live_replicas():
+    assert noloco_group_size(2, 5) == 2
+    assert noloco_group_size(4, 3) == 3
+    assert noloco_group_size(2, 1) == 1
+    with pytest.raises(ValueError, match="live_replicas must be >= 1"):
+        noloco_group_size(2, 0)
+
+
+def test_group_size_is_checked_against_the_node_slots_under_fault_tolerance():
+    model = tiny_model()
+    # Before the first quorum the link says 1 live node: n is checked against --ft-max-nodes instead.
+    NoLoCo(model.parameters(), INNER, link=ft_link(members=0, rank=None, max_nodes=4), group_size=4)
+    with pytest.raises(ValueError, match=r"group_size \(n\) must be in \[2, R=4\]"):
+        NoLoCo(model.parameters(), INNER, link=ft_link(members=0, rank=None, max_nodes=4), group_size=5)
+
+
+def _nodes(live: int, *, max_nodes: int, group_size: int, sync_every: int, lost=None, **kw):
+    """``live`` NoLoCo replicas (same init) in one quorum; node i cannot reach the nodes in lost[i]."""
+    net: dict = {}
+    nodes = []
+    for i in range(live):
+        link = Link(Topology(num_nodes=1, ranks_per_node=1),
+                    ft=FakeFT(members=live, rank=i, max_nodes=max_nodes, net=net, lost=(lost or {}).get(i, ())))
+        model = tiny_model()
+        opt = NoLoCo(model.parameters(), INNER, link=link, sync_every=sync_every, group_size=group_size,
+                     max_grad_norm=None, **kw)
+        nodes.append((model, opt, link))
+    return nodes
+
+
+def _train(nodes, steps) -> None:
+    """Every node trains ``steps`` on its own data, all at once (the outer step needs its peers)."""
+    errors = []
+
+    def node(i, model, opt):
+        try:
+            for step in steps:
+                opt.zero_grad()
+                tiny_loss(model, i, step).backward()
+                opt.step()
+        except BaseException as e:  # noqa: BLE001 (handed to the test thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=node, args=(i, m, o)) for i, (m, o, _) in enumerate(nodes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+
+
+def _inner_only(rank: int, steps) -> list[torch.Tensor]:
+    """θ after ``steps`` inner steps of replica ``rank`` alone (the reference)."""
+    model = tiny_model()
+    opt = INNER(model.parameters())
+    for step in steps:
+        opt.zero_grad()
+        tiny_loss(model, rank, step).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_noloco_under_fault_tolerance_clips_n_to_the_live_nodes_and_averages_over_them(caplog):
+    # n = 3 with 4 node slots, 2 of them live: one group of the two, with a warning.
+    nodes = _nodes(2, max_nodes=4, group_size=3, sync_every=3)
+    phi0 = [p.detach().clone() for p in tiny_model().parameters()]
+    _train(nodes, range(3))
+    assert "2 live replicas, fewer than group_size n=3" in caplog.text
+    thetas = [_inner_only(i, range(3)) for i in range(2)]
+    beta = nodes[0][1].param_groups[0]["beta"]
+    for model, opt, link in nodes:
+        assert opt.last_group == [0, 1] and opt.dropped_outer_steps == 0
+        assert [(op.kind, op.group_size) for op in link.current.ops] == [("exchange", 2)]
+        # φ was equal on both, δ = 0: φ ← φ + β·mean(θ_j − φ); θ ← φ.
+        for p, f0, t0, t1 in zip(model.parameters(), phi0, *thetas, strict=True):
+            torch.testing.assert_close(p.detach(), f0 + beta * ((t0 - f0) + (t1 - f0)) / 2, rtol=0, atol=1e-6)
+    for p, q in zip(nodes[0][0].parameters(), nodes[1][0].parameters(), strict=True):
+        assert torch.equal(p, q)  # one group, one summation order: equal bit for bit
+
+
+def test_noloco_alone_exchanges_nothing():
+    ((model, opt, link),) = _nodes(1, max_nodes=3, group_size=2, sync_every=2)
+    _train([(model, opt, link)], range(2))
+    assert link.ft.pg.calls == [] and opt.last_group == [0] and opt.outer_steps == 1
+
+
+def test_a_lost_peer_drops_the_outer_step_and_changes_no_state():
+    # Node 1 cannot hear node 2: it drops the outer step; node 2's receive from 1 still works.
+    # (R = 3, n = 2: one group of three.)
+    nodes = _nodes(3, max_nodes=3, group_size=2, sync_every=2, lost={1: {2}})
+    phi0 = [p.detach().clone() for p in tiny_model().parameters()]
+    _train(nodes, range(2))
+    model, opt, _ = nodes[1]
+    assert opt.dropped_outer_steps == 1 and opt.inner_steps == 2 and opt.last_group == [0, 1, 2]
+    for p, phi in zip(model.parameters(), phi0, strict=True):
+        assert torch.equal(state_view(opt.state[p]["slow"]), phi)  # φ as it was
+        assert not state_view(opt.state[p]["delta"]).any()  # δ as it was (0)
+    theta = _inner_only(1, range(2))  # θ keeps its inner steps (not reset to φ)
+    for p, t in zip(model.parameters(), theta, strict=True):
+        torch.testing.assert_close(p.detach(), t, rtol=0, atol=1e-6)
+    assert nodes[0][1].dropped_outer_steps == 0 and nodes[2][1].dropped_outer_steps == 0
+
+
+def test_reset_replica_state_restarts_theta_from_phi_zeroes_error_feedback_and_keeps_delta():
+    nodes = _nodes(2, max_nodes=2, group_size=2, sync_every=2, values="int8", quant_block=16)
+    _train(nodes, range(3))  # one outer step, then one inner step: θ ≠ φ, δ ≠ 0, error feedback ≠ 0
+    model, opt, _ = nodes[0]
+    params = list(model.parameters())
+    delta = [state_view(opt.state[p]["delta"]).clone() for p in params]
+    assert any(d.abs().sum() > 0 for d in delta)
+    assert any(state_view(opt.state[p]["error_phi"]).abs().sum() > 0 for p in params)
+    assert any(not torch.equal(p.detach(), state_view(opt.state[p]["slow"])) for p in params)
+    opt.reset_replica_state()
+    for p, d in zip(params, delta, strict=True):
+        st = opt.state[p]
+        assert torch.equal(p.detach(), state_view(st["slow"]))
+        assert torch.equal(state_view(st["delta"]), d)
+        assert not state_view(st["error_phi"]).any() and not state_view(st["error_delta"]).any()
