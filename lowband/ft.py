@@ -272,10 +272,19 @@ class FaultTolerance:
         return self._errored_this_step or self.manager.errored() is not None
 
     def commit(self) -> bool:
-        """The node's vote: True when every rank of the node may apply the step (call once per step)."""
+        """The node's vote: True when every rank of the node may apply the step (call once per step).
+
+        The vote waits for every rank of the node, and a rank may first wait out a collective's timeout
+        (a peer that died mid-exchange): so the vote allows three collective timeouts. A vote that fails
+        even so (the node's Manager server unreachable) is a failed step, not a crash: False.
+        """
         t0 = time.perf_counter()
         try:
-            return self.manager.should_commit()
+            return self.manager.should_commit(timeout=timedelta(seconds=3 * self.cfg.timeout_s + 5.0))
+        except (TimeoutError, RuntimeError) as e:
+            log.warning("rank %d: the node's commit vote failed (%s); the step is dropped", self.rank, e)
+            self.report_error(e)
+            return False
         finally:
             self.commit_s += time.perf_counter() - t0
 
