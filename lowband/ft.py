@@ -102,15 +102,17 @@ class FaultToleranceConfig:
             raise ValueError("--ft-timeout and the quorum timeout must be > 0 s")
 
 
-def start_lighthouse(*, bind: str = "[::]:0", min_nodes: int = 1, join_timeout_s: float = 1.0,
+def start_lighthouse(*, bind: str = "[::]:0", min_nodes: int = 1, join_timeout_s: float = 10.0,
                      heartbeat_timeout_s: float = 3.0, quorum_tick_s: float = 0.05):
     """Start a torchft Lighthouse in this process; returns the server (``.address()``, ``.shutdown()``).
 
     Args:
         bind: address and port to listen on ("[::]:0": any free port).
         min_nodes: a quorum needs at least this many nodes.
-        join_timeout_s: how long a quorum waits for nodes of the previous quorum that have not asked
-            yet (while it has ``min_nodes``): the time a dead node can hold the others back, at most.
+        join_timeout_s: how long a quorum waits for live nodes of the previous quorum that have not
+            asked yet (a dead node, silent for ``heartbeat_timeout_s``, is not waited for). It must
+            exceed the skew between nodes at a quorum: DiLoCo's nodes drift apart over H inner steps
+            with no exchange, and with 1 s a late node was left out, split the quorum and had to heal.
         heartbeat_timeout_s: a node without a heartbeat for this long is dead and not waited for.
         quorum_tick_s: how often the Lighthouse checks whether a quorum can form.
     """
@@ -353,8 +355,9 @@ def add_lighthouse_arguments(p) -> None:
 
     p.add_argument("--bind", default="[::]:29510", help="address:port to listen on (default [::]:29510)")
     p.add_argument("--min-nodes", type=int, default=1, help="a quorum needs at least this many nodes")
-    p.add_argument("--join-timeout", type=parse_duration, default=1.0, metavar="DURATION",
-                   help="how long a quorum waits for nodes of the previous one that have not asked yet")
+    p.add_argument("--join-timeout", type=parse_duration, default=10.0, metavar="DURATION",
+                   help="how long a quorum waits for live nodes of the previous one that have not asked yet "
+                        "(more than the nodes' skew at a quorum; dead nodes are not waited for)")
     p.add_argument("--heartbeat-timeout", type=parse_duration, default=3.0, metavar="DURATION",
                    help="a node silent for this long is dead: the next quorum goes on without it")
 

@@ -148,8 +148,9 @@ def _loss_plot(
         xs, mean, lo, hi = zip(*curve, strict=True)
         colour = colours[v.group]
         style = _LINESTYLES[links.index(v.bandwidth_bps) % len(_LINESTYLES)] if dash_by_link else "-"
-        if v.lr is not None and len({u.lr for u in vs if u.group == v.group}) > 1:
-            style = _LINESTYLES[sorted({u.lr for u in vs if u.group == v.group}).index(v.lr) % len(_LINESTYLES)]
+        lrs = sorted({u.lr for u in vs if u.group == v.group and u.lr is not None})  # a failed run may have none
+        if v.lr is not None and len(lrs) > 1:
+            style = _LINESTYLES[lrs.index(v.lr) % len(_LINESTYLES)]
         seeds = len(v.ok)
         label = v.label + (f" @ {format_bandwidth(v.bandwidth_bps)}" if dash_by_link and len(links) > 1 else "")
         label += f" ({seeds} seeds)" if seeds > 1 else ""

@@ -40,7 +40,7 @@ class FaultTolerantJob:
     """
 
     def __init__(self, *, train_args: list[str], nodes: int, ranks_per_node: int, out: str | Path,
-                 heartbeat_timeout_s: float = 2.0, join_timeout_s: float = 1.0, ft_timeout_s: float = 5.0,
+                 heartbeat_timeout_s: float = 2.0, join_timeout_s: float = 10.0, ft_timeout_s: float = 5.0,
                  net=None, node_dirs: Path | None = None, log_dir: Path | None = None) -> None:
         from lowband.ft import require_torchft
 
