@@ -210,6 +210,8 @@ class FaultTolerance:
                 return f"http://{advertise}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
         # Healing copies a peer's state (HTTP); torchft checks the step, we check the fingerprint.
+        self.quorums = 0  # quorums this node took part in
+        self.replica_ids: list[str] = []  # the last quorum's members (torchft replica ids)
         self.manager = Manager(
             pg=self.pg, load_state_dict=self._load, state_dict=state_dict, min_replica_size=1,
             use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
@@ -220,6 +222,8 @@ class FaultTolerance:
             replica_id=f"lowband_node{cfg.node}", hostname=advertise, init_sync=False,
             checkpoint_transport=_Transport(timeout=timeout, num_chunks=0),
         )
+        self.manager._client = _QuorumRecorder(self.manager._client, self)
+        watch_agent()
 
     # ------------------------------------------------------------------ membership
     def _load(self, state: dict) -> None:
@@ -250,6 +254,19 @@ class FaultTolerance:
         self.last_members = self.manager.num_participants()
         self.last_quorum_s = time.perf_counter() - t0
         self.quorum_s += self.last_quorum_s
+        self.quorums += 1
+        self._check_slot()
+
+    def _check_slot(self) -> None:
+        """Refuse a second live process for this node slot (``--ft-node`` given twice, or a node started
+        again while its old ranks still run): the one joining leaves with an error, the live one goes on."""
+        mine = f"lowband_node{self.cfg.node}"
+        twins = [r for r in self.replica_ids if r.split(":", 1)[0] == mine]
+        if len(twins) > 1 and self.quorums == 1:
+            raise NodeSlotTaken(
+                f"node slot {self.cfg.node} is already live in this job ({len(twins)} processes joined the quorum "
+                f"as --ft-node {self.cfg.node}): stop the other one, or start this one with a free slot "
+                f"(0..{self.cfg.max_nodes - 1}, one per node). The running job goes on.")
 
     @property
     def members(self) -> int:
@@ -297,6 +314,49 @@ class FaultTolerance:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class NodeSlotTaken(ValueError):
+    """Another live process already holds this node's ``--ft-node`` slot."""
+
+
+class _QuorumRecorder:
+    """torchft's manager client with the members of each quorum noted (torchft keeps only their count)."""
+
+    def __init__(self, client, ft: FaultTolerance) -> None:
+        self._client = client
+        self._ft = ft
+
+    def _quorum(self, *args, **kwargs):
+        result = self._client._quorum(*args, **kwargs)
+        self._ft.replica_ids = list(result.replica_ids)
+        return result
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+def watch_agent(poll_s: float = 1.0) -> None:
+    """Under torchrun, end this rank when its torchrun agent dies.
+
+    torchrun starts each rank in a session of its own, so a ``kill -9`` of the agent alone leaves the
+    ranks training as an orphaned node, and a restart of that node would run beside them. A daemon
+    thread notices the new parent and exits the process (the node is then dead, as the kill meant).
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                log.error("the torchrun agent of this node (pid %d) died: this rank stops too", parent)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="lowband-agent-watch", daemon=True).start()
 
 
 def state_bytes(obj: Any) -> int:

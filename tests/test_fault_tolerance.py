@@ -140,3 +140,36 @@ def test_a_node_of_another_job_is_refused_and_the_job_goes_on(tmp_path):
     assert "runs another job, model, method or hyper-parameters" in log, log[-3000:]
     recs = [json.loads((tmp_path / f"node{n}" / "ft_rank0.json").read_text()) for n in (0, 1)]
     assert recs[0]["param_sha256"] == recs[1]["param_sha256"]
+
+
+def test_a_second_process_for_a_live_node_is_refused_and_a_killed_agent_takes_its_ranks_with_it(tmp_path):
+    """Two ways a node's slot gets two processes: a user starts ``--ft-node 1`` twice, or kills only the
+    torchrun agent of node 1 (its ranks, in sessions of their own, would train on as orphans) and starts
+    node 1 again. The twin is refused and the live node goes on; the orphans end by themselves; the
+    restarted node heals and the job ends with the nodes equal."""
+    from lowband.cluster.ftjob import FaultTolerantJob
+
+    # Enough steps that node 0 is still training when node 1 is back (a start takes 10-20 s here).
+    args = ["--method", "flexdemo", "--steps", "700", *COMMON]
+    with FaultTolerantJob(train_args=args, nodes=2, ranks_per_node=2, out=tmp_path) as job:
+        job.start_all()
+        job.wait_for_step(1, 20)
+        twin = job.start_twin(1)
+        assert twin.wait(timeout=180) != 0
+        log = (tmp_path / "node1-twin.log").read_text()
+        assert "node slot 1 is already live in this job" in log, log[-3000:]
+        assert job.procs[1].poll() is None and job.procs[0].poll() is None  # the live nodes go on
+        ranks = job._ranks(1)
+        assert len(ranks) == 2
+        job.kill(1, "agent")
+        deadline = time.monotonic() + 15.0
+        while any(_running(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_running(p) for p in ranks), "the ranks of a node whose torchrun agent died live on"
+        job.start(1)
+        codes = job.wait(timeout_s=360)
+    assert codes == {0: 0, 1: 0}, {n: (tmp_path / f"node{n}.log").read_text()[-3000:] for n in codes}
+    recs = [[json.loads((tmp_path / f"node{n}" / f"ft_rank{r}.json").read_text()) for r in range(2)] for n in range(2)]
+    assert all(r["healed"] for r in recs[1])  # the restarted node copied the live one
+    for rank in range(2):
+        assert recs[0][rank]["param_sha256"] == recs[1][rank]["param_sha256"]

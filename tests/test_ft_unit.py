@@ -85,3 +85,24 @@ def test_the_quorum_orders_nodes_by_training_step_then_by_committed_steps():
     assert committed_of(quorum_step(123_456, 41)) == 41 and committed_of(quorum_step(123_456, 41) + 1) == 42
     with pytest.raises(ValueError, match="must be >= 0"):
         quorum_step(3, -1)
+
+
+def _ft_with(replica_ids, *, node, quorums):
+    from lowband.ft import FaultTolerance
+
+    ft = FaultTolerance.__new__(FaultTolerance)  # no Manager: only the membership check
+    ft.cfg = FaultToleranceConfig(lighthouse="http://h:1", node=node, max_nodes=3)
+    ft.replica_ids, ft.quorums = replica_ids, quorums
+    return ft
+
+
+def test_a_second_process_for_a_live_node_slot_is_refused_when_it_joins_and_the_live_one_goes_on():
+    from lowband.ft import NodeSlotTaken
+
+    ids = ["lowband_node0:aa", "lowband_node2:bb", "lowband_node2:cc", "lowband_node1:dd"]
+    with pytest.raises(NodeSlotTaken, match=r"node slot 2 is already live .* --ft-node 2.*free slot \(0\.\.2"):
+        _ft_with(ids, node=2, quorums=1)._check_slot()  # the newcomer (its first quorum) leaves
+    _ft_with(ids, node=2, quorums=5)._check_slot()  # the live one (many quorums behind it) goes on
+    _ft_with(ids, node=0, quorums=1)._check_slot()  # other slots are not concerned
+    # node10 is not node1
+    _ft_with(["lowband_node1:aa", "lowband_node10:bb"], node=1, quorums=1)._check_slot()

@@ -76,6 +76,7 @@ class FaultTolerantJob:
         port = line.split()[2].rsplit(":", 1)[1]
         self.address = f"http://{host}:{port}"
         self.procs: dict[int, subprocess.Popen] = {}
+        self.orphans: dict[int, list[int]] = {}  # ranks left running by kill(node, "agent")
         self.events: list[dict] = []  # what was done to which node, and when
 
     def node_out(self, node: int) -> Path:
@@ -88,10 +89,22 @@ class FaultTolerantJob:
         """Start (or restart) node ``node``: a torchrun of ``ranks_per_node`` ranks in its own session."""
         if node in self.procs and self.procs[node].poll() is None:
             raise RuntimeError(f"node {node} is running")
+        self.procs[node] = self._launch(node, self.node_out(node), self.log_path(node))
+        self.events.append({"event": "start", "node": node, "unix_s": time.time()})
+
+    def start_twin(self, node: int) -> subprocess.Popen:
+        """Start a second torchrun for the slot of live node ``node`` (a user's mistake: the same
+        ``--ft-node`` twice), into ``out/node{N}-twin``; the caller owns (and waits for) the process."""
+        self.events.append({"event": "start-twin", "node": node, "unix_s": time.time()})
+        p = self._launch(node, self.out / f"node{node}-twin", self.log_dir / f"node{node}-twin.log")
+        self.orphans.setdefault(node, []).append(p.pid)  # close() takes it down if the caller did not
+        return p
+
+    def _launch(self, node: int, out: Path, log_path: Path) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={self.ranks_per_node}", "-m", "lowband.cli", "train", *self.train_args,
                "--ft-lighthouse", self.address, "--ft-node", str(node), "--ft-max-nodes", str(self.nodes),
-               "--ft-timeout", f"{self.ft_timeout_s}s", "--out", str(self.node_out(node)), "--no-progress"]
+               "--ft-timeout", f"{self.ft_timeout_s}s", "--out", str(out), "--no-progress"]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    RUST_LOG=os.environ.get("RUST_LOG", "error"))
         if self.net is not None:
@@ -99,31 +112,77 @@ class FaultTolerantJob:
             cmd = self.net.exec_argv(node, cmd)
         else:
             env.update(GLOO_SOCKET_IFNAME="lo", LOWBAND_FT_ADVERTISE="127.0.0.1")
-        log = open(self.log_path(node), "a")  # noqa: SIM115 (closed with the process)
-        self.procs[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
+        log = open(log_path, "a")  # noqa: SIM115 (closed with the process)
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
-        self.events.append({"event": "start", "node": node, "unix_s": time.time()})
+        return p
 
     def start_all(self) -> None:
         for i in range(self.nodes):
             self.start(i)
 
-    def kill(self, node: int) -> None:
-        """SIGKILL every process of ``node`` (its torchrun agent and all its ranks) at once.
+    def kill(self, node: int, what: str = "all") -> None:
+        """SIGKILL processes of ``node``.
+
+        ``what``: ``"all"`` (its torchrun agent and all its ranks at once, as a machine failure would),
+        ``"ranks"`` (every rank, the agent lives and sees its workers fail), ``"rank"`` (one rank, its
+        last), or ``"agent"`` (torchrun only; its ranks are orphaned).
 
         torchrun starts each rank in a session of its own, so the agent's process group is not enough:
-        every descendant is found first, then all are killed together."""
+        every descendant is found first, then all are killed together. With ``"all"`` the call returns
+        once the agent is reaped; otherwise the agent (or the orphans) may still be winding down."""
         from lowband.cluster._procs import descendants
 
+        if what not in ("all", "ranks", "rank", "agent"):
+            raise ValueError(f"kill what={what!r}: one of all, ranks, rank, agent")
         p = self.procs[node]
-        self.events.append({"event": "kill", "node": node, "unix_s": time.time(), "step": self.steps_done(node)})
-        for pid in [p.pid, *descendants([p.pid])]:
+        self.events.append({"event": "kill", "what": what, "node": node, "unix_s": time.time(),
+                            "step": self.steps_done(node)})
+        ranks = self._ranks(node)
+        victims = {"all": [p.pid, *descendants([p.pid])], "ranks": ranks, "rank": ranks[-1:],
+                   "agent": [p.pid]}[what]
+        if what == "agent":
+            self.orphans.setdefault(node, []).extend(descendants([p.pid]))
+        for pid in victims:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        p.wait()
+        if what in ("all", "agent"):
+            p.wait()
+
+    def _ranks(self, node: int) -> list[int]:
+        """PIDs of the node's ranks: the agent's descendants that run ``lowband.cli train``."""
+        from lowband.cluster._procs import descendants
+
+        out = []
+        for pid in descendants([self.procs[node].pid]):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"train" in argv and b"torch.distributed.run" not in argv:
+                out.append(pid)
+        return sorted(out)
+
+    def freeze(self, node: int, seconds: float) -> None:
+        """SIGSTOP every process of ``node`` for ``seconds``, then SIGCONT: a node that hangs, or whose
+        link drops for a while, and then comes back with stale state."""
+        from lowband.cluster._procs import descendants
+
+        p = self.procs[node]
+        pids = [p.pid, *descendants([p.pid])]
+        self.events.append({"event": "freeze", "node": node, "seconds": seconds, "unix_s": time.time(),
+                            "step": self.steps_done(node)})
+        for sig in (signal.SIGSTOP, signal.SIGCONT):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            if sig == signal.SIGSTOP:
+                time.sleep(seconds)
 
     def steps_done(self, node: int) -> int:
         """The last training step node ``node`` recorded (0 before its first)."""
@@ -197,7 +256,8 @@ class FaultTolerantJob:
         """Kill whatever still runs and stop the Lighthouse."""
         from lowband.cluster._procs import kill_trees
 
-        kill_trees([p.pid for p in self.procs.values() if p.poll() is None], grace_s=2.0)
+        kill_trees([p.pid for p in self.procs.values() if p.poll() is None]
+                   + [pid for pids in self.orphans.values() for pid in pids], grace_s=2.0)
         for p in self.procs.values():
             p.wait()
         self.lighthouse.kill()
