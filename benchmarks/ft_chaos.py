@@ -39,6 +39,7 @@ METHODS = {
     "adamw": ["--method", "adamw"],
     "diloco": ["--method", "diloco", "--sync-every", "5"],
     "noloco": ["--method", "noloco", "--sync-every", "5"],
+    "sparseloco": ["--method", "sparseloco", "--sync-every", "5"],
 }
 
 # Each action: (job step at which it is done, verb, node, argument). Steps are the job's (the most
@@ -64,7 +65,7 @@ SCENARIOS = {
 }
 
 #: extra `lowband train` arguments of a scenario
-EXTRA = {"all": ["--ckpt-every", "50", "--resume", "auto"]}
+EXTRA = {"all": ["--ckpt-every", "50", "--resume", "if-any"]}
 
 
 def run_scenario(method: str, name: str, *, steps: int, out: Path, timeout_s: float) -> dict:

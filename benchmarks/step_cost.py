@@ -58,6 +58,7 @@ class LoopbackLink:
     """
 
     topology = None
+    participating = True  # every copy counts (Link.participating: False only on a node healing under FT)
 
     def __init__(self, replicas: int) -> None:
         if replicas < 1:

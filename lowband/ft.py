@@ -79,6 +79,12 @@ class FaultToleranceConfig:
             server at (default: $LOWBAND_FT_ADVERTISE, else 127.0.0.1).
         fingerprint: what must be equal on every node for them to train together (method,
             hyper-parameters, model, data, shards); a node whose fingerprint differs is refused.
+        async_quorum: form each step's quorum in the background while the step's forward and
+            backward run (torchft's async quorum), instead of before them. A node that must heal
+            then computes its step on stale weights: it sends nothing that counts (zeros, or a
+            message flagged as not taking part), loads the peer's state before its commit vote,
+            and applies the live nodes' mean like the others. Only for methods that communicate
+            every step; every node of a job must agree (it is in the fingerprint).
     """
 
     lighthouse: str
@@ -88,6 +94,7 @@ class FaultToleranceConfig:
     quorum_timeout_s: float = 120.0
     advertise: str | None = None
     fingerprint: str = ""
+    async_quorum: bool = False
 
     def __post_init__(self) -> None:
         if not self.lighthouse.startswith(("http://", "https://")):
@@ -212,9 +219,11 @@ class FaultTolerance:
         # Healing copies a peer's state (HTTP); torchft checks the step, we check the fingerprint.
         self.quorums = 0  # quorums this node took part in
         self.replica_ids: list[str] = []  # the last quorum's members (torchft replica ids)
+        self.replica_rank: int | None = None  # this node's place among them
+        self._pending: float | None = None  # perf_counter when an async quorum was started, until it is waited for
         self.manager = Manager(
             pg=self.pg, load_state_dict=self._load, state_dict=state_dict, min_replica_size=1,
-            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            use_async_quorum=cfg.async_quorum, timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
             connect_timeout=timedelta(seconds=cfg.quorum_timeout_s), rank=rank, world_size=world_size,
             # The node's store must be reachable from other nodes (they configure the quorum's process
             # group through the first member's store): advertise it at the node's address.
@@ -251,8 +260,21 @@ class FaultTolerance:
         self.manager.load_state_dict({"step": quorum_step(step, self.committed_steps),
                                       "batches_committed": self.manager.batches_committed()})
         self.manager.start_quorum()
-        self.last_members = self.manager.num_participants()
-        self.last_quorum_s = time.perf_counter() - t0
+        self._pending = t0
+        if not self.cfg.async_quorum:
+            self.finish_quorum()
+
+    def finish_quorum(self) -> None:
+        """Wait for the quorum started by :meth:`start_step` (at once when it is synchronous; with
+        ``async_quorum``, before the step's first exchange). Only the wait counts in ``quorum_s``:
+        with the async quorum that is what the quorum costs the step."""
+        if self._pending is None:
+            return
+        t0 = time.perf_counter()
+        started, self._pending = self._pending, None
+        self.manager.wait_quorum()
+        self.last_members = len(self.replica_ids) if self.replica_ids else self.manager.num_participants()
+        self.last_quorum_s = time.perf_counter() - (t0 if self.cfg.async_quorum else started)
         self.quorum_s += self.last_quorum_s
         self.quorums += 1
         self._check_slot()
@@ -270,16 +292,30 @@ class FaultTolerance:
 
     @property
     def members(self) -> int:
-        """Live nodes in the current quorum (this one included)."""
-        return self.manager.num_participants()
+        """Live nodes in the current quorum (this one included; a node healing under the async quorum too:
+        it takes part in the collectives, with nothing that counts)."""
+        self.finish_quorum()
+        return self.last_members
 
     @property
     def member_rank(self) -> int:
         """This node's place in the current quorum, 0 ≤ member_rank < members."""
-        r = self.manager.participating_rank()
-        if r is None:
+        self.finish_quorum()
+        if self.replica_rank is None:
             raise RuntimeError("this node is not in the current quorum")
-        return int(r)
+        return int(self.replica_rank)
+
+    @property
+    def participants(self) -> int:
+        """Nodes whose contribution counts this step: the members, less any healing under the async quorum."""
+        self.finish_quorum()
+        return self.manager.num_participants()
+
+    @property
+    def participating(self) -> bool:
+        """False on a node that heals during this step (async quorum): what it sends must not count."""
+        self.finish_quorum()
+        return self.manager.is_participating()
 
     def report_error(self, e: BaseException) -> None:
         """A collective between nodes failed: this step will not commit anywhere in the node."""
@@ -330,6 +366,7 @@ class _QuorumRecorder:
     def _quorum(self, *args, **kwargs):
         result = self._client._quorum(*args, **kwargs)
         self._ft.replica_ids = list(result.replica_ids)
+        self._ft.replica_rank = result.replica_rank
         return result
 
     def __getattr__(self, name: str):

@@ -231,6 +231,21 @@ class Link:
         return self._group_ranks.index(self.rank)
 
     @property
+    def participants(self) -> int:
+        """Members whose contribution counts this step: ``group_size``, less a node that heals during the
+        step under fault tolerance's async quorum (it takes part in the collectives with nothing that
+        counts). The divisor of a mean over replicas."""
+        if self.ft is not None and self.group_size > 1:
+            return max(self.ft.participants, 1)
+        return self.group_size
+
+    @property
+    def participating(self) -> bool:
+        """Whether this rank's contribution counts this step (False only on a node healing under the async
+        quorum: :meth:`all_reduce` then sends zeros; an optimizer that all-gathers marks its message)."""
+        return self.ft is None or self.group_size == 1 or self.ft.participating
+
+    @property
     def max_group_size(self) -> int:
         """The most replicas the replicate group can hold: ``group_size``; with fault tolerance the node
         slots (``--ft-max-nodes``), since the live nodes change from quorum to quorum."""
@@ -369,12 +384,15 @@ class Link:
                 raise ValueError("avg all-reduce needs a floating-point tensor")
             opts = AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+            counted = self.participants
+            if not self.participating:  # healing this step: its stale values must not count
+                tensor.zero_()
             if not self.ft.errored:  # after a failure the step is dropped: send nothing more
                 with self._peers_guard("all_reduce"):
                     works.append(self.ft.pg.allreduce([tensor], opts))
             if op == "avg":
                 def result():
-                    return tensor.div_(g)
+                    return tensor.div_(counted)
         elif g > 1:
             if op == "avg" and not tensor.is_floating_point():
                 raise ValueError("avg all-reduce needs a floating-point tensor")

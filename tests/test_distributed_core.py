@@ -505,6 +505,7 @@ class _LoopbackLink:
     """Two replicas that send the same message: the all-gather returns this rank's message twice."""
 
     group_size = 2
+    participating = True  # no fault tolerance: this rank's contribution always counts
 
     def __init__(self) -> None:
         from types import SimpleNamespace
@@ -600,6 +601,7 @@ class _TwoReplicaLink:
     """A link stand-in for one process: replica 0's all-gather returns its message and replica 1's."""
 
     group_size = 2
+    participating = True  # no fault tolerance: this rank's contribution always counts
 
     def __init__(self, peer_message: torch.Tensor) -> None:
         from types import SimpleNamespace

@@ -27,6 +27,7 @@ class _LoopbackLink:
     """Two replicas that send the same message: the all-gather returns this rank's message twice."""
 
     group_size = 2
+    participating = True  # no fault tolerance: this rank's contribution always counts
 
     def __init__(self) -> None:
         self.topology = SimpleNamespace(shards=1, world_size=2, replicas=2)

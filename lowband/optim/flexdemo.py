@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 # Chunks are transformed in blocks of about this many elements, so the DCT's temporaries stay small.
 _BLOCK_ELEMENTS = 1 << 20
+#: A message's flag byte: 0 counts, 1 refuses the step (non-finite), 2 does not count (a node healing
+#: under fault tolerance's async quorum computed it on stale weights).
+_NOT_COUNTED = 2
 # A parameter with at least this many elements of whole chunks is transformed in place, in views of
 # its own storage; smaller ones (and the partial last chunk of every parameter) are copied into shared
 # blocks, many parameters to a block. At c = 128 that is 512 chunks: below it, the copies in and out
@@ -370,13 +373,22 @@ class FlexDeMo(Optimizer):
             handle = self.link.all_gather(message, async_op=True) if self.link is not None else message.unsqueeze(0)
             self._flight = (handle, work, backups)
             return loss
+        counted = self.link is None or self.link.participating
+        if not counted:  # healing during this step (fault tolerance, async quorum): send nothing that counts
+            message.zero_()
+            message[-1] = _NOT_COUNTED
         gathered = self._exchange(message)
         if not committed(self.link):
             self.dropped_steps += 1
             return loss
+        if bool((gathered[:, -1] == _NOT_COUNTED).any()):
+            gathered = gathered[gathered[:, -1] != _NOT_COUNTED]
         if self._refused(gathered):
             return loss
-        self._commit(work, grads, picks)
+        if counted:
+            self._commit(work, grads, picks)
+        else:  # the peer's state was loaded at the commit vote: δ = 0 (reset_replica_state), steps counted
+            self._count_step(work)
         self._apply(work, gathered)
         return loss
 
@@ -613,15 +625,7 @@ class FlexDeMo(Optimizer):
         """Phase 2 (every replica accepted the step): δ ← β·δ + lr·g − q, with q what was sent.
 
         β·δ + lr·g is read back from ``grads``, where phase 1 wrote it: exactly what was compressed."""
-        steps = []
-        for w in work:
-            for p in w.params:
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0)
-                    state["delta"] = replica_state_like(p, self._topology)
-                steps.append(state["step"])
-        torch._foreach_add_(steps, 1.0)
+        self._count_step(work)
         for w, gflats, (idx, sent_vals, _) in zip(work, grads, picks, strict=True):
             chunk = w.plan.wire.chunk
             deltas = self._flats(w.params)
@@ -636,6 +640,18 @@ class FlexDeMo(Optimizer):
                 else:  # a packed copy: write its pieces back
                     m.sub_(q.to(m.dtype))
                     torch._foreach_copy_(*_scatter_views(seg, deltas, m))
+
+    def _count_step(self, work: list[_Work]) -> None:
+        """Count the step in every parameter's state (created here at the first step: step 0, δ = 0)."""
+        steps = []
+        for w in work:
+            for p in w.params:
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0)
+                    state["delta"] = replica_state_like(p, self._topology)
+                steps.append(state["step"])
+        torch._foreach_add_(steps, 1.0)
 
     def _apply(self, work: list[_Work], gathered: torch.Tensor, into: dict | None = None) -> None:
         """Phase 3: decode the mean over replicas and step (or, ``into``, store the update per parameter)."""

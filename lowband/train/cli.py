@@ -91,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(a restarted node takes its old slot)")
     f.add_argument("--ft-max-nodes", type=int, default=d.ft_max_nodes, help="the most nodes at once; each step's "
                    "global batch is laid out for this many (a dead node's slice is skipped)")
+    f.add_argument("--ft-quorum", choices=("async", "sync"), default=d.ft_quorum,
+                   help="async (default): form each step's quorum while the step's forward and backward run, "
+                        "as torchft does (methods that communicate every step; DiLoCo, NoLoCo and SparseLoCo "
+                        "always form theirs before the outer step); sync: before the step")
     f.add_argument("--ft-timeout", type=parse_duration, default=d.ft_timeout_s, metavar="DURATION",
                    help="a collective between nodes, a commit vote or a state transfer that takes longer fails "
                         "(the step is dropped), e.g. 10s")
@@ -116,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--val-batches", type=int, default=d.val_batches)
     r.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="DCP checkpoint every N steps (0: off)")
     r.add_argument("--ckpt-at-end", action="store_true", help="write a checkpoint after the last step")
-    r.add_argument("--resume", default=None, help="checkpoint directory, or 'auto' for the newest in OUT")
+    r.add_argument("--resume", default=None, help="checkpoint directory, 'auto' for the newest in OUT, or "
+                   "'if-any': the newest if there is one, else start afresh (a node's first start and restarts)")
     r.add_argument("--out", default=d.out, help="run directory")
     r.add_argument("--tensorboard", action="store_true")
     r.add_argument("--no-progress", action="store_true")
@@ -153,7 +158,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         link_bandwidth_bps=args.link_bandwidth, link_latency_s=args.link_latency,
         tensorboard=args.tensorboard, progress=not args.no_progress,
         ft_lighthouse=args.ft_lighthouse, ft_node=args.ft_node, ft_max_nodes=args.ft_max_nodes,
-        ft_timeout_s=args.ft_timeout,
+        ft_timeout_s=args.ft_timeout, ft_quorum=args.ft_quorum,
     )
 
 

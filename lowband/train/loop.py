@@ -94,7 +94,9 @@ class TrainConfig:
         val_batches: validation batches per evaluation.
         ckpt_every: checkpoint every this many steps (0: only at the end when ckpt_at_end).
         ckpt_at_end: write a checkpoint after the last step.
-        resume: a checkpoint directory, or "auto" for the newest under OUT/checkpoints.
+        resume: a checkpoint directory, "auto" for the newest under OUT/checkpoints, or "if-any": the
+            newest if there is one, else start afresh (one command line for a node's first start and
+            its restarts, as a fault-tolerant or preemptible job wants).
         out: run directory.
         tensorboard: also write TensorBoard scalars (needs the tensorboard package).
         progress: show a progress bar on rank 0.
@@ -140,6 +142,7 @@ class TrainConfig:
     ft_node: int = 0
     ft_max_nodes: int = 1
     ft_timeout_s: float = 10.0
+    ft_quorum: str = "async"
 
     def ft_config(self):
         """The node's fault-tolerance configuration, or None (no ``ft_lighthouse``)."""
@@ -150,9 +153,10 @@ class TrainConfig:
         method = method_config(self.method, self.hp)
         return FaultToleranceConfig(
             lighthouse=self.ft_lighthouse, node=self.ft_node, max_nodes=self.ft_max_nodes, timeout_s=self.ft_timeout_s,
+            async_quorum=self.ft_quorum == "async" and METHODS[self.method].family != "local",
             fingerprint=fingerprint(self.method, sorted(method.as_dict().items()), self.model, self.data,
                                     self.max_examples, self.seed, self.batch_size, self.grad_accum, self.precision,
-                                    self.steps, self.ft_max_nodes),
+                                    self.steps, self.ft_max_nodes, self.ft_quorum),
         )
 
     def validate(self) -> None:
@@ -182,6 +186,8 @@ class TrainConfig:
         if self.ft_lighthouse is not None:
             from lowband.ft import require_torchft
 
+            if self.ft_quorum not in ("async", "sync"):
+                raise ValueError(f"--ft-quorum must be 'async' or 'sync', got {self.ft_quorum!r}")
             self.ft_config()
             method.check_fault_tolerance()
             require_torchft()
@@ -384,6 +390,9 @@ class Trainer:
         model = self.spec.model.to(self.device)
         self.model = shard_model(model, self.topology, blocks=transformer_blocks(model), precision=cfg.precision,
                                  activation_checkpointing=cfg.activation_checkpointing)
+        # The sharded parameters, held apart: FSDP2 swaps a module's attributes for the unsharded ones
+        # during forward and backward, and a peer may copy this node's state then (async quorum).
+        self._shards = dict(self.model.named_parameters())
 
     def _build_optimizer(self) -> None:
         cfg = self.cfg
@@ -405,7 +414,10 @@ class Trainer:
                                                        self.scheduler, self.link)
         from lowband.checkpoint import latest_checkpoint, load_checkpoint
 
-        path = latest_checkpoint(out / "checkpoints") if cfg.resume == "auto" else Path(cfg.resume)
+        path = latest_checkpoint(out / "checkpoints") if cfg.resume in ("auto", "if-any") else Path(cfg.resume)
+        if path is None and cfg.resume == "if-any":
+            log.info("--resume if-any: no checkpoint under %s yet: starting afresh", out / "checkpoints")
+            return
         if path is None:
             raise FileNotFoundError(f"--resume auto: no checkpoint under {out / 'checkpoints'}; "
                                     "drop --resume to start afresh")
@@ -480,6 +492,8 @@ class Trainer:
         t.add_ops(traffic.by_kind())
         epoch = epoch_of(step, data=self.data, world_size=self.data_world, batch_size=self.step_batch)
         ft = {} if self.ft is None else {"replicas": self.ft.last_members, "dropped": self._dropped() > dropped0}
+        if self._healed_to is not None:  # healed at this step's commit vote: the step is the peer's
+            step = self._healed_to
         self.metrics.write({"type": "train", **ft, "step": step + 1, "epoch": epoch, "loss": loss,
                             "step_time_s": step_time, "compute_time_s": step_time - exposed,
                             "comm_time_s": traffic.comm_time_s, "exposed_comm_time_s": exposed,
@@ -558,13 +572,17 @@ class Trainer:
         try:
             step, first = self.start_step, True
             while step < cfg.steps:
-                if self.ft is not None and (first or self.optimizer.communicates_next()):
+                quorum = self.ft is not None and (first or self.optimizer.communicates_next())
+                if quorum:
                     step = self._membership(step)  # a joining node may jump ahead to the live step
                     if step >= cfg.steps:
                         break
                 first = False
                 self.train_step(step)
-                done = step = step + 1
+                step = step + 1
+                if quorum and self.ft_cfg.async_quorum:  # a node that healed during the step goes on from the peer's
+                    step = self._membership_done(step, trained=True)
+                done = step
                 end_of_epoch = done % self.steps_per_epoch == 0
                 if done < cfg.steps and ((cfg.val_every and done % cfg.val_every == 0) or end_of_epoch):
                     self.evaluate(done)
@@ -594,27 +612,40 @@ class Trainer:
         return int(getattr(self.optimizer, "dropped_steps", 0) + getattr(self.optimizer, "dropped_outer_steps", 0))
 
     def _membership(self, step: int) -> int:
-        """Form the quorum for ``step``; heal from a live peer if this node is behind. Returns the step to run."""
+        """Form the quorum for ``step``; heal from a live peer if this node is behind. Returns the step to run.
+
+        With the async quorum this only starts it: the step's first exchange waits for it, a heal is
+        loaded at the step's commit vote, and :meth:`_membership_done` follows the step."""
         self.next_step = step
-        _reshard(self.model)  # a peer copies (and this node loads) the sharded parameters
-        before = self.ft.last_members
-        healed0 = len(self.ft.healed_at)
+        _reshard(self.model)
+        self._members_before = self.ft.last_members
+        self._healed_before = len(self.ft.healed_at)
         self.ft.start_step(step)
+        if self.ft_cfg.async_quorum:
+            return step
+        return self._membership_done(step, trained=False)
+
+    def _membership_done(self, step: int, *, trained: bool) -> int:
+        """Log what the quorum changed; after a heal, the step to go on from (the peer's, +1 if this node
+        has trained it since: the async quorum heals at the step's commit vote)."""
+        self.ft.finish_quorum()
+        before = self._members_before
         if self._healed_to is not None:
             self.ft.healed_at[-1]["quorum_s"] = self.ft.last_quorum_s  # the quorum with the transfer in it
-            log.warning("node %d joined at step %d: model and optimizer state copied from a live peer in %.2f s "
-                        "(%s)", self.ft_cfg.node, self._healed_to, self.ft.last_quorum_s,
+            log.warning("node %d joined at step %d: model and optimizer state copied from a live peer "
+                        "(quorum %.2f s; %s)", self.ft_cfg.node, self._healed_to, self.ft.last_quorum_s,
                         "per-replica state reset as the method's rule says")
-            step, self._healed_to = self._healed_to, None
+            step, self._healed_to = self._healed_to + (1 if trained else 0), None
             if self.bar is not None:
                 self.bar.n = step
                 self.bar.refresh()
         members = self.ft.last_members
-        if members != before or len(self.ft.healed_at) != healed0:
+        healed = len(self.ft.healed_at) != self._healed_before
+        if members != before or healed:
             log.warning("step %d: %d live node(s) (was %d); quorum took %.2f s", step, members, before,
                         self.ft.last_quorum_s)
             self.metrics.write({"type": "membership", "step": step, "replicas": members, "was": before,
-                                "healed": len(self.ft.healed_at) != healed0, "quorum_s": self.ft.last_quorum_s,
+                                "healed": healed, "quorum_s": self.ft.last_quorum_s,
                                 "wall_s": time.perf_counter() - self.wall0, "unix_s": time.time()})
         return step
 
@@ -627,7 +658,7 @@ class Trainer:
             "fingerprint": self.ft_cfg.fingerprint,
             "trainer": {"step": self.next_step, **self.clock},
             "scheduler": self.scheduler.state_dict(),
-            "params": {n: local_state(p) for n, p in self.model.named_parameters()},
+            "params": {n: local_state(p) for n, p in self._shards.items()},
             "buffers": {n: local_state(b) for n, b in self.model.named_buffers()},
             "optimizer": [_optimizer_local_state(o) for o in _state_owners(self.optimizer)],
         }
@@ -635,7 +666,7 @@ class Trainer:
     def _ft_load(self, state: dict) -> None:
         from lowband.ft import load_local_state
 
-        load_local_state(dict(self.model.named_parameters()), state["params"], what="parameters")
+        load_local_state(dict(self._shards), state["params"], what="parameters")
         load_local_state(dict(self.model.named_buffers()), state["buffers"], what="buffers")
         for owner, peer in zip(_state_owners(self.optimizer), state["optimizer"], strict=True):
             _load_optimizer_local_state(owner, peer, self.topology)
