@@ -625,3 +625,35 @@ def test_flexdemo_decode_is_the_true_mean_with_a_stand_in_link():
     before, after = _overlapping_picks_step(0, _TwoReplicaLink(peer))
     torch.testing.assert_close(after, _expected_after(before, _TRUE_MEAN), rtol=0, atol=1e-6)  # fp32 transform
     assert not torch.allclose(after, _expected_after(before, _PICKERS_MEAN), atol=1e-3)
+
+
+class _HealingPeerLink(_TwoReplicaLink):
+    """Replica 1 heals during this step (fault tolerance, async quorum); ``participating`` is this rank's."""
+
+    def __init__(self, peer_message: torch.Tensor, *, participating: bool = True) -> None:
+        super().__init__(peer_message)
+        self.participating = participating
+        self.sent: list[torch.Tensor] = []
+
+    def all_gather(self, tensor, *, async_op=False):
+        self.sent.append(tensor.clone())
+        return super().all_gather(tensor, async_op=async_op)
+
+
+def test_flexdemo_leaves_out_a_replica_that_heals_during_the_step():
+    """Under the async quorum a node that heals computed its step on stale weights: its message is
+    flagged and left out, and the mean is over the replicas that count (here: replica 0 alone)."""
+    from lowband.optim.flexdemo import _NOT_COUNTED
+
+    wire = WireFormat(4, 2, "fp32")
+    # A flagged message: its payload would change the mean if it were decoded.
+    flagged = torch.cat([wire.pack(torch.tensor([[1, 2]]), torch.tensor([[30.0, 50.0]])),
+                         torch.full((1,), _NOT_COUNTED, dtype=torch.uint8)])
+    before, after = _overlapping_picks_step(0, _HealingPeerLink(flagged))
+    torch.testing.assert_close(after, _expected_after(before, _PICKS[0]), rtol=0, atol=1e-6)
+    # The healing replica itself sends zeros and the flag, whatever its gradients hold.
+    counted = torch.cat([wire.pack(torch.tensor([[1, 2]]), torch.tensor([[3.0, 5.0]])), torch.zeros(1, dtype=torch.uint8)])
+    link = _HealingPeerLink(counted, participating=False)
+    _overlapping_picks_step(1, link)
+    (sent,) = link.sent
+    assert sent[-1].item() == _NOT_COUNTED and not sent[:-1].any()

@@ -383,6 +383,9 @@ class FlexDeMo(Optimizer):
             return loss
         if bool((gathered[:, -1] == _NOT_COUNTED).any()):
             gathered = gathered[gathered[:, -1] != _NOT_COUNTED]
+            if gathered.shape[0] == 0:  # nobody counted (torchft always keeps a live node at the newest step)
+                self.dropped_steps += 1
+                return loss
         if self._refused(gathered):
             return loss
         if counted:

@@ -439,6 +439,7 @@ class Trainer:
         self.step_batch = cfg.batch_size * cfg.grad_accum  # examples per rank per optimizer step
         self.profile = PhaseMemory(self.device, return_freed=cfg.memory_profile)
         # A node that rejoins a fault-tolerant job appends to the record of its earlier life.
+        self._earlier_life = self.ft is not None and (self.out / "metrics.jsonl").exists()
         self.metrics = _Metrics(self.out, enabled=self.rank == 0, tensorboard=cfg.tensorboard,
                                 append=self.start_step > 0 or self.ft is not None)
         self.steps_per_epoch = steps_per_epoch(self.data, world_size=self.data_world, batch_size=self.step_batch)
@@ -641,6 +642,11 @@ class Trainer:
                 self.bar.refresh()
         members = self.ft.last_members
         healed = len(self.ft.healed_at) != self._healed_before
+        if before == 0 and members == 1 and not healed and self._earlier_life and self.start_step == 0:
+            log.warning("node %d was started again but no other node is live: it trains alone from step 0, not on "
+                        "from the job's progress. If the job has finished or every node died, stop this node and "
+                        "start the job again (checkpoints: --ckpt-every N with --resume if-any); a Lighthouse with "
+                        "--min-nodes 2 makes a lone node wait for a peer instead", self.ft_cfg.node)
         if members != before or healed:
             log.warning("step %d: %d live node(s) (was %d); quorum took %.2f s", step, members, before,
                         self.ft.last_quorum_s)
