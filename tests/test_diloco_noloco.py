@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowband.link import Link, PeerTimeoutError
-from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError, noloco_groups, warmup_cosine
+from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError, noloco_groups
 from lowband.optim._common import state_view
 from lowband.testing import (
     full_params,
@@ -29,6 +29,7 @@ from lowband.testing import (
     tiny_steps,
 )
 from lowband.topology import Topology
+from lowband.train.schedule import warmup_cosine
 
 INNER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
 

@@ -29,7 +29,7 @@ from lowband.bench.methods import (
     train_hp_args,
 )
 from lowband.link import parse_bandwidth
-from lowband.optim.local_sgd import unmerged_tail_note
+from lowband.optim.outer import unmerged_tail_note
 from lowband.util import parse_duration
 
 __all__ = [
