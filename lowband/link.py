@@ -38,35 +38,9 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOption
 
 from lowband.topology import Topology
 
-__all__ = ["Link", "LinkHandle", "OpRecord", "PeerLostError", "PeerTimeoutError", "StepTraffic", "parse_bandwidth"]
+__all__ = ["Link", "LinkHandle", "OpRecord", "PeerLostError", "PeerTimeoutError", "StepTraffic"]
 
 log = logging.getLogger(__name__)
-
-_UNITS = {"": 1, "bit": 1, "bps": 1, "k": 1e3, "kbit": 1e3, "m": 1e6, "mbit": 1e6, "mbps": 1e6,
-          "g": 1e9, "gbit": 1e9, "gbps": 1e9}
-
-
-def parse_bandwidth(text: str | float | int) -> float:
-    """Parse '100mbit', '1gbit', '500Mbps', '2.5e8' into bits per second."""
-    if isinstance(text, int | float):
-        value = float(text)
-    else:
-        s = text.strip().lower().replace(" ", "").removesuffix("/s")
-        num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = s[len(num):]
-        if unit not in _UNITS or not num:
-            raise ValueError(
-                f"cannot parse bandwidth {text!r}: use a number with a unit, e.g. 100mbit, 500mbit, "
-                f"1gbit, 2.5gbit (units: {', '.join(u for u in _UNITS if u)}) or plain bits per second"
-            )
-        try:
-            value = float(num) * _UNITS[unit]
-        except ValueError as e:
-            raise ValueError(f"cannot parse bandwidth {text!r}: {num!r} is not a number") from e
-    if not value > 0:
-        raise ValueError(f"bandwidth must be > 0 bit/s, got {text!r}")
-    return value
-
 
 class PeerTimeoutError(RuntimeError):
     """A peer did not answer within the link's timeout."""

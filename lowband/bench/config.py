@@ -28,9 +28,8 @@ from lowband.bench.methods import (
     run_params,
     train_hp_args,
 )
-from lowband.link import parse_bandwidth
 from lowband.optim.outer import unmerged_tail_note
-from lowband.util import parse_duration
+from lowband.units import format_bandwidth, parse_bandwidth, parse_duration, parse_int_list, split_list
 
 __all__ = [
     "DEFAULT_BANDWIDTHS",
@@ -49,9 +48,7 @@ __all__ = [
     "Preset",
     "BenchConfig",
     "RunPlan",
-    "format_bandwidth",
     "make_config",
-    "parse_duration",
     "plan_runs",
 ]
 
@@ -152,21 +149,8 @@ QUALITY_PRESET = Preset(
 PRESETS: dict[str, Preset] = {p.name: p for p in (QUALITY_PRESET,)}
 
 
-def format_bandwidth(bandwidth_bps: float) -> str:
-    """``1e8`` -> ``"100 Mbit/s"``, ``1e9`` -> ``"1 Gbit/s"``, ``2.5e9`` -> ``"2.5 Gbit/s"``."""
-    for scale, unit in ((1e9, "Gbit/s"), (1e6, "Mbit/s"), (1e3, "kbit/s")):
-        if bandwidth_bps >= scale:
-            return f"{bandwidth_bps / scale:.4g} {unit}"
-    return f"{bandwidth_bps:.4g} bit/s"
-
-
 def _bandwidth_slug(bandwidth_bps: float) -> str:
     return format_bandwidth(bandwidth_bps).replace("/s", "").replace(" ", "").lower()
-
-
-def _split_list(value: str | Sequence[str]) -> list[str]:
-    items = [value] if isinstance(value, str) else list(value)
-    return [piece.strip() for item in items for piece in str(item).split(",") if piece.strip()]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,22 +327,8 @@ def _check_data_columns(data: str, model: str, train_args: Sequence[str]) -> Non
                              f"{', '.join(map(str, columns)) or 'none'}); name it with {fix}")
 
 
-def _parse_ints(value: int | str | Sequence[int | str], *, flag: str, example: str) -> list[int]:
-    """A comma-separated list of integers (or a sequence of them); ValueError naming the flag."""
-    items = [str(value)] if isinstance(value, int) else _split_list(value)
-    if not items:
-        raise ValueError(f"{flag} is empty; e.g. {flag} {example}")
-    values = []
-    for item in items:
-        try:
-            values.append(int(item))
-        except ValueError:
-            raise ValueError(f"{flag}: {item!r} is not an integer; e.g. {flag} {example}") from None
-    return values
-
-
 def _parse_seeds(seeds: int | str | Sequence[int | str]) -> tuple[int, ...]:
-    values = _parse_ints(seeds, flag="--seeds", example="0,1,2")
+    values = parse_int_list(seeds, what="--seeds", example="0,1,2")
     if len(set(values)) != len(values):
         raise ValueError(f"--seeds {','.join(map(str, values))} names a seed twice; give each seed once")
     return tuple(values)
@@ -422,13 +392,13 @@ def make_config(
     if not run_timeout_s > 0:
         raise ValueError(f"run timeout {run_timeout_s} s: give a positive number of seconds")
     specs = tuple(parse_method_list(methods))
-    bw_items = _split_list(bandwidths)
+    bw_items = split_list(bandwidths)
     if not bw_items:
         raise ValueError("no bandwidth given; e.g. --bandwidth 100mbit,500mbit,1gbit")
     bandwidths_bps = tuple(dict.fromkeys(parse_bandwidth(b) for b in bw_items))
     shard_values: tuple[int, ...] | None = None
     if shards is not None:
-        shard_values = tuple(dict.fromkeys(_parse_ints(shards, flag="--shards", example="1,2")))
+        shard_values = tuple(dict.fromkeys(parse_int_list(shards, what="--shards", example="1,2")))
     divisors = [d for d in range(1, ranks_per_node + 1) if ranks_per_node % d == 0]
     for s in [*(shard_values or ()), *(spec.get("shards") for spec in specs if spec.get("shards") is not None)]:
         try:
