@@ -108,18 +108,17 @@ class Preset:
 # about 45 minutes, and be long enough that the losses leave the unigram stage.
 #
 # - Model and data: t5-mini (1.97M parameters at vocab 8192) on the embedded Wikipedia pairs, so
-#   AdamW's gradient all-reduce (7.9 MB per node and step) is ~0.65 s at 100 Mbit/s against ~0.5 s
-#   of compute on this 2-core machine: communication-bound, as t5-small on GPUs is in the paper.
+#   AdamW's gradient all-reduce (7.9 MB per node and step) takes longer at 100 Mbit/s than a step's
+#   compute on 2 cores: communication-bound, as t5-small on GPUs is in the paper.
 #   64/16 tokens instead of the default 128/32: the one-line descriptions rarely exceed 16 tokens
 #   and their subject sits in the first sentence; it halves compute, so more steps fit.
 # - 140 steps of a global batch of 32 (under half an epoch), warm-up 20 then cosine to 0.1x. The
-#   budget sets the length: 18 runs at ~0.55-1.25 s per step and ~35 s of start-up, validation and
-#   shutdown each. At 160 steps the preset took 49 minutes on this machine (most of it the five
-#   AdamW and Deto-Full runs, which wait ~0.68 s per step on the link), so 140 it is: a multiple of
-#   H = 20, so DiLoCo's and NoLoCo's last inner steps are merged by an outer step. At the sweep's
-#   200 steps AdamW reaches 6.67 against the targets' unigram cross-entropy of 6.84 nats; at 140
-#   AdamW and FlexDeMo Top-8 end about 0.05 below it (6.78, 6.79), the others above it and still
-#   falling. Validation every 20 steps (8 points per curve).
+#   budget sets the length (18 runs, each with its start-up, validation and shutdown; 160 steps
+#   overran it), so 140 it is: a multiple of H = 20, so DiLoCo's and NoLoCo's last inner steps are
+#   merged by an outer step. At the sweep's 200 steps AdamW reaches 6.67 against the targets'
+#   unigram cross-entropy of 6.84 nats; at 140 AdamW and FlexDeMo Top-8 end about 0.05 below it
+#   (6.78, 6.79), the others above it and still falling. Validation every 20 steps (8 points per
+#   curve).
 # - Every method at its best lr from the sweep in docs/time-to-quality.md (200 steps, seed 0, lr
 #   from 1e-3 up to where the loss turned up again, or to 3e-2/1e-1), and AdamW and FlexDeMo Top-1
 #   also at the paper's shared lr 1e-3, at the first seed only (nseeds=1: a reference, not a

@@ -217,7 +217,7 @@ def _measure_section(cfg: _Config) -> tuple[str, dict[str, Any], list[dict[str, 
     where = (f"{'/'.join(str(n) for n in spec.nodes)} emulated nodes (network namespaces, tbf {format_rate(spec.bandwidth_bps)} "
              "per node), one rank each") if mode == "netns" else (
              f"loopback with IN-PROCESS SHAPING at {format_rate(spec.bandwidth_bps)} (network namespaces unavailable: {reason})")  # fmt: skip
-    # Seen on 2 cores: N=4 32 s, N=8 54 s, mostly starting torchrun and torch in every node.
+    # A rough guess for the progress line: starting torchrun and torch in every node dominates.
     guess_s = sum(10 + 5.5 * n for n in spec.nodes)
     print(f"\nmeasuring on {where}: N = {', '.join(map(str, spec.nodes))} (about {guess_s:.0f} s on 2 cores, "
           "mostly torchrun start-up) ...", file=sys.stderr, flush=True)  # fmt: skip
