@@ -14,6 +14,8 @@ __all__ = ["noloco_group_size", "noloco_groups"]
 
 
 def _mix_seed(seed: int, outer_index: int) -> int:
+    # The salt "lowband.noloco" is part of every draw: changing it changes the groups of every run
+    # (and of every checkpoint resumed), so it stays as it is wherever this code lives.
     digest = hashlib.sha256(f"lowband.noloco:{seed}:{outer_index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 

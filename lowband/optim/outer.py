@@ -59,6 +59,7 @@ InnerOptimizer = Optimizer | Callable[[list[dict[str, Any]]], Optimizer] | None
 
 
 def check_unit_interval(name: str, value: float) -> None:
+    """Refuse a hyper-parameter ``name`` outside [0, 1) (momenta and decays)."""
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {value}")
 
