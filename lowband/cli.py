@@ -1,4 +1,4 @@
-"""``lowband train | bench | report | simulate``."""
+"""``lowband train | bench | report | lighthouse | simulate``: one subcommand each, its module imported only when used."""
 
 from __future__ import annotations
 

@@ -448,7 +448,7 @@ def data_slot(cfg: FaultToleranceConfig, *, local_rank: int, ranks_per_node: int
 
 # --------------------------------------------------------------------------- lowband lighthouse
 def add_lighthouse_arguments(p) -> None:
-    from lowband.util import parse_duration
+    from lowband.units import parse_duration
 
     p.add_argument("--bind", default="[::]:29510", help="address:port to listen on (default [::]:29510)")
     p.add_argument("--min-nodes", type=int, default=1, help="a quorum needs at least this many nodes")

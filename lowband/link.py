@@ -5,14 +5,13 @@ Every byte an optimizer sends to another node goes through a :class:`Link`. The 
 - runs the collective (all-reduce, all-gather, point-to-point exchange) on the replicate group
   (or on explicit peers), on the tensors' own device: gloo on CPU, NCCL on GPUs;
 - counts, for this rank and per step, the bytes sent and received and each operation's kind and
-  group size. Counts follow the ring algorithm (all-gather: (G−1)·b sent per rank; all-reduce:
-  2·(G−1)/G·n), with each rank sending to the next rank of the group. Only a hop whose two ends are
-  on different nodes counts as inter-node: with DeMo on nodes of several ranks, the replicate group
-  holds ranks of the same node and their hops are free;
-- can shape the traffic in-process when no real link limit is in place: the node's uplink carries
-  ``bandwidth_bps`` shared by all ranks of the node, and each sequential message costs
-  ``latency_s``. An operation then takes at least the time the link would take; the modelled time
-  is reported separately from the measured one;
+  group size (:mod:`lowband.traffic`: the records and the ring model's counts). Counts follow the
+  ring algorithm, with each rank sending to the next rank of the group; only a hop whose two ends
+  are on different nodes counts as inter-node;
+- can shape the traffic in-process when no real link limit is in place (:mod:`lowband.shaping`):
+  the node's uplink carries ``bandwidth_bps`` shared by all ranks of the node, and each sequential
+  message costs ``latency_s``. An operation then takes at least the time the link would take; the
+  modelled time is reported separately from the measured one;
 - runs every operation blocking or, with ``async_op=True``, in the background: the call returns a
   :class:`LinkHandle` to ``wait()`` on later, with the same byte accounting. In shaped mode the
   uplink is a resource with its own clock, so operations in flight together queue on it. Each
@@ -29,44 +28,19 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions
 
+from lowband.shaping import UplinkClock
 from lowband.topology import Topology
+from lowband.traffic import OpRecord, StepTraffic, exchange_inter_node_bytes, nbytes, ring_inter_node_bytes
 
-__all__ = ["Link", "LinkHandle", "OpRecord", "PeerLostError", "PeerTimeoutError", "StepTraffic", "parse_bandwidth"]
+__all__ = ["Link", "LinkHandle", "OpRecord", "PeerLostError", "PeerTimeoutError", "StepTraffic"]
 
 log = logging.getLogger(__name__)
-
-_UNITS = {"": 1, "bit": 1, "bps": 1, "k": 1e3, "kbit": 1e3, "m": 1e6, "mbit": 1e6, "mbps": 1e6,
-          "g": 1e9, "gbit": 1e9, "gbps": 1e9}
-
-
-def parse_bandwidth(text: str | float | int) -> float:
-    """Parse '100mbit', '1gbit', '500Mbps', '2.5e8' into bits per second."""
-    if isinstance(text, int | float):
-        value = float(text)
-    else:
-        s = text.strip().lower().replace(" ", "").removesuffix("/s")
-        num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = s[len(num):]
-        if unit not in _UNITS or not num:
-            raise ValueError(
-                f"cannot parse bandwidth {text!r}: use a number with a unit, e.g. 100mbit, 500mbit, "
-                f"1gbit, 2.5gbit (units: {', '.join(u for u in _UNITS if u)}) or plain bits per second"
-            )
-        try:
-            value = float(num) * _UNITS[unit]
-        except ValueError as e:
-            raise ValueError(f"cannot parse bandwidth {text!r}: {num!r} is not a number") from e
-    if not value > 0:
-        raise ValueError(f"bandwidth must be > 0 bit/s, got {text!r}")
-    return value
-
 
 class PeerTimeoutError(RuntimeError):
     """A peer did not answer within the link's timeout."""
@@ -74,81 +48,6 @@ class PeerTimeoutError(RuntimeError):
 
 class PeerLostError(RuntimeError):
     """A collective between nodes failed: a peer vanished or the link dropped."""
-
-
-@dataclass(slots=True)
-class OpRecord:
-    """One operation through the link, as seen by this rank."""
-
-    kind: str  # all_reduce | all_gather | exchange
-    group_size: int
-    payload_bytes: int  # this rank's input
-    bytes_sent: int  # everything this rank sends (ring model), intra-node hops included
-    bytes_recv: int
-    inter_node_bytes_sent: int  # the part that crosses to another node
-    inter_node_bytes_recv: int
-    node_inter_node_bytes_sent: int  # all ranks of this node together (concurrent groups)
-    messages: int  # sequential rounds
-    time_s: float  # wall time from start to result, shaping included (hidden part included)
-    modelled_link_time_s: float  # what the shaped link needs, queueing included (0 when not shaping)
-    exposed_s: float = 0.0  # the part of it this rank spent blocked (starting it, waiting for it)
-
-
-@dataclass
-class StepTraffic:
-    """What crossed the link during one optimizer step on this rank."""
-
-    step: int
-    ops: list[OpRecord] = field(default_factory=list)
-    #: Time this rank spent blocked in the link during the step (blocking calls, starts, waits),
-    #: also for operations started in an earlier step: the communication not hidden behind compute.
-    exposed_comm_time_s: float = 0.0
-
-    @property
-    def inter_node_bytes_sent(self) -> int:
-        return sum(o.inter_node_bytes_sent for o in self.ops)
-
-    @property
-    def inter_node_bytes_recv(self) -> int:
-        return sum(o.inter_node_bytes_recv for o in self.ops)
-
-    @property
-    def node_inter_node_bytes_sent(self) -> int:
-        return sum(o.node_inter_node_bytes_sent for o in self.ops)
-
-    @property
-    def bytes_sent(self) -> int:
-        return sum(o.bytes_sent for o in self.ops)
-
-    @property
-    def comm_time_s(self) -> float:
-        return sum(o.time_s for o in self.ops)
-
-    def by_kind(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {}
-        for o in self.ops:
-            d = out.setdefault(o.kind, {"count": 0, "bytes": 0, "inter_node_bytes": 0, "largest_group": 0})
-            d["count"] += 1
-            d["bytes"] += o.bytes_sent
-            d["inter_node_bytes"] += o.inter_node_bytes_sent
-            d["largest_group"] = max(d["largest_group"], o.group_size)
-        return out
-
-    def as_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "inter_node_bytes_sent": self.inter_node_bytes_sent,
-            "inter_node_bytes_recv": self.inter_node_bytes_recv,
-            "node_inter_node_bytes_sent": self.node_inter_node_bytes_sent,
-            "bytes_sent": self.bytes_sent,
-            "comm_time_s": self.comm_time_s,
-            "exposed_comm_time_s": self.exposed_comm_time_s,
-            "ops": [asdict(o) for o in self.ops],
-        }
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class Link:
@@ -203,7 +102,7 @@ class Link:
         self._current = StepTraffic(step=0)
         self.history: list[StepTraffic] = []
         self.keep_history = True
-        self._link_free_at = 0.0  # the shaped uplink's clock (perf_counter seconds)
+        self._uplink = UplinkClock()  # the shaped uplink's clock
         self._in_flight: list[LinkHandle] = []
 
     # ---------------------------------------------------------------- properties
@@ -283,35 +182,18 @@ class Link:
     def _ring_record(self, sent_per_rank: int) -> tuple[int, int, int]:
         """Inter-node bytes (sent, received) for this rank and for its node, ring order = group order."""
         if self.ft is not None:  # members of a quorum are nodes: every hop crosses
-            ranks, me_rank = self.group_ranks, self.group_rank
-
-            def node(r: int) -> int:
-                return r
-        else:
-            ranks, me_rank, node = self._group_ranks, self.rank, self.topology.node_of
-        g = len(ranks)
-        me = ranks.index(me_rank)
-        nxt, prv = ranks[(me + 1) % g], ranks[(me - 1) % g]
-        inter_sent = sent_per_rank if node(nxt) != node(me_rank) else 0
-        inter_recv = sent_per_rank if node(prv) != node(me_rank) else 0
-        # All ranks of my node run the same operation for their own shard at the same time
-        # (S concurrent replicate groups): the node's uplink carries all of it.
-        my_node = node(me_rank)
-        members_crossing = sum(
-            1 for i, r in enumerate(ranks) if node(r) == my_node and node(ranks[(i + 1) % g]) != my_node
-        )
-        node_sent = members_crossing * sent_per_rank * self.topology.shards  # type: ignore[operator]
-        return inter_sent, inter_recv, node_sent
+            return ring_inter_node_bytes(self.group_ranks, self.group_rank, lambda r: r, sent_per_rank,
+                                         self.topology.shards)  # type: ignore[arg-type]
+        return ring_inter_node_bytes(self._group_ranks, self.rank, self.topology.node_of, sent_per_rank,
+                                     self.topology.shards)  # type: ignore[arg-type]
 
     def _launch(self, rec_kwargs: dict, start: float, works: list, result, *, timeout_what: list[int] | None = None,
                 async_op: bool) -> torch.Tensor | list[torch.Tensor] | LinkHandle:
         """Record the operation (in the step it starts in), place it on the link's clock, return a handle.
 
-        Shaped mode: the node's uplink is one resource with its own clock. The operation's bytes
-        occupy it from max(now, when it is free) for bytes·8 / bandwidth; the result is ready one
-        latency per sequential message after the last byte left. So operations in flight together
-        queue on the link, and a blocking call or a wait returns no earlier than the real link
-        would deliver.
+        Shaped mode: the node's uplink is one resource with its own clock (:class:`UplinkClock`),
+        so operations in flight together queue on it, and a blocking call or a wait returns no
+        earlier than the real link would deliver.
         """
         crosses = rec_kwargs["inter_node_bytes_sent"] > 0 or rec_kwargs["inter_node_bytes_recv"] > 0 or (
             rec_kwargs["node_inter_node_bytes_sent"] > 0)
@@ -319,10 +201,8 @@ class Link:
         ready_at = start
         modelled = 0.0
         if self.shaping:
-            transfer = rec_kwargs["node_inter_node_bytes_sent"] * 8.0 / self.bandwidth_bps
-            begin = max(start, self._link_free_at)
-            self._link_free_at = begin + transfer
-            ready_at = self._link_free_at + latency
+            ready_at = self._uplink.schedule(start, rec_kwargs["node_inter_node_bytes_sent"], self.bandwidth_bps,
+                                             latency)
             modelled = ready_at - start  # includes queueing behind operations still in flight
         elif latency > 0:
             # A real (rate-limited) link without propagation delay: the delay comes on top.
@@ -376,7 +256,7 @@ class Link:
             raise ValueError(f"op must be 'avg', 'sum' or 'max', got {op!r}")
         g = self.group_size
         start = time.perf_counter()
-        payload = _nbytes(tensor)
+        payload = nbytes(tensor)
         works: list = []
         result = tensor
         if g > 1 and self.ft is not None:
@@ -423,7 +303,7 @@ class Link:
         """
         g = self.group_size
         start = time.perf_counter()
-        payload = _nbytes(tensor)
+        payload = nbytes(tensor)
         works: list = []
         if g > 1 and self.ft is not None:
             out = torch.zeros((g, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
@@ -463,7 +343,7 @@ class Link:
             return self._exchange_ft(tensor, peers, async_op=async_op)
         peers = [int(p) for p in peers if int(p) != self.rank]
         start = time.perf_counter()
-        payload = _nbytes(tensor)
+        payload = nbytes(tensor)
         received = [torch.empty_like(tensor) for _ in peers]
         works: list = []
         if peers:
@@ -476,12 +356,8 @@ class Link:
             ops = [dist.P2POp(dist.irecv, buf, p) for p, buf in zip(peers, received, strict=True)]
             ops += [dist.P2POp(dist.isend, t, p) for p in peers]
             works = list(dist.batch_isend_irecv(ops))
-        node = self.topology.node_of
-        me = node(self.rank)
-        crossing = [p for p in peers if node(p) != me]
-        inter = len(crossing) * payload
-        # Concurrent exchanges of the other shards of this node share the uplink.
-        node_sent = inter * self.topology.shards  # type: ignore[operator]
+        inter, node_sent = exchange_inter_node_bytes(peers, self.rank, self.topology.node_of, payload,
+                                                     self.topology.shards)  # type: ignore[arg-type]
         return self._launch(
             dict(kind="exchange", group_size=len(peers) + 1, payload_bytes=payload,
                  bytes_sent=len(peers) * payload, bytes_recv=len(peers) * payload,
@@ -504,7 +380,7 @@ class Link:
         device = tensor.device
         staged = device.type != "cpu"
         t = tensor.detach().to("cpu").contiguous() if staged else tensor.contiguous()
-        payload = _nbytes(t)
+        payload = nbytes(t)
         received = [torch.zeros_like(t) for _ in peers]
         works: list = []
         if peers and not self.ft.errored:  # after a failure the step is dropped: send nothing more

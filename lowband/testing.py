@@ -1,6 +1,6 @@
 """Run a function on W real processes with gloo, for tests and quick experiments.
 
-Processes are forked (≈0.1 s for four ranks with gloo, against ≈5 s for torchrun or spawn), each
+Processes are forked (far quicker to start than with torchrun or spawn), each
 with ``OMP_NUM_THREADS=1`` and one torch thread, on a free port. Every launch has a timeout; a rank
 that raises makes the launch raise with that rank's traceback.
 """

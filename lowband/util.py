@@ -1,44 +1,23 @@
-"""Small helpers that several layers share: durations and yes/no values from text and back, atomic file writes.
+"""Small helpers that several layers share: yes/no values from text and back, atomic file writes.
 
-Each exists once, here; the CLI parsers, the bench's spec parser and the caches call these.
+Each exists once, here; the CLI parsers, the bench's spec parser and the caches call these. Numbers
+with units (durations, bandwidths, sizes) and comma-separated lists are :mod:`lowband.units`.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BoolParseError", "atomic_path", "format_value", "parse_bool", "parse_duration"]
+__all__ = ["BoolParseError", "atomic_path", "format_value", "parse_bool"]
 
-_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
-_NUMBER_UNIT = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-
-
-def parse_duration(text: str | float | int, *, what: str = "latency") -> float:
-    """``"20ms"``, ``"0.02"``, ``"0.02s"``, ``"500us"`` -> seconds (finite, >= 0); ``what`` names it in errors."""
-    if isinstance(text, int | float):
-        value = float(text)
-    else:
-        m = _NUMBER_UNIT.fullmatch(text)
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _DURATION_UNITS:
-            raise ValueError(
-                f"cannot parse {what} {text!r}: give seconds or a number with a unit, e.g. 0.02, 20ms, 500us "
-                "(units: s, ms, us)"
-            )
-        value = float(m.group(1)) * _DURATION_UNITS[unit]
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{what} must be >= 0 s, got {text!r}")
-    return value
 
 
 class BoolParseError(ValueError, argparse.ArgumentTypeError):

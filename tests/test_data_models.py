@@ -27,6 +27,7 @@ from lowband.train.data import (
     val_batch_count,
     val_batches,
 )
+from lowband.train.data.token_cache import encode
 from lowband.train.models import MODEL_SIZES, build_model, compute_loss, model_kind, transformer_blocks
 from lowband.train.tokenizer import EOS_ID, PAD_ID, UNK_ID, get_tokenizer, special_ids
 
@@ -343,16 +344,16 @@ def test_default_data_loads_and_splits_deterministically(wiki: data_mod.Data) ->
 @pytest.mark.slow
 def test_token_cache_on_disk_matches_fresh_encoding(wiki: data_mod.Data, fresh_cache: Path) -> None:
     texts = wiki.val.source_text[:50]
-    fresh = data_mod._encode(wiki.tokenizer, texts, 16, EOS_ID, use_cache=False)
-    first = data_mod._encode(wiki.tokenizer, texts, 16, EOS_ID)
+    fresh = encode(wiki.tokenizer, texts, 16, EOS_ID, use_cache=False)
+    first = encode(wiki.tokenizer, texts, 16, EOS_ID)
     files = list((fresh_cache / "tokens").glob("*.npz"))
     assert len(files) == 1
     mtime = files[0].stat().st_mtime_ns
-    second = data_mod._encode(wiki.tokenizer, texts, 16, EOS_ID)
+    second = encode(wiki.tokenizer, texts, 16, EOS_ID)
     assert files[0].stat().st_mtime_ns == mtime and not list((fresh_cache / "tokens").glob("*.tmp"))
     assert [a.tolist() for a in fresh] == [a.tolist() for a in first] == [a.tolist() for a in second]
     assert all(len(a) <= 16 and a[-1] == EOS_ID and not a.flags.writeable for a in second)
-    data_mod._encode(wiki.tokenizer, texts, 17, EOS_ID)  # another length: another entry
+    encode(wiki.tokenizer, texts, 17, EOS_ID)  # another length: another entry
     assert len(list((fresh_cache / "tokens").glob("*.npz"))) == 2
 
 

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from lowband.link import Link, PeerTimeoutError
-from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError, noloco_groups, warmup_cosine
+from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError, noloco_groups
 from lowband.optim._common import state_view
 from lowband.testing import (
     full_params,
@@ -29,6 +27,7 @@ from lowband.testing import (
     tiny_steps,
 )
 from lowband.topology import Topology
+from lowband.train.schedule import warmup_cosine
 
 INNER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
 
@@ -496,20 +495,6 @@ def test_single_process_clipping_schedule_and_shared_param_groups():
     assert opt.inner_optimizer.param_groups[0]["lr"] == inner.param_groups[0]["lr"]
 
 
-def test_warmup_cosine_factors():
-    p = nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([p], lr=2.0)
-    sched = warmup_cosine(opt, warmup_steps=4, total_steps=14, min_ratio=0.1)
-    lrs = []
-    for _ in range(16):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    assert lrs[:5] == pytest.approx([0.5, 1.0, 1.5, 2.0, 2.0])
-    assert lrs[9] == pytest.approx(2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5))))
-    assert lrs[14:] == pytest.approx([0.2, 0.2])
-
-
 def test_noloco_groups_partition_the_replicas():
     for replicas in range(2, 12):
         for n in range(2, replicas + 1):
@@ -626,14 +611,3 @@ class _StubLink:
 def test_bad_hyperparameters(cls, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         cls(make_model().parameters(), **kwargs)
-
-
-@pytest.mark.parametrize(
-    "kwargs, needle",
-    [(dict(warmup_steps=-1, total_steps=5), "warmup_steps"), (dict(warmup_steps=5, total_steps=5), "total_steps"),
-     (dict(warmup_steps=1, total_steps=5, min_ratio=1.5), "min_ratio")],
-)
-def test_warmup_cosine_bad_input(kwargs, needle):
-    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
-    with pytest.raises(ValueError, match=needle):
-        warmup_cosine(opt, **kwargs)

@@ -1,25 +1,13 @@
-"""Topology arithmetic, bandwidth parsing and the link's shaping, on real gloo processes where needed."""
+"""Topology arithmetic and the link's shaping, on real gloo processes where needed."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lowband.link import Link, parse_bandwidth
+from lowband.link import Link
 from lowband.testing import run_ranks
 from lowband.topology import Topology
-
-
-@pytest.mark.parametrize("text, bps", [("100mbit", 100e6), ("1gbit", 1e9), ("500Mbps", 500e6), ("2.5e8", 2.5e8),
-                                       ("1.5 Gbit/s", 1.5e9), (250_000_000, 2.5e8)])
-def test_parse_bandwidth(text, bps):
-    assert parse_bandwidth(text) == pytest.approx(bps)
-
-
-@pytest.mark.parametrize("text", ["fast", "100mbitz", "", "-5mbit", "0"])
-def test_parse_bandwidth_rejects_nonsense_and_lists_units(text):
-    with pytest.raises(ValueError, match="bandwidth"):
-        parse_bandwidth(text)
 
 
 def test_topology_layout():

@@ -11,7 +11,8 @@ import torch
 
 from lowband.bench.methods import method_label, parse_method_spec, train_hp_args
 from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo, SparseLoCo
-from lowband.optim.local_sgd import DILOCO_INNER_DEFAULTS, NOLOCO_INNER_DEFAULTS
+from lowband.optim.diloco import DILOCO_INNER_DEFAULTS
+from lowband.optim.noloco import NOLOCO_INNER_DEFAULTS
 from lowband.optim.sparseloco import SPARSELOCO_INNER_DEFAULTS
 from lowband.train.cli import add_arguments, config_from_args
 from lowband.train.methods import (

@@ -18,7 +18,7 @@ import torch
 from lowband.link import Link
 from lowband.optim import NoLoCo
 from lowband.optim._common import state_view
-from lowband.optim.local_sgd import noloco_group_size
+from lowband.optim.noloco_groups import noloco_group_size
 from lowband.testing import tiny_loss, tiny_model
 from lowband.topology import Topology
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from lowband.cli import main as cli_main
-from lowband.simulate import parse_count, parse_duration, parse_size
 from lowband.simulate.model import (
     SyncModel,
     closed_form,
@@ -67,7 +66,7 @@ def test_group_of_three_when_replicas_are_odd() -> None:
 
 @pytest.mark.parametrize("replicas, n", [(2, 2), (7, 2), (8, 2), (9, 4), (10, 3), (5, 4), (16, 16)])
 def test_group_sizes_match_nolocos_own_groups(replicas: int, n: int) -> None:
-    from lowband.optim.local_sgd import noloco_groups
+    from lowband.optim.noloco_groups import noloco_groups
 
     groups = noloco_groups(replicas, n, seed=0, outer_index=3)
     assert sorted(group_sizes(replicas, n)) == sorted(len(g) for g in groups)
@@ -157,16 +156,6 @@ def test_model_rejects_bad_inputs(kwargs: dict, needle: str) -> None:
         SyncModel(**{**base, **kwargs})
     with pytest.raises(ValueError, match=r"\[2, "):
         simulate(1, _model(0.0))
-
-
-def test_parsers() -> None:
-    assert parse_duration("50ms") == pytest.approx(0.05) and parse_duration("0.05") == 0.05
-    assert parse_duration("500us") == pytest.approx(5e-4)
-    assert parse_size("4MiB") == 4 * 2**20 and parse_size("4MB") == 4_000_000 and parse_size("4096") == 4096
-    assert parse_count("125M") == 125e6 and parse_count("1.3B") == 1.3e9 and parse_count("125e6") == 125e6
-    for fn, bad in ((parse_duration, "5 parsecs"), (parse_size, "lots"), (parse_count, "big")):
-        with pytest.raises(ValueError, match="cannot parse"):
-            fn(bad)
 
 
 # ---------------------------------------------------------------- the command

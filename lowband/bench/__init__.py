@@ -7,16 +7,9 @@ Table 1 and Table 2 layouts, :mod:`lowband.bench.report`) and PNG plots
 (:mod:`lowband.bench.plots`). ``lowband report RUN_DIR`` re-renders the report and plots from
 ``results.json``.
 
-For ``lowband/cli.py``::
-
-    from lowband import bench
-    p = sub.add_parser("bench", help=..., description=bench.DESCRIPTION)
-    bench.add_arguments(p); p.set_defaults(func=bench.main)
-    r = sub.add_parser("report", help=..., description=bench.REPORT_DESCRIPTION)
-    bench.add_report_arguments(r); r.set_defaults(func=bench.report_main)
-
-Both ``main`` functions return the process exit status: 0 ok, 1 some run failed, 2 bad input
-(nothing started), 130 interrupted.
+``lowband/cli.py`` loads ``add_arguments`` and ``main`` for ``bench``, ``add_report_arguments`` and
+``report_main`` for ``report``. Both ``main`` functions return the process exit status: 0 ok, 1
+some run failed, 2 bad input (nothing started), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -47,9 +40,7 @@ from lowband.bench.methods import METHODS, BenchMethod, accepted_params, parse_m
 from lowband.cluster import signals_as_exit
 
 __all__ = [
-    "DESCRIPTION",
     "METHODS",
-    "REPORT_DESCRIPTION",
     "BenchConfig",
     "BenchMethod",
     "RunPlan",
@@ -65,14 +56,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-DESCRIPTION = (
-    "Train the same model with each method on emulated nodes joined by a slow link, and report "
-    "seconds per step (compute and communication), inter-node bytes, validation loss and memory. "
-    "As root with `ip netns` and tbf, each node gets its own network namespace and a rate-limited "
-    "veth link; otherwise each rank shapes its own traffic in-process."
-)
-REPORT_DESCRIPTION = "Re-render report.md and the plots of a bench run directory from its results.json."
 
 
 def _method_help() -> str:

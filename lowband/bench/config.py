@@ -28,9 +28,8 @@ from lowband.bench.methods import (
     run_params,
     train_hp_args,
 )
-from lowband.link import parse_bandwidth
-from lowband.optim.local_sgd import unmerged_tail_note
-from lowband.util import parse_duration
+from lowband.optim.outer import unmerged_tail_note
+from lowband.units import format_bandwidth, parse_bandwidth, parse_duration, parse_int_list, split_list
 
 __all__ = [
     "DEFAULT_BANDWIDTHS",
@@ -49,9 +48,7 @@ __all__ = [
     "Preset",
     "BenchConfig",
     "RunPlan",
-    "format_bandwidth",
     "make_config",
-    "parse_duration",
     "plan_runs",
 ]
 
@@ -111,18 +108,17 @@ class Preset:
 # about 45 minutes, and be long enough that the losses leave the unigram stage.
 #
 # - Model and data: t5-mini (1.97M parameters at vocab 8192) on the embedded Wikipedia pairs, so
-#   AdamW's gradient all-reduce (7.9 MB per node and step) is ~0.65 s at 100 Mbit/s against ~0.5 s
-#   of compute on this 2-core machine: communication-bound, as t5-small on GPUs is in the paper.
+#   AdamW's gradient all-reduce (7.9 MB per node and step) takes longer at 100 Mbit/s than a step's
+#   compute on 2 cores: communication-bound, as t5-small on GPUs is in the paper.
 #   64/16 tokens instead of the default 128/32: the one-line descriptions rarely exceed 16 tokens
 #   and their subject sits in the first sentence; it halves compute, so more steps fit.
 # - 140 steps of a global batch of 32 (under half an epoch), warm-up 20 then cosine to 0.1x. The
-#   budget sets the length: 18 runs at ~0.55-1.25 s per step and ~35 s of start-up, validation and
-#   shutdown each. At 160 steps the preset took 49 minutes on this machine (most of it the five
-#   AdamW and Deto-Full runs, which wait ~0.68 s per step on the link), so 140 it is: a multiple of
-#   H = 20, so DiLoCo's and NoLoCo's last inner steps are merged by an outer step. At the sweep's
-#   200 steps AdamW reaches 6.67 against the targets' unigram cross-entropy of 6.84 nats; at 140
-#   AdamW and FlexDeMo Top-8 end about 0.05 below it (6.78, 6.79), the others above it and still
-#   falling. Validation every 20 steps (8 points per curve).
+#   budget sets the length (18 runs, each with its start-up, validation and shutdown; 160 steps
+#   overran it), so 140 it is: a multiple of H = 20, so DiLoCo's and NoLoCo's last inner steps are
+#   merged by an outer step. At the sweep's 200 steps AdamW reaches 6.67 against the targets'
+#   unigram cross-entropy of 6.84 nats; at 140 AdamW and FlexDeMo Top-8 end about 0.05 below it
+#   (6.78, 6.79), the others above it and still falling. Validation every 20 steps (8 points per
+#   curve).
 # - Every method at its best lr from the sweep in docs/time-to-quality.md (200 steps, seed 0, lr
 #   from 1e-3 up to where the loss turned up again, or to 3e-2/1e-1), and AdamW and FlexDeMo Top-1
 #   also at the paper's shared lr 1e-3, at the first seed only (nseeds=1: a reference, not a
@@ -152,21 +148,8 @@ QUALITY_PRESET = Preset(
 PRESETS: dict[str, Preset] = {p.name: p for p in (QUALITY_PRESET,)}
 
 
-def format_bandwidth(bandwidth_bps: float) -> str:
-    """``1e8`` -> ``"100 Mbit/s"``, ``1e9`` -> ``"1 Gbit/s"``, ``2.5e9`` -> ``"2.5 Gbit/s"``."""
-    for scale, unit in ((1e9, "Gbit/s"), (1e6, "Mbit/s"), (1e3, "kbit/s")):
-        if bandwidth_bps >= scale:
-            return f"{bandwidth_bps / scale:.4g} {unit}"
-    return f"{bandwidth_bps:.4g} bit/s"
-
-
 def _bandwidth_slug(bandwidth_bps: float) -> str:
     return format_bandwidth(bandwidth_bps).replace("/s", "").replace(" ", "").lower()
-
-
-def _split_list(value: str | Sequence[str]) -> list[str]:
-    items = [value] if isinstance(value, str) else list(value)
-    return [piece.strip() for item in items for piece in str(item).split(",") if piece.strip()]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,22 +326,8 @@ def _check_data_columns(data: str, model: str, train_args: Sequence[str]) -> Non
                              f"{', '.join(map(str, columns)) or 'none'}); name it with {fix}")
 
 
-def _parse_ints(value: int | str | Sequence[int | str], *, flag: str, example: str) -> list[int]:
-    """A comma-separated list of integers (or a sequence of them); ValueError naming the flag."""
-    items = [str(value)] if isinstance(value, int) else _split_list(value)
-    if not items:
-        raise ValueError(f"{flag} is empty; e.g. {flag} {example}")
-    values = []
-    for item in items:
-        try:
-            values.append(int(item))
-        except ValueError:
-            raise ValueError(f"{flag}: {item!r} is not an integer; e.g. {flag} {example}") from None
-    return values
-
-
 def _parse_seeds(seeds: int | str | Sequence[int | str]) -> tuple[int, ...]:
-    values = _parse_ints(seeds, flag="--seeds", example="0,1,2")
+    values = parse_int_list(seeds, what="--seeds", example="0,1,2")
     if len(set(values)) != len(values):
         raise ValueError(f"--seeds {','.join(map(str, values))} names a seed twice; give each seed once")
     return tuple(values)
@@ -422,13 +391,13 @@ def make_config(
     if not run_timeout_s > 0:
         raise ValueError(f"run timeout {run_timeout_s} s: give a positive number of seconds")
     specs = tuple(parse_method_list(methods))
-    bw_items = _split_list(bandwidths)
+    bw_items = split_list(bandwidths)
     if not bw_items:
         raise ValueError("no bandwidth given; e.g. --bandwidth 100mbit,500mbit,1gbit")
     bandwidths_bps = tuple(dict.fromkeys(parse_bandwidth(b) for b in bw_items))
     shard_values: tuple[int, ...] | None = None
     if shards is not None:
-        shard_values = tuple(dict.fromkeys(_parse_ints(shards, flag="--shards", example="1,2")))
+        shard_values = tuple(dict.fromkeys(parse_int_list(shards, what="--shards", example="1,2")))
     divisors = [d for d in range(1, ranks_per_node + 1) if ranks_per_node % d == 0]
     for s in [*(shard_values or ()), *(spec.get("shards") for spec in specs if spec.get("shards") is not None)]:
         try:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from lowband.units import split_list
+
 __all__ = ["FaultEvent", "parse_faults", "format_faults"]
 
 _EVENT = re.compile(r"node(\d+):(kill|start)@(\d+(?:\.\d+)?)(s|m)?")
@@ -47,9 +49,7 @@ def parse_faults(text: str, *, nodes: int, steps: int | None = None) -> tuple[Fa
     events: list[FaultEvent] = []
     alive = set(range(nodes))
     last_step = -1
-    for raw in (t.strip() for t in text.split(",")):
-        if not raw:
-            continue
+    for raw in split_list(text):
         m = _EVENT.fullmatch(raw.lower())
         if m is None:
             raise ValueError(f"--faults: cannot read {raw!r}; write node<I>:kill@<step> or node<I>:start@<step>, "

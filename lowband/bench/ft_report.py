@@ -124,7 +124,7 @@ def cost_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     headers = ["variant", "seed", "link", "s/step off", "s/step on", "on/off", "MB/step/node off", "MB/step/node on",
                "on/off"]
     rows = []
-    from lowband.bench.config import format_bandwidth
+    from lowband.units import format_bandwidth
 
     for r in runs:
         if not _is_ft(r) or _ft(r).get("faults") or not r["label"].endswith(" FT"):

@@ -31,7 +31,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lowband.bench.config import format_bandwidth
 from lowband.bench.methods import column_labels
 from lowband.bench.quality import (
     Variant,
@@ -43,6 +42,7 @@ from lowband.bench.quality import (
     reference_runs,
     variants,
 )
+from lowband.units import format_bandwidth
 
 __all__ = ["PLOT_FILES", "write_plots"]
 

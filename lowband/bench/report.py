@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from lowband.bench import quality
-from lowband.bench.config import PRESETS, format_bandwidth
+from lowband.bench.config import PRESETS
 from lowband.bench.methods import DISPLAY_NAMES, SHARD_SWEEP, column_labels
 from lowband.bench.plots import write_plots
+from lowband.units import format_bandwidth
 
 __all__ = [
     "REPORT_FILE",

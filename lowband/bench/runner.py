@@ -32,7 +32,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from lowband.bench.config import BenchConfig, RunPlan, format_bandwidth, plan_runs
+from lowband.bench.config import BenchConfig, RunPlan, plan_runs
 from lowband.bench.quality import annotate_time_to_target
 from lowband.bench.report import error_headline
 from lowband.bench.results import (
@@ -52,6 +52,7 @@ from lowband.cluster import (
     measure_throughput,
     netns_available,
 )
+from lowband.units import format_bandwidth
 
 __all__ = ["check_out_dir", "choose_emulation", "default_out_dir", "prepare_out_dir", "run_bench"]
 

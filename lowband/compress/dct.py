@@ -24,10 +24,9 @@ __all__ = [
 # idct_sparse sums the basis rows that a chunk's coefficients select (torch's embedding_bag with
 # per-sample weights: gather, multiply and add in one kernel) up to this many coefficients per chunk;
 # above it, it scatters them into a dense (n_chunks, c) tensor and multiplies by the basis (c
-# multiply-adds per element). Measured on a block of 8192 chunks of 128 (one thread, the loaded 2-core
-# development machine, best of 5): the dense path 6 to 11 ms whatever the number of terms; the fused
-# sum 0.3 ms for 1 or 2 terms, 1.2 to 1.4 ms for 8 to 16, 2.6 to 6 ms for 32, 5 to 8 ms for 48 to 64,
-# 13 ms for 128. So it sums up to 48 terms (Top-8 decodes of up to 6 replicas).
+# multiply-adds per element). The dense path costs the same whatever the number of terms, the fused
+# sum grows with it; on a CPU they cross at about 48 terms, so it sums up to 48 (Top-8 decodes of up
+# to 6 replicas).
 SPARSE_TERMS_MAX = 48
 
 
@@ -90,10 +89,9 @@ def topk_per_chunk(coeffs: torch.Tensor, k: int, *,
     The magnitudes are compared as integers: a float's bits with the sign bit cleared, read as a signed
     integer of the same width, order exactly as the magnitudes do (NaN, whose bits are the largest,
     is picked first, as torch's float argmax and topk pick it), so the picks are those of ``|X|``
-    compared as floats. It is cheaper: on a (8192, 128) fp32 block with one thread the bitwise mask
-    and integer argmax take 1.4–1.5 ms against 3.0–3.2 ms for ``abs`` and the float argmax (topk
-    of 8: 13 ms against 17 ms). Top-1 is a reduction (argmax) instead of a selection: the same pick,
-    except among exact ties.
+    compared as floats. It is cheaper: on a CPU the bitwise mask and integer argmax take about half
+    the time of ``abs`` and the float argmax (docs/algorithms.md). Top-1 is a reduction (argmax)
+    instead of a selection: the same pick, except among exact ties.
 
     ``workspace``: a tensor of ``coeffs``' size and dtype to hold the magnitudes (else a new one).
     """

@@ -1,10 +1,12 @@
 """Optimizers: FlexDeMo (DeMo when S = 1), the full-sync baselines, DiLoCo, NoLoCo and SparseLoCo."""
 
 from lowband.optim._common import NonFiniteGradientError
+from lowband.optim.diloco import DiLoCo
 from lowband.optim.flexdemo import FlexDeMo
 from lowband.optim.fullsync import AdamWFullSync, DetoFull, sync_gradients
-from lowband.optim.local_sgd import DiLoCo, NoLoCo, noloco_groups, warmup_cosine
+from lowband.optim.noloco import NoLoCo
+from lowband.optim.noloco_groups import noloco_groups
 from lowband.optim.sparseloco import SparseLoCo
 
 __all__ = ["AdamWFullSync", "DetoFull", "FlexDeMo", "NonFiniteGradientError", "sync_gradients"]
-__all__ += ["DiLoCo", "NoLoCo", "SparseLoCo", "noloco_groups", "warmup_cosine"]
+__all__ += ["DiLoCo", "NoLoCo", "SparseLoCo", "noloco_groups"]

@@ -98,9 +98,8 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 
     min and max of a tensor are both finite exactly when every element is (NaN propagates into
     both, +Inf into the max, -Inf into the min; neither can overflow, unlike a sum of squares).
-    ``torch.aminmax`` reads each element once without a temporary: about 8x cheaper on the CPU
-    than the infinity norm (0.44 against 3.6 ms per million fp32 elements, one thread). Empty
-    tensors are finite.
+    ``torch.aminmax`` reads each element once without a temporary, which makes it much cheaper on
+    the CPU than the infinity norm. Empty tensors are finite.
     """
     tensors = [t for t in tensors if t.numel()]
     if not tensors:

@@ -150,8 +150,7 @@ class _Workspace:
     """Buffers for a step's block temporaries, reused block after block and dropped with the step.
 
     A fresh tensor of a block's size for every temporary of every block costs the allocator (glibc
-    hands large blocks back to the system and page-faults them in again): measured on one block of
-    8192 chunks of 128, the DCT's product took 9 ms into a new tensor and 5.4 ms into a reused one.
+    hands large blocks back to the system and page-faults them in again); a reused buffer does not.
     """
 
     def __init__(self, plan: _Plan) -> None:
@@ -207,10 +206,8 @@ class FlexDeMo(Optimizer):
     reused within the step; per group the encoding, the finite check of the values to send, and the
     decoding (:meth:`lowband.compress.WireFormat.encode_many`: the same bytes as the tensors'
     payloads one by one). The momentum is computed once, over the gradient (see below), and the
-    picks compare magnitudes as integers (:func:`lowband.compress.topk_per_chunk`). Measured with
-    ``benchmarks/step_cost.py`` (one thread, R = 2, Top-1, chunk 128, bf16): step() costs 0.94 to
-    1.04× AdamW's on t5-small shards (131 tensors, 30M elements per rank) and 1.38 to 1.56× on
-    t5-mini's (47 tensors, 1M, where per-block overheads weigh more); the DCT product is a fifth.
+    picks compare magnitudes as integers (:func:`lowband.compress.topk_per_chunk`). What step()
+    costs against AdamW's (``benchmarks/step_cost.py``) is in docs/algorithms.md.
 
     All parameters' payloads (each tensor's :class:`lowband.compress.WireFormat` payload, in the
     order of the param groups and their parameters) travel as one flat uint8 message per step

@@ -19,7 +19,7 @@ from lowband.compress.dct import dct, idct, num_chunks, scatter_chunks, to_chunk
 from lowband.compress.sparse import SPARSE_VALUE_FORMATS, SparseCodec
 from lowband.link import Link
 from lowband.optim._common import local, replica_state_like, state_view
-from lowband.optim.local_sgd import InnerOptimizer, _check_unit_interval, _LocalSGD, _OuterFlight
+from lowband.optim.outer import InnerOptimizer, OuterFlight, OuterStepOptimizer, check_unit_interval
 
 __all__ = ["SPARSELOCO_INNER_DEFAULTS", "SPARSELOCO_TRANSFORMS", "SparseLoCo", "sparseloco_message_nbytes"]
 
@@ -42,7 +42,7 @@ def sparseloco_message_nbytes(numels: Iterable[int], *, chunk: int, topk: int, v
     return SparseCodec(chunk, topk, values, quant_block).nbytes(n_chunks) + 1
 
 
-class SparseLoCo(_LocalSGD):
+class SparseLoCo(OuterStepOptimizer):
     r"""SparseLoCo: H inner steps, then each replica sends the top-k of its error-feedback accumulator, quantised.
 
     On replica r, with φ the outer weights (equal on every replica) and θ_r its inner weights::
@@ -111,7 +111,7 @@ class SparseLoCo(_LocalSGD):
             raise ValueError(f"SparseLoCo has no overlapped outer step: delay must be 0, got {delay!r}")
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
-        _check_unit_interval("decay", decay)
+        check_unit_interval("decay", decay)
         for name, value in (("topk", topk), ("chunk", chunk)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -136,7 +136,7 @@ class SparseLoCo(_LocalSGD):
         for group in self.param_groups:
             if not group["outer_lr"] > 0:
                 raise ValueError(f"outer_lr must be > 0, got {group['outer_lr']}")
-            _check_unit_interval("decay", group["decay"])
+            check_unit_interval("decay", group["decay"])
 
     def _init_outer_state(self, p: torch.Tensor, state: dict) -> None:
         state["error"] = replica_state_like(p, self._topology)
@@ -163,7 +163,7 @@ class SparseLoCo(_LocalSGD):
         dense = scatter_chunks(idx, vals, self.wire.chunk)
         return idct(dense) if self.transform == "dct" else dense
 
-    def _begin_outer(self, outer_index: int, *, async_op: bool) -> _OuterFlight:
+    def _begin_outer(self, outer_index: int, *, async_op: bool) -> OuterFlight:
         params = self._params()
         dtype = self._message_dtype(params)
         v_parts = []
@@ -190,9 +190,9 @@ class SparseLoCo(_LocalSGD):
             idx, vals = topk_per_chunk(x.contiguous(), self.wire.topk)
             message[:-1] = self.wire.encode(idx, vals)
         result = self.link.all_gather(message, async_op=async_op) if self.link is not None else message.unsqueeze(0)
-        return _OuterFlight(outer_index, result, message, message, None, n_chunks, extra=dict(v=v_parts))
+        return OuterFlight(outer_index, result, message, message, None, n_chunks, extra=dict(v=v_parts))
 
-    def _end_outer(self, flight: _OuterFlight, result: Any) -> str | None:
+    def _end_outer(self, flight: OuterFlight, result: Any) -> str | None:
         gathered = result
         if bool(gathered[:, -1].any()):
             return "error-feedback accumulator (β·e + pseudo-gradient)"

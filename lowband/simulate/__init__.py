@@ -50,18 +50,25 @@ import dataclasses
 import json
 import logging
 import math
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from lowband.link import parse_bandwidth
 from lowband.simulate.measure import MeasureSpec
 from lowband.simulate.model import MAX_REPLICAS, SyncModel, closed_form, default_replica_counts, sweep
-from lowband.util import parse_duration
+from lowband.units import (
+    format_bytes,
+    format_count,
+    format_rate,
+    parse_bandwidth,
+    parse_count,
+    parse_duration,
+    parse_int_list,
+    parse_size,
+)
 
-__all__ = ["add_arguments", "main", "parse_count", "parse_duration", "parse_size", "run"]
+__all__ = ["add_arguments", "main", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -70,60 +77,6 @@ PAPER_CLAIM_RATIO = 10.0
 SENSITIVITY_SIGMAS = (0.0, 0.25, 0.5, 1.0)
 ERROR_TARGET = 0.25
 DEFAULT_OUT = Path("runs/simulate")
-
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-_COUNT_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
-
-
-def _split_number(text: str, what: str, example: str) -> tuple[float, str]:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if m is None:
-        raise ValueError(f"cannot parse {what} {text!r}: give a number with an optional unit, e.g. {example}")
-    return float(m.group(1)), m.group(2).lower()
-
-
-def parse_size(text: str | int) -> int:
-    """``"4MiB"``, ``"4MB"``, ``"4194304"`` -> bytes (> 0)."""
-    if isinstance(text, int):
-        value = float(text)
-    else:
-        value, unit = _split_number(text, "size", "4MiB, 4MB, 4194304")
-        if unit not in _SIZE_UNITS:
-            raise ValueError(f"cannot parse size {text!r}: units are B, kB, MB, GB, KiB, MiB, GiB (a bare number is bytes)")
-        value *= _SIZE_UNITS[unit]
-    if not value >= 1:
-        raise ValueError(f"size must be at least 1 byte, got {text!r}")
-    return int(value)
-
-
-def parse_count(text: str | float) -> float:
-    """``"125e6"``, ``"125M"``, ``"1.3B"`` (billion), ``"350k"`` -> a number of parameters (> 0)."""
-    if isinstance(text, int | float):
-        value = float(text)
-    else:
-        value, unit = _split_number(text, "parameter count", "125e6, 125M, 1.3B")
-        if unit not in _COUNT_UNITS:
-            raise ValueError(f"cannot parse parameter count {text!r}: suffixes are k, M, B (billion); or a plain number")
-        value *= _COUNT_UNITS[unit]
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"the model must have > 0 parameters, got {text!r}")
-    return value
-
-
-def _parse_int_list(text: str, what: str, *, minimum: int, maximum: int) -> list[int]:
-    out = []
-    for piece in (p.strip() for p in str(text).split(",")):
-        if not piece:
-            continue
-        try:
-            n = int(piece)
-        except ValueError:
-            raise ValueError(f"{what}: {piece!r} is not an integer; give a comma-separated list such as 4,8") from None
-        if not minimum <= n <= maximum:
-            raise ValueError(f"{what}: {n} is out of range; each must be in [{minimum}, {maximum}]")
-        out.append(n)
-    return out
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``lowband simulate`` options to ``parser``."""
@@ -180,7 +133,8 @@ def _config_from_args(args: argparse.Namespace) -> _Config:
         raise ValueError(f"--bytes-per-param must be > 0 (4 for fp32, 2 for bf16), got {args.bytes_per_param}")
     if not 2 <= args.max_replicas <= MAX_REPLICAS:
         raise ValueError(f"--max-replicas must be in [2, {MAX_REPLICAS}], got {args.max_replicas}")
-    extra = _parse_int_list(args.replicas, "--replicas", minimum=2, maximum=MAX_REPLICAS)
+    extra = parse_int_list(args.replicas, what="--replicas", example="4,8", minimum=2, maximum=MAX_REPLICAS,
+                           allow_empty=True)
     model = SyncModel(
         model_bytes=params * args.bytes_per_param,
         bandwidth_bps=parse_bandwidth(args.bandwidth),
@@ -195,7 +149,8 @@ def _config_from_args(args: argparse.Namespace) -> _Config:
         raise ValueError(f"--out {args.out} exists and is not a directory; give a directory")
     spec = None
     if args.measure:
-        nodes = _parse_int_list(args.measure_nodes, "--measure-nodes", minimum=2, maximum=64)
+        nodes = parse_int_list(args.measure_nodes, what="--measure-nodes", example="4,8", minimum=2, maximum=64,
+                               allow_empty=True)
         spec = MeasureSpec(nodes=tuple(dict.fromkeys(nodes)), bandwidth_bps=parse_bandwidth(args.measure_bandwidth),
                            size_bytes=parse_size(args.measure_size), reps=args.measure_reps,
                            group_size=args.group_size, seed=args.seed, timeout_s=args.measure_timeout)  # fmt: skip
@@ -204,14 +159,7 @@ def _config_from_args(args: argparse.Namespace) -> _Config:
 
 
 def _model_section(cfg: _Config) -> tuple[str, dict[str, Any], list, list]:
-    from lowband.simulate.report import (
-        format_bytes,
-        format_count,
-        format_model_table,
-        format_rate,
-        format_seconds,
-        sensitivity,
-    )
+    from lowband.simulate.report import format_model_table, format_seconds, sensitivity
 
     m = cfg.model
     rows = sweep(cfg.replica_counts, m)
@@ -261,7 +209,7 @@ def _model_section(cfg: _Config) -> tuple[str, dict[str, Any], list, list]:
 
 def _measure_section(cfg: _Config) -> tuple[str, dict[str, Any], list[dict[str, Any]], SyncModel | None, str]:
     from lowband.simulate import measure as ms
-    from lowband.simulate.report import format_bytes, format_comparison, format_rate
+    from lowband.simulate.report import format_comparison
 
     spec = cfg.measure
     assert spec is not None
@@ -269,7 +217,7 @@ def _measure_section(cfg: _Config) -> tuple[str, dict[str, Any], list[dict[str, 
     where = (f"{'/'.join(str(n) for n in spec.nodes)} emulated nodes (network namespaces, tbf {format_rate(spec.bandwidth_bps)} "
              "per node), one rank each") if mode == "netns" else (
              f"loopback with IN-PROCESS SHAPING at {format_rate(spec.bandwidth_bps)} (network namespaces unavailable: {reason})")  # fmt: skip
-    # Seen on 2 cores: N=4 32 s, N=8 54 s, mostly starting torchrun and torch in every node.
+    # A rough guess for the progress line: starting torchrun and torch in every node dominates.
     guess_s = sum(10 + 5.5 * n for n in spec.nodes)
     print(f"\nmeasuring on {where}: N = {', '.join(map(str, spec.nodes))} (about {guess_s:.0f} s on 2 cores, "
           "mostly torchrun start-up) ...", file=sys.stderr, flush=True)  # fmt: skip
@@ -339,7 +287,7 @@ def _measure_section(cfg: _Config) -> tuple[str, dict[str, Any], list[dict[str, 
 
 def run(cfg: _Config, *, command: list[str] | None = None) -> dict[str, Any]:
     """Model, optionally measure, print, and write simulate.json and simulate.png; return the JSON."""
-    from lowband.simulate.report import format_bytes, format_count, format_rate, write_plot
+    from lowband.simulate.report import write_plot
 
     t0 = time.perf_counter()
     text, model_data, rows, deterministic = _model_section(cfg)

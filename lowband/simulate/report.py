@@ -9,31 +9,7 @@ from typing import Any
 
 from lowband.simulate.model import SyncModel, SyncTimes, default_replica_counts, sweep
 
-__all__ = ["format_bytes", "format_count", "format_comparison", "format_model_table", "format_rate", "sensitivity", "write_plot"]
-
-
-def format_bytes(nbytes: float) -> str:
-    """``5e8`` -> ``"500 MB"``; ``4194304`` -> ``"4.19 MB"`` (decimal units)."""
-    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def format_count(count: float) -> str:
-    """``125e6`` -> ``"125M"``, ``1.3e9`` -> ``"1.3B"`` (billion), ``350e3`` -> ``"350k"``."""
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if count >= scale:
-            return f"{count / scale:.4g}{unit}"
-    return f"{count:.4g}"
-
-
-def format_rate(bps: float) -> str:
-    """``1e9`` -> ``"1 Gbit/s"``, ``9.564e7`` -> ``"95.6 Mbit/s"``."""
-    for scale, unit in ((1e9, "Gbit/s"), (1e6, "Mbit/s"), (1e3, "kbit/s")):
-        if bps >= scale:
-            return f"{bps / scale:.3g} {unit}"
-    return f"{bps:.3g} bit/s"
+__all__ = ["format_comparison", "format_model_table", "format_seconds", "sensitivity", "write_plot"]
 
 
 def format_seconds(s: float | None) -> str:

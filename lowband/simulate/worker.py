@@ -11,7 +11,7 @@ Through :class:`lowband.link.Link` on ``Topology(num_nodes=W, ranks_per_node=1)`
    NoLoCo peer(s), and ``probes`` all-reduces of 2·W floats (every ring segment non-empty);
 3. ``reps`` times, each after a barrier: an all-reduce of ``size_bytes`` (DiLoCo's pseudo-gradient,
    M), then an exchange of 2·M (NoLoCo's φ and θ−φ) with the members of its group from
-   :func:`lowband.optim.local_sgd.noloco_groups` for outer step ``rep + 1``, then (diagnostic)
+   :func:`lowband.optim.noloco_groups.noloco_groups` for outer step ``rep + 1``, then (diagnostic)
    the same ``batch_isend_irecv`` as ``Link.exchange`` with the receives listed before the sends.
 
 Why the diagnostic: gloo's TCP transport sends a message only after the receiver announced its
@@ -54,7 +54,7 @@ def measure(*, size_bytes: int, reps: int, group_size: int, seed: int, probes: i
     import torch.distributed as dist
 
     from lowband.link import Link
-    from lowband.optim.local_sgd import noloco_groups
+    from lowband.optim.noloco_groups import noloco_groups
     from lowband.topology import Topology
 
     world, rank = dist.get_world_size(), dist.get_rank()

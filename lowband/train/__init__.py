@@ -1,4 +1,4 @@
-"""Training layer: data, tokenizer, models (and the training loop, evaluation, checkpoints).
+"""Training layer: data, tokenizer, models, the lr schedule (and the training loop, evaluation, checkpoints).
 
 Names are imported lazily, so ``import lowband.train.<module>`` does not pull in transformers
 or datasets until a name that needs them is used.
@@ -41,6 +41,9 @@ _EXPORTS: dict[str, str] = {
     "transformer_blocks": "lowband.train.models",
     "compute_loss": "lowband.train.models",
     "count_params": "lowband.train.models",
+    # lr schedule
+    "warmup_cosine": "lowband.train.schedule",
+    "warmup_cosine_factor": "lowband.train.schedule",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -9,10 +9,10 @@ import json
 import logging
 from typing import Any
 
-from lowband.link import parse_bandwidth
 from lowband.train.loop import TrainConfig, Trainer
 from lowband.train.methods import ALIASES, METHODS, canonical_names, hp_flag, parse_hp_value
-from lowband.util import format_value, parse_duration
+from lowband.units import parse_bandwidth, parse_duration
+from lowband.util import format_value
 
 __all__ = ["add_arguments", "main", "config_from_args"]
 

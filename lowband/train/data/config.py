@@ -1,0 +1,156 @@
+"""What data to load (:class:`DataConfig`) and what loading gives (:class:`Data`, one :class:`Split` per side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from lowband.train.tokenizer import SpecialIds
+
+__all__ = ["KINDS", "LABEL_PAD", "Data", "DataConfig", "Split", "describe"]
+
+KINDS: tuple[str, ...] = ("seq2seq", "causal")
+#: The label of a padding position: ignored by the loss.
+LABEL_PAD = -100
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    """What data to train on and how to cut it.
+
+    Args:
+        path: a local data file (see :data:`~lowband.train.data.sources.ACCEPTED_EXTENSIONS`), or None for the embedded default
+            corpus (Wikipedia vital articles).
+        kind: ``"seq2seq"`` (source -> target) or ``"causal"`` (one text per example).
+        source_column: source column of a user's jsonl/csv (seq2seq).
+        target_column: target column of a user's jsonl/csv (seq2seq).
+        text_column: text column of a user's jsonl/csv (causal); a ``.txt`` file is one
+            example per non-empty line.
+        val_path: optional separate validation file (same format); when given, ``val_size`` is
+            ignored and all of ``path`` is training data.
+        val_size: validation share: a fraction in (0, 1), a count of examples (int >= 1), or
+            None for 5 % of the examples capped at 500 (493 of the default corpus's 9,862).
+        max_source_len: source tokens per example, ``</s>`` included (paper: 512).
+        max_target_len: target tokens per example, ``</s>`` included (paper: 150).
+        max_len: tokens per causal example, ``</s>`` included.
+        vocab_size: vocabulary size of the tokenizer lowband trains.
+        tokenizer: a user's ``tokenizer.json`` or a directory holding one; None trains one on the
+            training text (cached, see :mod:`lowband.train.tokenizer`).
+        tokenizer_kind: ``"bpe"`` or ``"unigram"`` for a trained tokenizer.
+        seed: seed of the train/validation split.
+        max_examples: keep at most this many examples (after dropping empty ones, before the
+            split); None keeps all. Handy for quick runs.
+    """
+
+    path: str | None = None
+    kind: str = "seq2seq"
+    source_column: str = "source"
+    target_column: str = "target"
+    text_column: str = "text"
+    val_path: str | None = None
+    val_size: float | int | None = None
+    max_source_len: int = 512
+    max_target_len: int = 150
+    max_len: int = 512
+    vocab_size: int = 8192
+    tokenizer: str | None = None
+    tokenizer_kind: str = "bpe"
+    seed: int = 0
+    max_examples: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown data kind {self.kind!r}; choose one of {', '.join(KINDS)}")
+        for name in ("max_source_len", "max_target_len", "max_len"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name} must be at least 2 (one token and </s>), got {getattr(self, name)}")
+        if isinstance(self.val_size, float) and not 0.0 < self.val_size < 1.0:
+            raise ValueError(f"val_size as a fraction must lie in (0, 1), got {self.val_size}")
+        if isinstance(self.val_size, int) and self.val_size < 1:
+            raise ValueError(f"val_size as a count must be at least 1, got {self.val_size}")
+        if self.max_examples is not None and self.max_examples < 2:
+            raise ValueError(f"max_examples must be at least 2, got {self.max_examples}")
+
+
+@dataclass(kw_only=True)
+class Split:
+    """Tokenised examples of one split (treat as read-only: it may be shared through the cache).
+
+    Args:
+        input_ids: token ids per example (1-D int32 arrays: 8x smaller than lists of ints), each
+            ending in ``</s>`` (seq2seq: the source).
+        target_ids: seq2seq target ids per example (int32 arrays), each ending in ``</s>``; None
+            for causal.
+        source_text: untruncated source (seq2seq) or text (causal) per example.
+        target_text: untruncated reference target per example (seq2seq); None for causal.
+    """
+
+    input_ids: list[np.ndarray]
+    target_ids: list[np.ndarray] | None
+    source_text: list[str]
+    target_text: list[str] | None
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(kw_only=True)
+class Data:
+    """Tokenised train and validation data.
+
+    Args:
+        tokenizer: the tokenizer the ids come from.
+        kind: ``"seq2seq"`` or ``"causal"``.
+        train: training split.
+        val: validation split.
+        special: pad / eos / unk ids.
+        config: the configuration that produced it.
+        name: a short description of where the data came from.
+        stats: load timings (seconds) and split sizes, for logs.
+    """
+
+    tokenizer: Tokenizer
+    kind: str
+    train: Split
+    val: Split
+    special: SpecialIds
+    config: DataConfig
+    name: str = ""
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the tokenizer (size the model's embedding table with it)."""
+        return self.tokenizer.get_vocab_size()
+
+    @property
+    def pad_id(self) -> int:
+        """Padding id of inputs."""
+        return self.special.pad
+
+
+def describe(data: Data) -> dict[str, Any]:
+    """A JSON-able summary of the data (for logs and results files).
+
+    Args:
+        data: the data.
+
+    Returns:
+        Name, kind, sizes, vocab size, and mean token lengths.
+    """
+
+    def mean_len(seqs: list[np.ndarray] | None) -> float | None:
+        return None if not seqs else float(sum(len(s) for s in seqs) / len(seqs))
+
+    return {
+        "name": data.name,
+        "kind": data.kind,
+        "train_examples": len(data.train),
+        "val_examples": len(data.val),
+        "vocab_size": data.vocab_size,
+        "mean_input_tokens": mean_len(data.train.input_ids),
+        "mean_target_tokens": mean_len(data.train.target_ids),
+    }

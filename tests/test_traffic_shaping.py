@@ -1,0 +1,65 @@
+"""lowband.traffic (the ring model's byte counts, the step tally) and lowband.shaping (the uplink's clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowband.shaping import UplinkClock
+from lowband.topology import Topology
+from lowband.traffic import OpRecord, StepTraffic, exchange_inter_node_bytes, ring_inter_node_bytes
+
+
+def _node_of(ranks_per_node: int):
+    return lambda r: r // ranks_per_node
+
+
+def test_ring_counts_only_hops_between_nodes():
+    # DeMo on 2 nodes × 2 ranks: the replicate group is all four ranks, ring 0 → 1 → 2 → 3 → 0.
+    ranks, node_of = [0, 1, 2, 3], _node_of(2)
+    assert ring_inter_node_bytes(ranks, 0, node_of, 100, 1) == (0, 100, 100)  # sends to 1 (same node)
+    assert ring_inter_node_bytes(ranks, 1, node_of, 100, 1) == (100, 0, 100)  # sends to 2 (node 1)
+    # The replicate group of shard 0 on 2 nodes (ranks 0 and 2), S = 2 groups at once on the uplink.
+    assert ring_inter_node_bytes([0, 2], 0, node_of, 100, 2) == (100, 100, 200)
+
+
+def test_ring_of_one_node_crosses_nothing():
+    assert ring_inter_node_bytes([0, 1, 2, 3], 2, _node_of(4), 100, 1) == (0, 0, 0)
+
+
+def test_ring_counts_match_the_topology():
+    t = Topology(num_nodes=3, ranks_per_node=2)
+    ranks = t.replicate_group_ranks(1)
+    assert ring_inter_node_bytes(ranks, 1, t.node_of, 7, t.shards) == (7, 7, 7 * t.shards)
+
+
+def test_exchange_counts_peers_on_other_nodes():
+    node_of = _node_of(2)
+    assert exchange_inter_node_bytes([1, 2, 3], 0, node_of, 10, 1) == (20, 20)
+    assert exchange_inter_node_bytes([1], 0, node_of, 10, 3) == (0, 0)
+    assert exchange_inter_node_bytes([2], 0, node_of, 10, 3) == (10, 30)
+
+
+def test_step_traffic_tallies_its_ops():
+    def op(kind, sent, inter, group):
+        return OpRecord(kind=kind, group_size=group, payload_bytes=sent, bytes_sent=sent, bytes_recv=sent,
+                        inter_node_bytes_sent=inter, inter_node_bytes_recv=inter, node_inter_node_bytes_sent=2 * inter,
+                        messages=1, time_s=0.5, modelled_link_time_s=0.0)
+
+    step = StepTraffic(step=3, ops=[op("all_reduce", 10, 4, 2), op("all_reduce", 6, 0, 4), op("exchange", 5, 5, 2)])
+    assert (step.bytes_sent, step.inter_node_bytes_sent, step.node_inter_node_bytes_sent) == (21, 9, 18)
+    assert step.comm_time_s == pytest.approx(1.5)
+    assert step.by_kind() == {"all_reduce": {"count": 2, "bytes": 16, "inter_node_bytes": 4, "largest_group": 4},
+                              "exchange": {"count": 1, "bytes": 5, "inter_node_bytes": 5, "largest_group": 2}}
+    d = step.as_dict()
+    assert d["step"] == 3 and d["inter_node_bytes_recv"] == 9 and len(d["ops"]) == 3
+
+
+def test_uplink_clock_queues_operations():
+    clock = UplinkClock()
+    # 1e6 bytes at 8e6 bit/s: 1 s on the uplink, then 0.1 s of latency.
+    assert clock.schedule(10.0, 1_000_000, 8e6, 0.1) == pytest.approx(11.1)
+    # Started while the first still occupies the uplink: it queues behind it.
+    assert clock.schedule(10.5, 500_000, 8e6, 0.0) == pytest.approx(11.5)
+    # Started after the uplink is free: no queueing.
+    assert clock.schedule(20.0, 0, 8e6, 0.2) == pytest.approx(20.2)
+    assert clock.free_at == pytest.approx(20.0)
