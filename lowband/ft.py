@@ -333,6 +333,10 @@ class FaultTolerance:
         (a peer that died mid-exchange): so the vote allows three collective timeouts. A vote that fails
         even so (the node's Manager server unreachable) is a failed step, not a crash: False.
         """
+        if self.quorums == 0 and self._pending is None:
+            # No quorum yet, so no exchange either (the link acts as a group of one): e.g. the zero-lr step
+            # that torch.distributed.checkpoint runs to create optimizer state before a resume.
+            return True
         t0 = time.perf_counter()
         try:
             return self.manager.should_commit(timeout=timedelta(seconds=3 * self.cfg.timeout_s + 5.0))

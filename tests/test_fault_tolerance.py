@@ -173,3 +173,30 @@ def test_a_second_process_for_a_live_node_is_refused_and_a_killed_agent_takes_it
     assert all(r["healed"] for r in recs[1])  # the restarted node copied the live one
     for rank in range(2):
         assert recs[0][rank]["param_sha256"] == recs[1][rank]["param_sha256"]
+
+
+def test_when_every_node_dies_the_job_resumes_from_checkpoints_with_the_same_command_line(tmp_path):
+    """Nothing is left to heal from: the nodes are started again with the same arguments and each
+    resumes from its newest checkpoint (``--resume if-any`` started afresh the first time). FlexDeMo's
+    state is created by its first step, which torch.distributed.checkpoint runs at zero lr to load it:
+    before any quorum the link is a group of one and that step commits."""
+    from lowband.cluster.ftjob import FaultTolerantJob
+
+    args = ["--method", "flexdemo", "--steps", "200", *COMMON, "--ckpt-every", "20", "--resume", "if-any"]
+    with FaultTolerantJob(train_args=args, nodes=2, ranks_per_node=2, out=tmp_path) as job:
+        job.start_all()
+        job.wait_for_step(0, 45)
+        job.kill(0)
+        job.kill(1)
+        job.start_all()
+        codes = job.wait(timeout_s=360)
+    assert codes == {0: 0, 1: 0}, {n: (tmp_path / f"node{n}.log").read_text()[-3000:] for n in codes}
+    import re
+
+    for n in range(2):
+        log = (tmp_path / f"node{n}.log").read_text()
+        resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", log)]
+        assert resumed and min(resumed) >= 40, log[-3000:]  # a checkpoint at or after step 40, not step 0
+    recs = [[json.loads((tmp_path / f"node{n}" / f"ft_rank{r}.json").read_text()) for r in range(2)] for n in range(2)]
+    for rank in range(2):
+        assert recs[0][rank]["param_sha256"] == recs[1][rank]["param_sha256"]
