@@ -22,6 +22,7 @@ from lowband.train.methods import (
     build_optimizer,
     check_hyperparameters,
     hp_flag,
+    method_config,
 )
 
 OPTIMIZER = {"AdamWConfig": AdamWFullSync, "DetoFullConfig": DetoFull, "FlexDeMoConfig": FlexDeMo,
@@ -118,3 +119,21 @@ def test_bad_values_are_refused_naming_the_field(method, hp, words):
     with pytest.raises(ValueError) as err:
         check_hyperparameters(method, hp)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_registered_optimizer_speaks_the_trainers_protocol(method):
+    """The trainer asks every optimizer the same few things (no attribute probes): communicates_next,
+    reset_replica_state, flush, stats, state_owners."""
+    from lowband.optim import LowbandOptimizer, OptimizerStats
+
+    model = torch.nn.Linear(4, 2)
+    opt = method_config(method, {}).build(list(model.named_parameters()), link=None, model=model)
+    assert isinstance(opt, LowbandOptimizer)
+    stats = opt.stats()
+    assert isinstance(stats, OptimizerStats) and stats.dropped_steps == 0 and stats.skipped_steps == 0
+    assert (stats.outer_steps is not None) == (METHODS[method].family == "local")
+    owners = opt.state_owners()
+    assert owners[0] is opt and all(isinstance(o, torch.optim.Optimizer) for o in owners)
+    opt.flush()
+    assert isinstance(opt.communicates_next(), bool)

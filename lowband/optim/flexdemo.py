@@ -28,6 +28,7 @@ from lowband.optim._common import (
     run_closure,
     state_view,
 )
+from lowband.optim.protocol import OptimizerStats
 
 __all__ = ["FlexDeMo"]
 
@@ -483,6 +484,12 @@ class FlexDeMo(Optimizer):
         """overlap: apply the step still in flight now (at the end of training). No-op otherwise."""
         if self.overlap:
             self._settle()
+
+    def stats(self) -> OptimizerStats:
+        return OptimizerStats(dropped_steps=self.dropped_steps, skipped_steps=self.skipped_steps)
+
+    def state_owners(self) -> list[Optimizer]:
+        return [self]
 
     @torch.no_grad()
     def state_dict(self):  # type: ignore[override]

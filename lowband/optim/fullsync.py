@@ -30,6 +30,7 @@ from lowband.optim._common import (
     local,
     run_closure,
 )
+from lowband.optim.protocol import OptimizerStats
 
 __all__ = ["AdamWFullSync", "DetoFull", "sync_gradients"]
 
@@ -95,6 +96,15 @@ class _FullSyncMixin:
 
     def reset_replica_state(self) -> None:
         """After this replica copied a live peer's state (fault tolerance): nothing is per replica."""
+
+    def flush(self) -> None:
+        """Nothing is ever in flight: each step's all-reduce completes inside it."""
+
+    def stats(self) -> OptimizerStats:
+        return OptimizerStats(dropped_steps=self.dropped_steps, skipped_steps=self.skipped_steps)
+
+    def state_owners(self) -> list:
+        return [self]
 
     def _sync(self) -> bool:
         """All-reduce the gradients; True if the step may go ahead."""

@@ -49,6 +49,7 @@ from lowband.optim._common import (
     run_closure,
     state_view,
 )
+from lowband.optim.protocol import OptimizerStats
 
 __all__ = ["InnerOptimizer", "OuterFlight", "OuterStepOptimizer", "check_delay", "check_unit_interval",
            "unmerged_tail_note"]
@@ -524,6 +525,13 @@ class OuterStepOptimizer(Optimizer):
         """
         if self.delay:
             self._merge()
+
+    def stats(self) -> OptimizerStats:
+        """Dropped outer steps; non-finite pseudo-gradients raise (never skipped); outer steps taken."""
+        return OptimizerStats(dropped_steps=self.dropped_outer_steps, outer_steps=self.outer_steps)
+
+    def state_owners(self) -> list[Optimizer]:
+        return [self, self.inner_optimizer]
 
     # ------------------------------------------------------------------ outer step helpers
     def _message_dtype(self, params: list[torch.Tensor]) -> torch.dtype:

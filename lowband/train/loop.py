@@ -550,7 +550,7 @@ class Trainer:
             compute_time_s=med(t.compute_times), comm_time_s=med(t.comm_times),
             exposed_comm_time_s=med(t.exposed_times),
             sync_time_s=med(t.sync_times) if self.local else None,
-            outer_steps=getattr(self.optimizer, "outer_steps", len(t.sync_times)) if self.local else None,
+            outer_steps=self.optimizer.stats().outer_steps,
             inter_node_bytes_per_step=sum(t.sent) / max(len(t.sent), 1),
             node_inter_node_bytes_per_step=sum(t.node_sent) / max(len(t.node_sent), 1),
             link_ops=t.link_ops, peak_rss_mb=max(_peak_rss_mb(), self.profile.process_peak_mb()),
@@ -589,8 +589,7 @@ class Trainer:
                     self.evaluate(done)
                 if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < cfg.steps:
                     self.checkpoint(done)
-            if hasattr(self.optimizer, "flush"):  # an overlapped exchange still in flight: apply it
-                self.optimizer.flush()
+            self.optimizer.flush()  # an overlapped exchange still in flight: apply it
             self.evaluate(cfg.steps)
             if cfg.ckpt_at_end or cfg.ckpt_every:
                 self.checkpoint(cfg.steps)
@@ -610,7 +609,7 @@ class Trainer:
     # ------------------------------------------------------------------ fault tolerance
     def _dropped(self) -> int:
         """Steps (outer steps for DiLoCo) the optimizer dropped because an exchange failed."""
-        return int(getattr(self.optimizer, "dropped_steps", 0) + getattr(self.optimizer, "dropped_outer_steps", 0))
+        return self.optimizer.stats().dropped_steps
 
     def _membership(self, step: int) -> int:
         """Form the quorum for ``step``; heal from a live peer if this node is behind. Returns the step to run.
@@ -666,7 +665,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "params": {n: local_state(p) for n, p in self._shards.items()},
             "buffers": {n: local_state(b) for n, b in self.model.named_buffers()},
-            "optimizer": [_optimizer_local_state(o) for o in _state_owners(self.optimizer)],
+            "optimizer": [_optimizer_local_state(o) for o in self.optimizer.state_owners()],
         }
 
     def _ft_load(self, state: dict) -> None:
@@ -674,7 +673,7 @@ class Trainer:
 
         load_local_state(dict(self._shards), state["params"], what="parameters")
         load_local_state(dict(self.model.named_buffers()), state["buffers"], what="buffers")
-        for owner, peer in zip(_state_owners(self.optimizer), state["optimizer"], strict=True):
+        for owner, peer in zip(self.optimizer.state_owners(), state["optimizer"], strict=True):
             _load_optimizer_local_state(owner, peer, self.topology)
         self.scheduler.load_state_dict(state["scheduler"])
         self.optimizer.reset_replica_state()
@@ -709,12 +708,6 @@ def _reshard(model: torch.nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-
-
-def _state_owners(optimizer) -> list:
-    """The optimizer and, for DiLoCo/NoLoCo, its inner optimizer: the objects whose ``state`` a peer copies."""
-    inner = getattr(optimizer, "inner_optimizer", None)
-    return [optimizer] if inner is None else [optimizer, inner]
 
 
 def _optimizer_local_state(opt) -> dict:

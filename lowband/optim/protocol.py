@@ -1,0 +1,50 @@
+"""What the trainer asks of every lowband optimizer: one small protocol instead of attribute probes.
+
+AdamW-HSDP, Deto-Full, FlexDeMo/DeMo and the outer-step methods (DiLoCo, NoLoCo, SparseLoCo) all
+implement :class:`LowbandOptimizer`; a training loop of one's own needs only ``step()`` and, with
+fault tolerance or an overlapped exchange, these few methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["LowbandOptimizer", "OptimizerStats"]
+
+
+@dataclass(frozen=True)
+class OptimizerStats:
+    """Counts an optimizer keeps over a run.
+
+    Attributes:
+        dropped_steps: steps whose exchange between nodes failed and were applied nowhere (fault
+            tolerance; the outer-step methods count outer steps).
+        skipped_steps: steps refused because a gradient (or pseudo-gradient) held NaN or Inf
+            (``nonfinite='skip'``).
+        outer_steps: outer steps taken (the outer-step methods), None for the others.
+    """
+
+    dropped_steps: int = 0
+    skipped_steps: int = 0
+    outer_steps: int | None = None
+
+
+@runtime_checkable
+class LowbandOptimizer(Protocol):
+    def communicates_next(self) -> bool:
+        """Whether the next ``step()`` exchanges between nodes (fault tolerance forms a quorum first)."""
+
+    def reset_replica_state(self) -> None:
+        """After this replica copied a live peer's state: reset what is this replica's own (the method's rule)."""
+
+    def flush(self) -> None:
+        """Apply an exchange still in flight (an overlapped step); nothing to do otherwise."""
+
+    def stats(self) -> OptimizerStats:
+        """The run's counts so far."""
+
+    def state_owners(self) -> list[torch.optim.Optimizer]:
+        """The optimizers whose ``state`` a joining replica copies: this one, and its inner optimizer if any."""
