@@ -200,8 +200,8 @@ def _reference(vs: Sequence[quality.Variant], v: quality.Variant, target_label: 
 
 
 def _target_label(vs: Sequence[quality.Variant]) -> str | None:
-    adamw = [v for v in vs if v.method == "adamw" and v.ok and not v.faulted]
-    return min(adamw, key=lambda v: v.stat("val_loss")[0]).label if adamw else None
+    best, _ = quality.target_variants(vs)
+    return best.label if best is not None else None
 
 
 def _versus(v: quality.Variant, ref: quality.Variant | None) -> str:
@@ -212,14 +212,14 @@ def _versus(v: quality.Variant, ref: quality.Variant | None) -> str:
     beyond = quality.exceeds_spread(v, ref)
     word = "better" if delta < 0 else "worse"
     if beyond is None:
-        return f"{delta:+.3f} (1 seed: spread unknown)"
+        return f"{delta:+.3f} ({word}; spread unknown (one seed))"
     return f"{delta:+.3f} ({word}, beyond the seed spread)" if beyond else f"{delta:+.3f} (within the seed spread)"
 
 
 def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     """One row per variant (runs that differ only in their seed): loss, time to target, speed-up."""
     vs = quality.variants(results["runs"])
-    best = quality.best_lr_labels(vs)
+    best = quality.best_lr(vs)
     target_label = _target_label(vs)
     headers = ["Run", "Link", "Seeds", "final val loss", "vs AdamW", "best val loss", "steps to target",
                "tokens to target (M)", "time to target (s)", "AdamW time ÷ this",
@@ -255,7 +255,8 @@ def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[lis
             else:
                 at_final = f"not every AdamW seed got this low ({missing}/{n} seeds)"
         rows.append([
-            v.label + (" ★" if v.label in best else ""), format_bandwidth(v.bandwidth_bps), f"{n}/{len(v.runs)}",
+            v.label + ("" if v.label not in best else " ★" if best[v.label] else " ★ (across seed counts)"),
+            format_bandwidth(v.bandwidth_bps), f"{n}/{len(v.runs)}",
             _mean_range(v.stat("val_loss"), ".3f", n), _versus(v, ref),
             _mean_range(v.stat("best_val_loss"), ".3f", n), steps, tokens, to_target, speedup, at_final,
             _num(v.stat("step_time_s")[0] if v.stat("step_time_s") else None, ".3f"),
@@ -424,8 +425,10 @@ def quality_section(results: Mapping[str, Any]) -> list[str]:
         "validation at or below it; step, tokens and time there are linearly *interpolated* between that "
         "validation and the one before. Time is the training clock (start-up and validation excluded), "
         "measured on this machine. Cells with several seeds give the mean and [min–max] over them; a "
-        "difference *exceeds the seed spread* when the two min–max ranges do not overlap. ★ = the best lr "
-        "of a method run at several (lowest mean final loss). \"At its final loss\": the training time AdamW "
+        "difference *exceeds the seed spread* when the two min–max ranges do not overlap; against a variant "
+        "with one seed the spread is unknown and no such claim is made. ★ = the best lr of a method run at "
+        "several (lowest mean final loss), among its variants with the most seeds; \"across seed counts\": "
+        "the other lrs ran at fewer seeds, so a mean is set against fewer seeds. \"At its final loss\": the training time AdamW "
         "needed to reach the loss this run ends at, divided by this run's training time (above 1×: this run "
         "reached its quality sooner).",
         "",
