@@ -351,3 +351,57 @@ def test_a_one_seed_variant_is_neither_the_target_nor_a_spread_to_judge_against(
     assert "spread unknown (one seed)" in dict(zip(headers, rows[1], strict=True))["vs AdamW"]
     text = render_markdown({**results, "config": {}, "host": {}, "emulation": {}})
     assert "beyond the seed spread" not in text.split("AdamW lr=0.001 |")[1].split("\n")[0]
+
+
+def _config(*argv: str) -> dict:
+    return bench.config_from_args(_args(*argv)).as_dict()
+
+
+def _head(cfg: dict) -> str:
+    """The report's set-up part: everything before the first section."""
+    return render_markdown({"config": cfg, "host": {}, "emulation": {}, "runs": []}).split("No run was recorded")[0]
+
+
+def test_the_report_describes_the_data_and_model_that_ran_not_the_presets(tmp_path) -> None:
+    data = tmp_path / "my_texts.txt"
+    data.write_text("one text\nanother text\n")
+    head = _head(_config("--preset", "quality", "--data", str(data), "--model", "gpt-mini"))
+    assert "Model gpt-mini on `my_texts.txt`, 128 tokens per text, 140 steps, seeds 0, 1" in head
+    assert "from the preset: methods, link, steps, seeds, train args" in head
+    assert "overridden on the command line: model gpt-mini (preset: t5-mini); data `my_texts.txt` " \
+           "(preset: the embedded corpus)" in head
+    # Nothing that holds only for the embedded data and t5-mini, and no "best lr" claim.
+    for embedded_only in ("6.84", "unigram", "Wikipedia pairs (64/16 tokens), 140", "at its best lr from"):
+        assert embedded_only not in head
+    # The preset as it is: its description and the embedded data's facts.
+    head = _head(_config("--preset", "quality"))
+    assert "Model t5-mini on the embedded corpus, 64 source / 16 target tokens, 140 steps" in head
+    assert "Preset `quality`, as it is:" in head and "unigram cross-entropy is 6.84 nats" in head
+    # Other settings overridden, same data and model: the overrides are named, the data's facts still hold.
+    head = _head(_config("--preset", "quality", "--steps", "60", "--train-args=--val-every 7"))
+    assert "overridden on the command line: steps 60 (preset: 140); train args --val-every 7 added" in head
+    assert "6.84 nats" in head and "as it is" not in head
+    # Other target lengths: the unigram figure of 16 target tokens no longer holds.
+    assert "6.84" not in _head(_config("--preset", "quality", "--train-args=--max-target-len 32"))
+    # No preset: no preset text at all.
+    head = _head(_config("--steps", "5", "--model", "t5-tiny", "--methods", "adamw"))
+    assert "Preset" not in head and "Model t5-tiny on the embedded corpus, 128 source / 32 target tokens" in head
+
+
+def test_the_lr_caveat_appears_exactly_when_data_or_model_differ_from_the_tuning_ones(tmp_path) -> None:
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"source": "a b", "target": "a"}\n')
+    caveat = "The preset's lrs were tuned on t5-mini on the embedded Wikipedia pairs"
+    for argv, expected in ((("--preset", "quality"), False),
+                           (("--preset", "quality", "--steps", "60", "--seeds", "3"), False),
+                           (("--preset", "quality", "--data", str(data)), True),
+                           (("--preset", "quality", "--model", "t5-tiny"), True),
+                           (("--preset", "quality", "--model", "gpt-mini", "--data", str(data.with_suffix(".txt"))), True)):
+        if argv[-1].endswith(".txt"):
+            data.with_suffix(".txt").write_text("a b\n")
+        head = _head(_config(*argv))
+        assert (caveat in head) is expected, argv
+        if expected:
+            assert "not on this run's" in head and "adamw:lr=0.001 adamw:lr=0.003" in head
+    # Methods of the user's own (their own lrs): the preset's tuning says nothing about them.
+    assert caveat not in _head(_config("--preset", "quality", "--model", "t5-tiny", "--methods", "adamw:lr=0.01"))

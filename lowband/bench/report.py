@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from lowband.bench import quality
-from lowband.bench.config import PRESETS
+from lowband.bench.config import (
+    DEFAULT_TRAIN_ARGS,
+    PRESETS,
+    data_name,
+    lrs_tuned_here,
+    preset_differences,
+    sequence_lengths,
+)
 from lowband.bench.methods import DISPLAY_NAMES, SHARD_SWEEP, column_labels
 from lowband.bench.plots import write_plots
 from lowband.units import format_bandwidth
@@ -523,23 +530,63 @@ def console_summary(results: Mapping[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def setup_line(cfg: Mapping[str, Any]) -> str:
+    """What ran, from the bench's configuration: model, data, sequence lengths, steps, seeds, nodes, links."""
+    model = cfg.get("model")
+    seeds = cfg.get("seeds") or []
+    links = ", ".join(format_bandwidth(b) for b in cfg.get("bandwidths_bps") or [])
+    nodes = f"{cfg.get('nodes')} nodes × {cfg.get('ranks_per_node')} ranks" if cfg.get("nodes") else None
+    parts = [f"Model {model} on {data_name(cfg.get('data'))}",
+             sequence_lengths(model, cfg.get("train_args") or ()) if model else None,
+             f"{cfg.get('steps')} steps", f"seed{'s' if len(seeds) != 1 else ''} {', '.join(map(str, seeds))}",
+             nodes, f"link {links}" if links else None]  # fmt: skip
+    return ", ".join(p for p in parts if p) + "."
+
+
+def preset_lines(cfg: Mapping[str, Any]) -> list[str]:
+    """The preset a bench started from: which settings are its and which were given instead, and what holds here.
+
+    Its description is printed only when no setting was overridden; facts of its own model and data
+    only when they ran; a caveat when its learning rates were tuned on another model or data.
+    """
+    preset = PRESETS.get(cfg.get("preset") or "")
+    if preset is None:
+        return []
+    kept, changed = preset_differences(preset, dict(cfg))
+    if not changed:
+        text = f"Preset `{preset.name}`, as it is: {preset.why}"
+    else:
+        text = (f"Preset `{preset.name}`; from the preset: {', '.join(kept) or 'nothing'}; overridden on the "
+                f"command line: {'; '.join(changed)}.")
+    own_data = lrs_tuned_here(preset, cfg) and (sequence_lengths(cfg.get("model") or "", cfg.get("train_args") or ())
+                                                == sequence_lengths(preset.settings.get("model") or "",
+                                                                    DEFAULT_TRAIN_ARGS + tuple(preset.settings.get("train_args", ()))))
+    if preset.facts and own_data:
+        text += f" {preset.facts}"
+    out = [text, ""]
+    methods_kept = list(cfg.get("methods") or []) == list(preset.settings.get("methods", []))
+    if preset.lrs_tuned_on and methods_kept and not lrs_tuned_here(preset, cfg):
+        out += [f"**Learning rates not tuned here.** The preset's lrs were tuned on {preset.lrs_tuned_on}, not on "
+                f"this run's {cfg.get('model')} on {data_name(cfg.get('data'))}: no method is known to run at its "
+                "best lr here, and a method that trails may only have the wrong lr. To tune them, give each method "
+                "at several lrs, e.g. `--methods adamw:lr=0.001 adamw:lr=0.003 adamw:lr=0.01 ...` (the bench has no "
+                "separate lr-sweep option): the report marks each method's best lr with ★.", ""]
+    return out
+
+
 def render_markdown(results: Mapping[str, Any], plots: Sequence[str] = ()) -> str:
     """``report.md``: set-up, Table 1, Table 2, the per-run table, link operations, failures, plots."""
     cfg = results.get("config") or {}
     host = results.get("host") or {}
     runs = results["runs"]
     out = [f"# lowband bench, {results.get('created', '')}", ""]
-    data = cfg.get("data") or "the embedded default corpus"
     out.append(
-        f"Model {cfg.get('model')}, {cfg.get('steps')} steps, seeds {', '.join(map(str, cfg.get('seeds') or []))}, "
-        f"data {data}. "
+        f"{setup_line(cfg)} "
         f"Host {host.get('hostname')} ({host.get('cpu_count')} CPUs), Python {host.get('python')}, "
         f"torch {host.get('torch')}, lowband {host.get('lowband')}."
     )
     out += ["", *emulation_lines(results), ""]
-    preset = PRESETS.get(cfg.get("preset") or "")
-    if preset is not None:
-        out += [f"Preset `{preset.name}`: {preset.why}", ""]
+    out += [*preset_lines(cfg)]
     if results.get("interrupted"):
         out += ["**Interrupted**: the bench was stopped before every run was done.", ""]
     if not runs:
