@@ -351,6 +351,9 @@ def test_a_one_seed_variant_is_neither_the_target_nor_a_spread_to_judge_against(
     assert "spread unknown (one seed)" in dict(zip(headers, rows[1], strict=True))["vs AdamW"]
     text = render_markdown({**results, "config": {}, "host": {}, "emulation": {}})
     assert "beyond the seed spread" not in text.split("AdamW lr=0.001 |")[1].split("\n")[0]
+    assert ("- AdamW lr=0.001 (1 seed) ended below AdamW lr=0.03 (mean over 2 seeds): no lr of this method is "
+            "marked best") in text
+    assert "FlexDeMo Top1 lr=0.001 (1 seed) ended below" not in text
 
 
 def _config(*argv: str) -> dict:

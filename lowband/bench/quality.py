@@ -57,6 +57,7 @@ __all__ = [
     "crossing",
     "equal_loss_steps",
     "exceeds_spread",
+    "unjudged_lr_notes",
     "modelled_comm_s",
     "modelled_speedup_at_equal_loss",
     "modelled_step_s",
@@ -182,14 +183,8 @@ def best_lr(vs: Sequence[Variant]) -> dict[str, bool]:
     seeds (a mean over several seeds against fewer): the report says so. A group whose lowest mean
     final loss belongs to a variant with fewer seeds than another has no winner.
     """
-    by_group: dict[tuple, list[Variant]] = {}
-    for v in vs:
-        if math.isfinite(_mean_final(v)):
-            by_group.setdefault((v.group, v.bandwidth_bps), []).append(v)
     best: dict[str, bool] = {}
-    for members in by_group.values():
-        if len({m.lr for m in members}) < 2:
-            continue
+    for members in _lr_groups(vs):
         most = max(len(m.ok) for m in members)
         top = [m for m in members if len(m.ok) == most]
         if len({m.lr for m in top}) > 1:
@@ -197,6 +192,30 @@ def best_lr(vs: Sequence[Variant]) -> dict[str, bool]:
         elif min(members, key=_mean_final) in top:
             best[top[0].label] = False
     return best
+
+
+def _lr_groups(vs: Sequence[Variant]) -> list[list[Variant]]:
+    """Variants of one method group at one link, with a final loss, for groups run at several lrs."""
+    by_group: dict[tuple, list[Variant]] = {}
+    for v in vs:
+        if math.isfinite(_mean_final(v)):
+            by_group.setdefault((v.group, v.bandwidth_bps), []).append(v)
+    return [m for m in by_group.values() if len({v.lr for v in m}) > 1]
+
+
+def unjudged_lr_notes(vs: Sequence[Variant]) -> list[str]:
+    """Why a method group run at several lrs has no best lr (:func:`best_lr`): one sentence each."""
+    notes = []
+    best = best_lr(vs)
+    for members in _lr_groups(vs):
+        if any(m.label in best for m in members):
+            continue
+        low = min(members, key=_mean_final)
+        most = max(members, key=lambda m: len(m.ok))
+        notes.append(f"{low.label} ({len(low.ok)} seed{'s' if len(low.ok) != 1 else ''}) ended below {most.label} "
+                     f"(mean over {len(most.ok)} seeds): no lr of this method is marked best, since fewer seeds "
+                     "are not weighed against a mean over more.")
+    return list(dict.fromkeys(notes))
 
 
 def best_lr_labels(vs: Sequence[Variant]) -> set[str]:

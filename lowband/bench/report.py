@@ -457,7 +457,8 @@ def quality_section(results: Mapping[str, Any]) -> list[str]:
             markdown_table(headers, rows),
             "",
         ]  # fmt: skip
-    notes = why_not_reached_notes(results) + _noloco_notes(results)
+    notes = quality.unjudged_lr_notes(quality.variants(results["runs"])) + why_not_reached_notes(results)
+    notes += _noloco_notes(results)
     if notes:
         out += [f"- {n}" for n in notes] + [""]
     return out
