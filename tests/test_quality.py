@@ -73,7 +73,7 @@ def test_target_is_best_adamw_mean_over_seeds_and_runs_are_timed_to_it() -> None
 
     headers, rows = time_to_target_rows(results)
     row = {r[0]: dict(zip(headers, r, strict=True)) for r in rows}
-    assert row["AdamW lr=0.001 ★"]["time to target (s)"].endswith("(1/2 seeds)")
+    assert row["AdamW lr=0.001 ★ (across seed counts)"]["time to target (s)"].endswith("(1/2 seeds)")
     assert row["FlexDeMo Top1"]["vs AdamW"] == "-0.850 (better, beyond the seed spread)"
     assert row["DiLoCo H=10"]["time to target (s)"] == "not reached"
     # DiLoCo ends at 6.5: AdamW (both seeds) was there at step 7.5, after 1.5 s; DiLoCo trained 4 s.
@@ -314,3 +314,97 @@ def test_speedup_at_equal_loss_compares_at_the_target_or_else_at_the_runs_own_fi
     assert "speedup_at_equal_loss_modelled.png" in PLOT_FILES
     assert (tmp_path / "speedup_at_equal_loss_modelled.png") in paths
     assert (tmp_path / "speedup_at_equal_loss_modelled.png").stat().st_size > 1000
+
+
+def test_a_one_seed_variant_is_neither_the_target_nor_a_spread_to_judge_against() -> None:
+    # The quality preset's AdamW: lr 0.03 at two seeds, the paper's lr 0.001 at one (nseeds=1), which ends lower.
+    runs = [_run("adamw", [8.0, 6.0, 5.0], seed=0, label="AdamW lr=0.03", params={"lr": 0.03}),
+            _run("adamw", [8.0, 6.0, 5.2], seed=1, label="AdamW lr=0.03", params={"lr": 0.03}),
+            _run("adamw", [8.0, 6.0, 4.8], seed=0, label="AdamW lr=0.001", params={"lr": 1e-3}),
+            _run("flexdemo", [8.0, 6.0, 5.6], seed=0, label="FlexDeMo Top1 lr=0.03", params={"lr": 0.03}),
+            _run("flexdemo", [8.0, 6.0, 5.7], seed=1, label="FlexDeMo Top1 lr=0.03", params={"lr": 0.03}),
+            _run("flexdemo", [8.0, 6.0, 6.5], seed=0, label="FlexDeMo Top1 lr=0.001", params={"lr": 1e-3})]
+    results = quality.annotate_time_to_target({"runs": runs})
+    assert results["target_loss"] == pytest.approx(5.1)  # the two-seed mean, not the one seed's 4.8
+    assert "lr 0.03" in results["target_source"] and "mean over 2 seeds" in results["target_source"]
+    assert "AdamW lr=0.001 ended lower, at its one seed" in results["target_source"]
+    vs = quality.variants(runs)
+    # ★: AdamW's one-seed lr ended lower than the two-seed mean: no lr of AdamW is called best.
+    # FlexDeMo's two-seed lr is below its one-seed one: best, but said to be across seed counts.
+    assert quality.best_lr(vs) == {"FlexDeMo Top1 lr=0.03": False}
+    # A one-seed variant on either side: no spread claim.
+    assert quality.exceeds_spread(vs[1], vs[0]) is None and quality.exceeds_spread(vs[3], vs[1]) is None
+    headers, rows = time_to_target_rows(results)
+    row = {r[0]: dict(zip(headers, r, strict=True)) for r in rows}
+    assert set(row) == {"AdamW lr=0.03", "AdamW lr=0.001", "FlexDeMo Top1 lr=0.03 ★ (across seed counts)",
+                        "FlexDeMo Top1 lr=0.001"}
+    assert row["AdamW lr=0.001"]["vs AdamW"] == "-0.300 (better; spread unknown (one seed))"
+    assert row["FlexDeMo Top1 lr=0.001"]["vs AdamW"] == "+1.400 (worse; spread unknown (one seed))"
+    assert row["FlexDeMo Top1 lr=0.03 ★ (across seed counts)"]["vs AdamW"] == "+0.550 (worse, beyond the seed spread)"
+    # Like with like: two lrs at two seeds each give a plain ★.
+    two = [*runs[:2], _run("adamw", [8.0, 6.0, 5.5], seed=0, label="AdamW lr=0.01", params={"lr": 0.01}),
+           _run("adamw", [8.0, 6.0, 5.6], seed=1, label="AdamW lr=0.01", params={"lr": 0.01})]
+    assert quality.best_lr(quality.variants(two)) == {"AdamW lr=0.03": True}
+    # The reference against a one-seed AdamW (the only one): every comparison says the spread is unknown.
+    solo = quality.annotate_time_to_target({"runs": [runs[2], *runs[3:5]]})
+    headers, rows = time_to_target_rows(solo)
+    assert "spread unknown (one seed)" in dict(zip(headers, rows[1], strict=True))["vs AdamW"]
+    text = render_markdown({**results, "config": {}, "host": {}, "emulation": {}})
+    assert "beyond the seed spread" not in text.split("AdamW lr=0.001 |")[1].split("\n")[0]
+    assert ("- AdamW lr=0.001 (1 seed) ended below AdamW lr=0.03 (mean over 2 seeds): no lr of this method is "
+            "marked best") in text
+    assert "FlexDeMo Top1 lr=0.001 (1 seed) ended below" not in text
+
+
+def _config(*argv: str) -> dict:
+    return bench.config_from_args(_args(*argv)).as_dict()
+
+
+def _head(cfg: dict) -> str:
+    """The report's set-up part: everything before the first section."""
+    return render_markdown({"config": cfg, "host": {}, "emulation": {}, "runs": []}).split("No run was recorded")[0]
+
+
+def test_the_report_describes_the_data_and_model_that_ran_not_the_presets(tmp_path) -> None:
+    data = tmp_path / "my_texts.txt"
+    data.write_text("one text\nanother text\n")
+    head = _head(_config("--preset", "quality", "--data", str(data), "--model", "gpt-mini"))
+    assert "Model gpt-mini on `my_texts.txt`, 128 tokens per text, 140 steps, seeds 0, 1" in head
+    assert "from the preset: methods, link, steps, seeds, train args" in head
+    assert "overridden on the command line: model gpt-mini (preset: t5-mini); data `my_texts.txt` " \
+           "(preset: the embedded corpus)" in head
+    # Nothing that holds only for the embedded data and t5-mini, and no "best lr" claim.
+    for embedded_only in ("6.84", "unigram", "Wikipedia pairs (64/16 tokens), 140", "at its best lr from"):
+        assert embedded_only not in head
+    # The preset as it is: its description and the embedded data's facts.
+    head = _head(_config("--preset", "quality"))
+    assert "Model t5-mini on the embedded corpus, 64 source / 16 target tokens, 140 steps" in head
+    assert "Preset `quality`, as it is:" in head and "unigram cross-entropy is 6.84 nats" in head
+    # Other settings overridden, same data and model: the overrides are named, the data's facts still hold.
+    head = _head(_config("--preset", "quality", "--steps", "60", "--train-args=--val-every 7"))
+    assert "overridden on the command line: steps 60 (preset: 140); train args --val-every 7 added" in head
+    assert "6.84 nats" in head and "as it is" not in head
+    # Other target lengths: the unigram figure of 16 target tokens no longer holds.
+    assert "6.84" not in _head(_config("--preset", "quality", "--train-args=--max-target-len 32"))
+    # No preset: no preset text at all.
+    head = _head(_config("--steps", "5", "--model", "t5-tiny", "--methods", "adamw"))
+    assert "Preset" not in head and "Model t5-tiny on the embedded corpus, 128 source / 32 target tokens" in head
+
+
+def test_the_lr_caveat_appears_exactly_when_data_or_model_differ_from_the_tuning_ones(tmp_path) -> None:
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"source": "a b", "target": "a"}\n')
+    caveat = "The preset's lrs were tuned on t5-mini on the embedded Wikipedia pairs"
+    for argv, expected in ((("--preset", "quality"), False),
+                           (("--preset", "quality", "--steps", "60", "--seeds", "3"), False),
+                           (("--preset", "quality", "--data", str(data)), True),
+                           (("--preset", "quality", "--model", "t5-tiny"), True),
+                           (("--preset", "quality", "--model", "gpt-mini", "--data", str(data.with_suffix(".txt"))), True)):
+        if argv[-1].endswith(".txt"):
+            data.with_suffix(".txt").write_text("a b\n")
+        head = _head(_config(*argv))
+        assert (caveat in head) is expected, argv
+        if expected:
+            assert "not on this run's" in head and "adamw:lr=0.001 adamw:lr=0.003" in head
+    # Methods of the user's own (their own lrs): the preset's tuning says nothing about them.
+    assert caveat not in _head(_config("--preset", "quality", "--model", "t5-tiny", "--methods", "adamw:lr=0.01"))

@@ -47,6 +47,10 @@ __all__ = [
     "QUALITY_PRESET",
     "Preset",
     "BenchConfig",
+    "data_name",
+    "lrs_tuned_here",
+    "preset_differences",
+    "sequence_lengths",
     "RunPlan",
     "make_config",
     "plan_runs",
@@ -93,13 +97,20 @@ class Preset:
         name: ``--preset NAME``.
         description: one line for ``--help``.
         settings: :func:`make_config` keyword arguments.
-        why: why these settings, for the report.
+        why: why these settings, for the report; printed only for a run of the preset as it is
+            (no setting of it overridden), since it describes those settings.
+        facts: what holds only on the preset's own model, data and sequence lengths (e.g. a loss
+            figure of that data); printed only when those are what ran.
+        lrs_tuned_on: the model and data the preset's learning rates were chosen on; the report
+            warns when a run of the preset's methods used another model or data.
     """
 
     name: str
     description: str
     settings: dict[str, Any]
     why: str = ""
+    facts: str = ""
+    lrs_tuned_on: str = ""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -128,7 +139,8 @@ class Preset:
 #   paper's H = 50 in a far longer run). With 2 replicas NoLoCo's group is everyone (the report says so).
 QUALITY_PRESET = Preset(
     name="quality",
-    description="every method at its best lr (and the paper's shared 1e-3) at 2 seeds, timed to AdamW's final loss",
+    description="every method at its best lr on the embedded corpus (and the paper's shared 1e-3) at 2 seeds, "
+                "timed to AdamW's final loss",
     settings=dict(
         methods=("adamw:lr=0.03", "adamw:lr=0.001,nseeds=1", "deto-full:lr=0.01", "demo:lr=0.03",
                  "flexdemo:topk=1,lr=0.03", "flexdemo:topk=1,lr=0.001,nseeds=1", "flexdemo:topk=8,lr=0.03",
@@ -142,10 +154,80 @@ QUALITY_PRESET = Preset(
     ),
     why="t5-mini on the embedded Wikipedia pairs (64/16 tokens), 140 steps of a global batch of 32 with "
         "warm-up and cosine decay, 2 seeds, 2 nodes × 2 ranks at 100 Mbit/s; every method at its best lr "
-        "from a 200-step sweep, AdamW and FlexDeMo Top-1 also at the paper's shared 1e-3 (first seed only). "
-        "The loss axis matters from about 7.5 down: the targets' unigram cross-entropy is 6.84 nats.",
+        "from a 200-step sweep, AdamW and FlexDeMo Top-1 also at the paper's shared 1e-3 (first seed only).",
+    facts="The loss axis matters from about 7.5 down: the targets' unigram cross-entropy is 6.84 nats "
+          "(t5-mini's tokenizer on the embedded Wikipedia pairs, 16 target tokens).",
+    lrs_tuned_on="t5-mini on the embedded Wikipedia pairs (64/16 tokens; a 200-step sweep at seed 0, "
+                 "docs/time-to-quality.md)",
 )
 PRESETS: dict[str, Preset] = {p.name: p for p in (QUALITY_PRESET,)}
+
+
+def sequence_lengths(model: str, train_args: Sequence[str]) -> str:
+    """The tokens per example a run of ``model`` with these ``lowband train`` arguments uses, in words."""
+    from lowband.train.loop import TrainConfig
+    from lowband.train.models import MODEL_SIZES
+
+    d = TrainConfig()
+    src = _train_arg(train_args, "--max-source-len", str(d.max_source_len))
+    tgt = _train_arg(train_args, "--max-target-len", str(d.max_target_len))
+    causal = f"{_train_arg(train_args, '--max-len', str(d.max_len))} tokens per text"
+    seq2seq = f"{src} source / {tgt} target tokens"
+    size = MODEL_SIZES.get(model)
+    if size is None:
+        return f"{seq2seq} if seq2seq, {causal} if causal"
+    return seq2seq if size.kind == "seq2seq" else causal
+
+
+def data_name(data: str | None) -> str:
+    """The data of a bench in words: its file name, or the embedded corpus."""
+    return "the embedded corpus" if data is None else f"`{Path(data).name}`"
+
+
+def preset_differences(preset: Preset, config: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Which settings of a run (``config``: :meth:`BenchConfig.as_dict`) came from ``preset`` and which did not.
+
+    Returns ``(kept, changed)``: names of the settings as the preset has them, and one phrase per
+    setting given otherwise on the command line, with the preset's value (``"model gpt-mini (preset:
+    t5-mini)"``). The data is a setting: a preset without one runs on the embedded corpus.
+    """
+    settings = preset.settings
+    kept: list[str] = []
+    changed: list[str] = []
+
+    def check(name: str, ours: Any, theirs: Any, show=str) -> None:
+        if ours == theirs:
+            kept.append(name)
+        else:
+            changed.append(f"{name} {show(ours)} (preset: {show(theirs)})")
+
+    if "methods" in settings:
+        check("methods", list(config.get("methods") or []), list(settings["methods"]), show=" ".join)
+    if "bandwidths" in settings:
+        check("link", list(config.get("bandwidths_bps") or []), [parse_bandwidth(b) for b in settings["bandwidths"]],
+              show=lambda bws: ", ".join(format_bandwidth(b) for b in bws))
+    if "steps" in settings:
+        check("steps", config.get("steps"), settings["steps"])
+    if "seeds" in settings:
+        check("seeds", [int(x) for x in config.get("seeds") or []], [int(x) for x in settings["seeds"]],
+              show=lambda xs: ",".join(map(str, xs)))
+    if "model" in settings:
+        check("model", config.get("model"), settings["model"])
+    check("data", config.get("data"), settings.get("data"), show=data_name)
+    ours, theirs = tuple(config.get("train_args") or ()), DEFAULT_TRAIN_ARGS + tuple(settings.get("train_args", ()))
+    if ours == theirs:
+        kept.append("train args")
+    elif ours[:len(theirs)] == theirs:
+        kept.append("train args")
+        changed.append(f"train args {shlex.join(ours[len(theirs):])} added after the preset's")
+    else:
+        changed.append(f"train args {shlex.join(ours)} (preset: {shlex.join(theirs)})")
+    return kept, changed
+
+
+def lrs_tuned_here(preset: Preset, config: dict[str, Any]) -> bool:
+    """True when a run of ``preset`` used the model and data its learning rates were chosen on."""
+    return config.get("model") == preset.settings.get("model") and config.get("data") == preset.settings.get("data")
 
 
 def _bandwidth_slug(bandwidth_bps: float) -> str:

@@ -6,7 +6,8 @@ recomputes it from the file alone.
 - **Target.** AdamW's final validation loss in the same bench (the FlexDeMo paper's metric:
   Figures 3-4 ask when each method reaches what AdamW ends at), or a loss the user gives
   (``--target-loss``). With several AdamW variants (an lr sweep), the best one's (lowest mean
-  final loss over its seeds); with several seeds, the mean over them.
+  final loss over its seeds); with several seeds, the mean over them. A variant run at one seed
+  (``nseeds=1``) is never the target when another ran at several.
 - **Reaching it.** The first validation at or below the target; the step, tokens and training
   time there are linearly *interpolated* between that validation and the one before it (the
   report says so). Training time is the trainer's training clock: start-up and validation are
@@ -14,10 +15,11 @@ recomputes it from the file alone.
 - **Variants and seeds.** Runs that differ only in their seed form a *variant* (same method,
   hyper-parameters and link); their spread is min-max over the seeds. Variants of one method
   that differ only in ``lr`` form a *method group*, and the variant with the lowest mean final
-  loss is the group's best lr.
+  loss among those with the group's most seeds is the group's best lr (against variants with fewer
+  seeds only when it is also below them, and the report says the comparison is across seed counts).
 - **Significance.** A difference between two variants "exceeds the seed spread" when their
-  min-max ranges over the seeds do not overlap; with a single seed the spread is unknown and
-  the report says so.
+  min-max ranges over the seeds do not overlap; when either has a single seed the spread is
+  unknown and the report says so instead of judging.
 - **Hiding and compressing against the plain version.** A variant that overlaps its exchange
   (``overlap``, ``delay``) or sends its values in another format (``values``) is compared with
   the *plain* variant of the same bench: the same method, hyper-parameters, lr and link, with
@@ -47,6 +49,7 @@ __all__ = [
     "Crossing",
     "Variant",
     "annotate_time_to_target",
+    "best_lr",
     "best_lr_labels",
     "break_even_compute_s",
     "choose_target",
@@ -54,12 +57,14 @@ __all__ = [
     "crossing",
     "equal_loss_steps",
     "exceeds_spread",
+    "unjudged_lr_notes",
     "modelled_comm_s",
     "modelled_speedup_at_equal_loss",
     "modelled_step_s",
     "modelled_time_to_target_s",
     "overlaps",
     "plain_variant",
+    "target_variants",
     "variants",
 ]
 
@@ -170,44 +175,99 @@ def _mean_final(v: Variant) -> float:
     return s[0] if s is not None else math.inf
 
 
-def best_lr_labels(vs: Sequence[Variant]) -> set[str]:
-    """Labels of the best-lr variant of every method group that was run at more than one lr."""
-    by_group: dict[tuple, list[Variant]] = {}
-    for v in vs:
-        by_group.setdefault((v.group, v.bandwidth_bps), []).append(v)
-    best = set()
-    for members in by_group.values():
-        if len({m.lr for m in members}) > 1:
-            winner = min(members, key=_mean_final)
-            if math.isfinite(_mean_final(winner)):
-                best.add(winner.label)
+def best_lr(vs: Sequence[Variant]) -> dict[str, bool]:
+    """The best-lr variant of every method group run at more than one lr: ``{label: like_with_like}``.
+
+    Only variants with the group's most seeds can win. ``like_with_like`` is True when the winner
+    beat other lrs run at as many seeds, False when it was compared only with variants run at fewer
+    seeds (a mean over several seeds against fewer): the report says so. A group whose lowest mean
+    final loss belongs to a variant with fewer seeds than another has no winner.
+    """
+    best: dict[str, bool] = {}
+    for members in _lr_groups(vs):
+        most = max(len(m.ok) for m in members)
+        top = [m for m in members if len(m.ok) == most]
+        if len({m.lr for m in top}) > 1:
+            best[min(top, key=_mean_final).label] = True
+        elif min(members, key=_mean_final) in top:
+            best[top[0].label] = False
     return best
 
 
-def reference_runs(runs: Sequence[Run]) -> list[Run]:
-    """The successful runs of the best AdamW variant (lowest mean final loss), at every link."""
-    adamw = [v for v in variants(runs) if v.method == "adamw" and v.ok and not v.faulted]
+def _lr_groups(vs: Sequence[Variant]) -> list[list[Variant]]:
+    """Variants of one method group at one link, with a final loss, for groups run at several lrs."""
+    by_group: dict[tuple, list[Variant]] = {}
+    for v in vs:
+        if math.isfinite(_mean_final(v)):
+            by_group.setdefault((v.group, v.bandwidth_bps), []).append(v)
+    return [m for m in by_group.values() if len({v.lr for v in m}) > 1]
+
+
+def unjudged_lr_notes(vs: Sequence[Variant]) -> list[str]:
+    """Why a method group run at several lrs has no best lr (:func:`best_lr`): one sentence each."""
+    notes = []
+    best = best_lr(vs)
+    for members in _lr_groups(vs):
+        if any(m.label in best for m in members):
+            continue
+        low = min(members, key=_mean_final)
+        most = max(members, key=lambda m: len(m.ok))
+        notes.append(f"{low.label} ({len(low.ok)} seed{'s' if len(low.ok) != 1 else ''}) ended below {most.label} "
+                     f"(mean over {len(most.ok)} seeds): no lr of this method is marked best, since fewer seeds "
+                     "are not weighed against a mean over more.")
+    return list(dict.fromkeys(notes))
+
+
+def best_lr_labels(vs: Sequence[Variant]) -> set[str]:
+    """Labels of the best-lr variant of every method group that was run at more than one lr (:func:`best_lr`)."""
+    return set(best_lr(vs))
+
+
+def _n_seeds(label: str, vs: Sequence[Variant]) -> int:
+    return len({r.get("seed") for v in vs if v.label == label for r in v.ok})
+
+
+def target_variants(vs: Sequence[Variant]) -> tuple[Variant | None, list[Variant]]:
+    """The AdamW variant that sets the target, and the AdamW variants left out for having one seed.
+
+    The lowest mean final loss among AdamW variants that ran without faults; a variant with one
+    seed is never the target when one with several exists (a single seed against a mean).
+    """
+    adamw = [v for v in vs if v.method == "adamw" and v.ok and not v.faulted]
     if not adamw:
+        return None, []
+    several = [v for v in adamw if _n_seeds(v.label, vs) > 1]
+    pool = several or adamw
+    return min(pool, key=_mean_final), [v for v in adamw if v not in pool]
+
+
+def reference_runs(runs: Sequence[Run]) -> list[Run]:
+    """The successful runs of the target's AdamW variant (:func:`target_variants`), at every link."""
+    vs = variants(runs)
+    best, _ = target_variants(vs)
+    if best is None:
         return []
-    best = min(adamw, key=_mean_final)
-    return [r for v in adamw if v.label == best.label for r in v.ok]
+    return [r for v in vs if v.method == "adamw" and not v.faulted and v.label == best.label for r in v.ok]
 
 
 def choose_target(runs: Sequence[Run], target_loss: float | None = None) -> tuple[float | None, str]:
     """The target loss and where it came from (a sentence for the report)."""
     if target_loss is not None:
         return float(target_loss), f"given with --target-loss {target_loss:g}"
-    adamw = [v for v in variants(runs) if v.method == "adamw" and v.ok and not v.faulted]
-    if not adamw:
+    vs = variants(runs)
+    best, left_out = target_variants(vs)
+    if best is None:
         return None, "no target: the bench has no successful AdamW run (add adamw, or give --target-loss)"
-    best = min(adamw, key=_mean_final)
     # AdamW's loss does not depend on the link: its runs at every bandwidth are the same training.
-    finals = [float(r["val_loss"]) for v in adamw if v.label == best.label for r in v.ok]
-    n = len({r.get("seed") for v in adamw if v.label == best.label for r in v.ok})
+    finals = [float(r["val_loss"]) for r in reference_runs(runs)]
+    n = _n_seeds(best.label, vs)
     lr = f" (lr {best.lr:g})" if best.lr is not None else ""
-    return statistics.fmean(finals), (
-        f"{DISPLAY_NAMES['adamw']}{lr} final validation loss, mean over {n} seed{'s' if n != 1 else ''}"
-    )
+    source = f"{DISPLAY_NAMES['adamw']}{lr} final validation loss, mean over {n} seed{'s' if n != 1 else ''}"
+    lower = sorted({v.label for v in left_out if _mean_final(v) < statistics.fmean(finals)})
+    if left_out:
+        source += ("; AdamW variants run at one seed are not the target when one ran at several"
+                   + (f" ({', '.join(lower)} ended lower, at its one seed)" if lower else ""))
+    return statistics.fmean(finals), source
 
 
 def annotate_time_to_target(results: dict[str, Any], target_loss: float | None = None) -> dict[str, Any]:
@@ -281,9 +341,12 @@ def plain_variant(v: Variant, vs: Sequence[Variant]) -> Variant | None:
 
 
 def exceeds_spread(a: Variant, b: Variant, key: str = "val_loss") -> bool | None:
-    """True when the min-max ranges of ``key`` over the seeds do not overlap; None with one seed each."""
+    """True when the min-max ranges of ``key`` over the seeds do not overlap; None when either has one seed.
+
+    A single seed has no spread to judge against, so no claim is made about it either way.
+    """
     sa, sb = a.stat(key), b.stat(key)
-    if sa is None or sb is None or (len(a.values(key)) < 2 and len(b.values(key)) < 2):
+    if sa is None or sb is None or len(a.values(key)) < 2 or len(b.values(key)) < 2:
         return None
     return sa[2] < sb[1] or sb[2] < sa[1]
 

@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from lowband.bench import quality
-from lowband.bench.config import PRESETS
+from lowband.bench.config import (
+    DEFAULT_TRAIN_ARGS,
+    PRESETS,
+    data_name,
+    lrs_tuned_here,
+    preset_differences,
+    sequence_lengths,
+)
 from lowband.bench.methods import DISPLAY_NAMES, SHARD_SWEEP, column_labels
 from lowband.bench.plots import write_plots
 from lowband.units import format_bandwidth
@@ -200,8 +207,8 @@ def _reference(vs: Sequence[quality.Variant], v: quality.Variant, target_label: 
 
 
 def _target_label(vs: Sequence[quality.Variant]) -> str | None:
-    adamw = [v for v in vs if v.method == "adamw" and v.ok and not v.faulted]
-    return min(adamw, key=lambda v: v.stat("val_loss")[0]).label if adamw else None
+    best, _ = quality.target_variants(vs)
+    return best.label if best is not None else None
 
 
 def _versus(v: quality.Variant, ref: quality.Variant | None) -> str:
@@ -212,14 +219,14 @@ def _versus(v: quality.Variant, ref: quality.Variant | None) -> str:
     beyond = quality.exceeds_spread(v, ref)
     word = "better" if delta < 0 else "worse"
     if beyond is None:
-        return f"{delta:+.3f} (1 seed: spread unknown)"
+        return f"{delta:+.3f} ({word}; spread unknown (one seed))"
     return f"{delta:+.3f} ({word}, beyond the seed spread)" if beyond else f"{delta:+.3f} (within the seed spread)"
 
 
 def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     """One row per variant (runs that differ only in their seed): loss, time to target, speed-up."""
     vs = quality.variants(results["runs"])
-    best = quality.best_lr_labels(vs)
+    best = quality.best_lr(vs)
     target_label = _target_label(vs)
     headers = ["Run", "Link", "Seeds", "final val loss", "vs AdamW", "best val loss", "steps to target",
                "tokens to target (M)", "time to target (s)", "AdamW time ÷ this",
@@ -255,7 +262,8 @@ def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[lis
             else:
                 at_final = f"not every AdamW seed got this low ({missing}/{n} seeds)"
         rows.append([
-            v.label + (" ★" if v.label in best else ""), format_bandwidth(v.bandwidth_bps), f"{n}/{len(v.runs)}",
+            v.label + ("" if v.label not in best else " ★" if best[v.label] else " ★ (across seed counts)"),
+            format_bandwidth(v.bandwidth_bps), f"{n}/{len(v.runs)}",
             _mean_range(v.stat("val_loss"), ".3f", n), _versus(v, ref),
             _mean_range(v.stat("best_val_loss"), ".3f", n), steps, tokens, to_target, speedup, at_final,
             _num(v.stat("step_time_s")[0] if v.stat("step_time_s") else None, ".3f"),
@@ -424,8 +432,10 @@ def quality_section(results: Mapping[str, Any]) -> list[str]:
         "validation at or below it; step, tokens and time there are linearly *interpolated* between that "
         "validation and the one before. Time is the training clock (start-up and validation excluded), "
         "measured on this machine. Cells with several seeds give the mean and [min–max] over them; a "
-        "difference *exceeds the seed spread* when the two min–max ranges do not overlap. ★ = the best lr "
-        "of a method run at several (lowest mean final loss). \"At its final loss\": the training time AdamW "
+        "difference *exceeds the seed spread* when the two min–max ranges do not overlap; against a variant "
+        "with one seed the spread is unknown and no such claim is made. ★ = the best lr of a method run at "
+        "several (lowest mean final loss), among its variants with the most seeds; \"across seed counts\": "
+        "the other lrs ran at fewer seeds, so a mean is set against fewer seeds. \"At its final loss\": the training time AdamW "
         "needed to reach the loss this run ends at, divided by this run's training time (above 1×: this run "
         "reached its quality sooner).",
         "",
@@ -447,7 +457,8 @@ def quality_section(results: Mapping[str, Any]) -> list[str]:
             markdown_table(headers, rows),
             "",
         ]  # fmt: skip
-    notes = why_not_reached_notes(results) + _noloco_notes(results)
+    notes = quality.unjudged_lr_notes(quality.variants(results["runs"])) + why_not_reached_notes(results)
+    notes += _noloco_notes(results)
     if notes:
         out += [f"- {n}" for n in notes] + [""]
     return out
@@ -520,23 +531,63 @@ def console_summary(results: Mapping[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def setup_line(cfg: Mapping[str, Any]) -> str:
+    """What ran, from the bench's configuration: model, data, sequence lengths, steps, seeds, nodes, links."""
+    model = cfg.get("model")
+    seeds = cfg.get("seeds") or []
+    links = ", ".join(format_bandwidth(b) for b in cfg.get("bandwidths_bps") or [])
+    nodes = f"{cfg.get('nodes')} nodes × {cfg.get('ranks_per_node')} ranks" if cfg.get("nodes") else None
+    parts = [f"Model {model} on {data_name(cfg.get('data'))}",
+             sequence_lengths(model, cfg.get("train_args") or ()) if model else None,
+             f"{cfg.get('steps')} steps", f"seed{'s' if len(seeds) != 1 else ''} {', '.join(map(str, seeds))}",
+             nodes, f"link {links}" if links else None]  # fmt: skip
+    return ", ".join(p for p in parts if p) + "."
+
+
+def preset_lines(cfg: Mapping[str, Any]) -> list[str]:
+    """The preset a bench started from: which settings are its and which were given instead, and what holds here.
+
+    Its description is printed only when no setting was overridden; facts of its own model and data
+    only when they ran; a caveat when its learning rates were tuned on another model or data.
+    """
+    preset = PRESETS.get(cfg.get("preset") or "")
+    if preset is None:
+        return []
+    kept, changed = preset_differences(preset, dict(cfg))
+    if not changed:
+        text = f"Preset `{preset.name}`, as it is: {preset.why}"
+    else:
+        text = (f"Preset `{preset.name}`; from the preset: {', '.join(kept) or 'nothing'}; overridden on the "
+                f"command line: {'; '.join(changed)}.")
+    own_data = lrs_tuned_here(preset, cfg) and (sequence_lengths(cfg.get("model") or "", cfg.get("train_args") or ())
+                                                == sequence_lengths(preset.settings.get("model") or "",
+                                                                    DEFAULT_TRAIN_ARGS + tuple(preset.settings.get("train_args", ()))))
+    if preset.facts and own_data:
+        text += f" {preset.facts}"
+    out = [text, ""]
+    methods_kept = list(cfg.get("methods") or []) == list(preset.settings.get("methods", []))
+    if preset.lrs_tuned_on and methods_kept and not lrs_tuned_here(preset, cfg):
+        out += [f"**Learning rates not tuned here.** The preset's lrs were tuned on {preset.lrs_tuned_on}, not on "
+                f"this run's {cfg.get('model')} on {data_name(cfg.get('data'))}: no method is known to run at its "
+                "best lr here, and a method that trails may only have the wrong lr. To tune them, give each method "
+                "at several lrs, e.g. `--methods adamw:lr=0.001 adamw:lr=0.003 adamw:lr=0.01 ...` (the bench has no "
+                "separate lr-sweep option): the report marks each method's best lr with ★.", ""]
+    return out
+
+
 def render_markdown(results: Mapping[str, Any], plots: Sequence[str] = ()) -> str:
     """``report.md``: set-up, Table 1, Table 2, the per-run table, link operations, failures, plots."""
     cfg = results.get("config") or {}
     host = results.get("host") or {}
     runs = results["runs"]
     out = [f"# lowband bench, {results.get('created', '')}", ""]
-    data = cfg.get("data") or "the embedded default corpus"
     out.append(
-        f"Model {cfg.get('model')}, {cfg.get('steps')} steps, seeds {', '.join(map(str, cfg.get('seeds') or []))}, "
-        f"data {data}. "
+        f"{setup_line(cfg)} "
         f"Host {host.get('hostname')} ({host.get('cpu_count')} CPUs), Python {host.get('python')}, "
         f"torch {host.get('torch')}, lowband {host.get('lowband')}."
     )
     out += ["", *emulation_lines(results), ""]
-    preset = PRESETS.get(cfg.get("preset") or "")
-    if preset is not None:
-        out += [f"Preset `{preset.name}`: {preset.why}", ""]
+    out += [*preset_lines(cfg)]
     if results.get("interrupted"):
         out += ["**Interrupted**: the bench was stopped before every run was done.", ""]
     if not runs:

@@ -28,7 +28,8 @@ Top level::
                     "target_loss" (as given, or null), "preset" (name or null), "run_timeout_s",
                     "entry", "train_args"}
     target_loss     the loss every run is timed to: AdamW's final validation loss in this
-                    bench (its best variant, mean over seeds) or the --target-loss given; null
+                    bench (its best variant, mean over seeds; a one-seed variant only when
+                    no AdamW variant ran at several) or the --target-loss given; null
                     when there is neither (lowband.bench.quality)
     target_source   where target_loss came from, in words
     emulation       {"mode": "netns" | "shaped",
