@@ -69,7 +69,7 @@ EXTRA = {"all": ["--ckpt-every", "50", "--resume", "if-any"]}
 
 
 def run_scenario(method: str, name: str, *, steps: int, out: Path, timeout_s: float) -> dict:
-    from lowband.cluster._procs import descendants
+    from lowband.cluster._procs import descendants, is_alive
     from lowband.cluster.ftjob import FaultTolerantJob
 
     plan = list(SCENARIOS[name])
@@ -116,7 +116,7 @@ def run_scenario(method: str, name: str, *, steps: int, out: Path, timeout_s: fl
         events = job.events
     time.sleep(1.0)
     result["leftover"] = [p for p in descendants(all_pids)] + [
-        p for qs in job.orphans.values() for p in qs if _alive(p)]
+        p for qs in job.orphans.values() for p in qs if is_alive(p)]
     recs = {}
     for node in range(3):
         for rank in range(2):
@@ -156,14 +156,6 @@ def _expected_alive(name: str) -> list[int]:
     for _, verb, node, _arg in SCENARIOS[name]:
         last[node] = verb
     return [n for n in range(3) if last.get(n, "start") != "kill"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def main() -> None:

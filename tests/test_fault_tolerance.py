@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from lowband.cluster._procs import descendants
+from lowband.cluster._procs import descendants, is_alive
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
@@ -33,15 +33,6 @@ if importlib.util.find_spec("torchft") is None:
 
 COMMON = ["--model", "t5-tiny", "--max-examples", "1500", "--val-size", "64", "--vocab-size", "512",
           "--batch-size", "4", "--val-batches", "2"]
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _records(out) -> dict[int, list[dict]]:
@@ -86,9 +77,9 @@ def test_a_killed_node_leaves_the_others_training_and_rejoins_equal(tmp_path, me
         assert len(pids) >= 3, "node 2 should be torchrun and its two ranks"
         job.kill(2)
         deadline = time.monotonic() + 10.0  # SIGKILL is delivered at once; the kernel takes a moment
-        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_running(p) for p in pids), "a process of the killed node survived"
+        assert not any(is_alive(p) for p in pids), "a process of the killed node survived"
         job.wait_for_step(0, 40)  # the survivors went on past the fault
         job.start(2)
         codes = job.wait(timeout_s=360)
@@ -163,9 +154,9 @@ def test_a_second_process_for_a_live_node_is_refused_and_a_killed_agent_takes_it
         assert len(ranks) == 2
         job.kill(1, "agent")
         deadline = time.monotonic() + 15.0
-        while any(_running(p) for p in ranks) and time.monotonic() < deadline:
+        while any(is_alive(p) for p in ranks) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(_running(p) for p in ranks), "the ranks of a node whose torchrun agent died live on"
+        assert not any(is_alive(p) for p in ranks), "the ranks of a node whose torchrun agent died live on"
         job.start(1)
         codes = job.wait(timeout_s=360)
     assert codes == {0: 0, 1: 0}, {n: (tmp_path / f"node{n}.log").read_text()[-3000:] for n in codes}
