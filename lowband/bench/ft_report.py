@@ -160,7 +160,8 @@ def ft_section(results: Mapping[str, Any]) -> list[str]:
     if rows:
         out += ["## What fault tolerance costs when nothing fails", "",
                 "The same runs with fault tolerance off and on (--ft both), side by side in this bench: the "
-                "quorum before every communicating step and the commit vote after it are on the critical path.",
+                "quorum (formed while the step computes for the methods that communicate every step, before the outer step "
+                "for the local-step methods) and the commit vote after each exchange are what fault tolerance adds.",
                 "", markdown_table(headers, rows), ""]
     return out
 
