@@ -85,6 +85,12 @@ class FaultToleranceConfig:
             message flagged as not taking part), loads the peer's state before its commit vote,
             and applies the live nodes' mean like the others. Only for methods that communicate
             every step; every node of a job must agree (it is in the fingerprint).
+        window_quorum: (with ``async_quorum``) the quorum spans an outer window: started in the
+            background when the window starts, waited for before its outer step, so a node waits for
+            the others only when one of them is a whole window behind. A node that must heal loads the
+            peer's state when it waits (:meth:`FaultTolerance.heal_now`), jumps to the peer's step and
+            takes part in the outer step with the inner steps it trained from there. For NoLoCo,
+            whose exchange waits only for its group.
     """
 
     lighthouse: str
@@ -95,6 +101,7 @@ class FaultToleranceConfig:
     advertise: str | None = None
     fingerprint: str = ""
     async_quorum: bool = False
+    window_quorum: bool = False
 
     def __post_init__(self) -> None:
         if not self.lighthouse.startswith(("http://", "https://")):
@@ -107,6 +114,8 @@ class FaultToleranceConfig:
                              f"got {self.node}")
         if not self.timeout_s > 0 or not self.quorum_timeout_s > 0:
             raise ValueError("--ft-timeout and the quorum timeout must be > 0 s")
+        if self.window_quorum and not self.async_quorum:
+            raise ValueError("window_quorum needs async_quorum (the window's quorum forms in the background)")
 
 
 def start_lighthouse(*, bind: str = "[::]:0", min_nodes: int = 1, join_timeout_s: float = 10.0,
@@ -184,7 +193,8 @@ class FaultTolerance:
         rank, world_size: this rank in its node, and the node's ranks (torchrun's RANK/WORLD_SIZE
             of a per-node job).
         state_dict, load_state_dict: what a joining node fetches from a live peer, and how it is
-            loaded here (the trainer passes its model, optimizer, schedule and step).
+            loaded here (the trainer passes its model, optimizer, schedule and step);
+            ``load_state_dict`` may return the step the node goes on from (recorded in ``healed_at``).
         store_addr, store_port: the node's TCPStore (default: torchrun's MASTER_ADDR/PORT).
     """
 
@@ -240,9 +250,10 @@ class FaultTolerance:
         if fp != self.cfg.fingerprint:
             raise ValueError("the node this one heals from runs another job, model, method or hyper-parameters "
                              f"(fingerprint {fp!r} there, {self.cfg.fingerprint!r} here)")
-        self._load_user(state)
-        self.healed_at.append({"step": int(state.get("trainer", {}).get("step", -1)), "unix_s": time.time(),
-                               "bytes": state_bytes(state)})
+        step = self._load_user(state)  # the step this node goes on from (None: the peer's)
+        if step is None:
+            step = int(state.get("trainer", {}).get("step", -1))
+        self.healed_at.append({"step": int(step), "unix_s": time.time(), "bytes": state_bytes(state)})
 
     def start_step(self, step: int) -> None:
         """Form the quorum for training step ``step`` (a communicating one); heal this node first if it is behind.
@@ -278,6 +289,29 @@ class FaultTolerance:
         self.quorum_s += self.last_quorum_s
         self.quorums += 1
         self._check_slot()
+
+    @property
+    def quorum_pending(self) -> bool:
+        """A quorum was started and not waited for yet."""
+        return self._pending is not None
+
+    def heal_now(self) -> bool:
+        """With the window quorum: wait for it and, if it heals this node, load the peer's state now.
+
+        torchft's async quorum loads it at the commit vote (the step has then run on stale weights
+        and sends nothing that counts); a window's quorum is waited for before the outer step, so
+        the node can load the state at once, go on from the peer's step and take part in the outer
+        step like the others. Returns whether this node healed (False also when the transfer failed:
+        the step is then dropped, as after any failed exchange).
+        """
+        self.finish_quorum()
+        m = self.manager
+        if not getattr(m, "_healing", False):  # torchft (0.2) sets it when the quorum heals this node
+            return False
+        before = len(self.healed_at)
+        m._apply_pending_state_dict()  # what torchft's commit vote would do; our _load runs here
+        m._healing = False  # healed now: the commit vote must not load it again, and the node takes part
+        return len(self.healed_at) > before
 
     def _check_slot(self) -> None:
         """Refuse a second live process for this node slot (``--ft-node`` given twice, or a node started

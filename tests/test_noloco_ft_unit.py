@@ -260,3 +260,23 @@ def test_reset_replica_state_restarts_theta_from_phi_zeroes_error_feedback_and_k
         assert torch.equal(p.detach(), state_view(st["slow"]))
         assert torch.equal(state_view(st["delta"]), d)
         assert not state_view(st["error_phi"]).any() and not state_view(st["error_delta"]).any()
+
+
+def test_a_replica_healed_mid_window_skips_to_the_window_outer_step_and_takes_it_with_the_others():
+    # The window quorum: a healed replica goes on at the last inner step of the window, whatever the
+    # moment of the window its state was copied at, and the outer step then pairs it with the others.
+    nodes = _nodes(2, max_nodes=2, group_size=2, sync_every=4)
+    _train(nodes, range(6))  # one outer step (step 3), then inner steps 4 and 5
+    healed, other = nodes[0][1], nodes[1][1]
+    assert healed.inner_steps == 6 and not healed.communicates_next()
+    healed.reset_replica_state()
+    assert healed.skip_to_outer_step() == 1  # 4 - 1 - 6 % 4
+    assert healed.inner_steps == 7 and healed.communicates_next()
+    assert healed.skip_to_outer_step() == 0  # already there
+    model = nodes[0][0]
+    assert all(torch.equal(p.detach(), state_view(healed.state[p]["slow"])) for p in model.parameters())
+    _train(nodes[1:], [6])  # the other replica's last inner step (no exchange)
+    assert other.communicates_next()
+    _train(nodes, [7])  # the outer step, together
+    assert healed.outer_steps == other.outer_steps == 2
+    assert healed.dropped_outer_steps == other.dropped_outer_steps == 0

@@ -468,6 +468,20 @@ class OuterStepOptimizer(Optimizer):
                 if key in state:
                     state_view(state[key]).zero_()
 
+    def skip_to_outer_step(self) -> int:
+        """Count the inner steps left in this window as taken, up to the one before the outer step.
+
+        For a replica that has just copied a peer's state mid-window (fault tolerance's window quorum,
+        after :meth:`reset_replica_state`: θ = φ): it goes on at the window's last inner step, the same
+        one whichever peer, and whenever in the window, its shards were copied from, and takes part in
+        the outer step with that one inner step, as a replica healed right before the outer step does.
+        The skipped steps are not trained on this replica. Returns how many were skipped.
+        """
+        skip = self.sync_every - 1 - self.inner_steps % self.sync_every
+        for p in self._params():
+            self.state[p]["step"] += skip
+        return skip
+
     def _begin_outer(self, outer_index: int, *, async_op: bool) -> OuterFlight:
         raise NotImplementedError
 

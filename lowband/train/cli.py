@@ -93,8 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "global batch is laid out for this many (a dead node's slice is skipped)")
     f.add_argument("--ft-quorum", choices=("async", "sync"), default=d.ft_quorum,
                    help="async (default): form each step's quorum while the step's forward and backward run, "
-                        "as torchft does (methods that communicate every step; DiLoCo, NoLoCo and SparseLoCo "
-                        "always form theirs before the outer step); sync: before the step")
+                        "as torchft does; NoLoCo forms one per outer window while its inner steps run, so a slow "
+                        "node outside a node's group holds it up only once it is a whole window behind; DiLoCo and "
+                        "SparseLoCo always form theirs before the outer step. sync: before each step that "
+                        "communicates, waited for")
     f.add_argument("--ft-timeout", type=parse_duration, default=d.ft_timeout_s, metavar="DURATION",
                    help="a collective between nodes, a commit vote or a state transfer that takes longer fails "
                         "(the step is dropped), e.g. 10s")

@@ -33,6 +33,7 @@ import os
 import resource
 import statistics
 import sys
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -153,7 +154,8 @@ class TrainConfig:
         method = method_config(self.method, self.hp)
         return FaultToleranceConfig(
             lighthouse=self.ft_lighthouse, node=self.ft_node, max_nodes=self.ft_max_nodes, timeout_s=self.ft_timeout_s,
-            async_quorum=self.ft_quorum == "async" and METHODS[self.method].family != "local",
+            async_quorum=self.ft_quorum == "async" and METHODS[self.method].ft_quorum != "outer",
+            window_quorum=self.ft_quorum == "async" and METHODS[self.method].ft_quorum == "window",
             fingerprint=fingerprint(self.method, sorted(method.as_dict().items()), self.model, self.data,
                                     self.max_examples, self.seed, self.batch_size, self.grad_accum, self.precision,
                                     self.steps, self.ft_max_nodes, self.ft_quorum),
@@ -331,6 +333,10 @@ class Trainer:
         self.ft = None  # lowband.ft.FaultTolerance under --ft-lighthouse
         self._healed_to: int | None = None
         self.next_step = 0
+        # Window quorum (NoLoCo under fault tolerance): a peer may copy this node's state at any moment of
+        # an outer window, from torchft's quorum thread; it takes this lock, which each inner step holds
+        # while it changes the weights, the optimizer, the schedule and the step.
+        self._state_lock = threading.Lock()
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -571,24 +577,10 @@ class Trainer:
         if self.start_step == 0:
             self.evaluate(0)
         try:
-            step, first = self.start_step, True
-            while step < cfg.steps:
-                quorum = self.ft is not None and (first or self.optimizer.communicates_next())
-                if quorum:
-                    step = self._membership(step)  # a joining node may jump ahead to the live step
-                    if step >= cfg.steps:
-                        break
-                first = False
-                self.train_step(step)
-                step = step + 1
-                if quorum and self.ft_cfg.async_quorum:  # a node that healed during the step goes on from the peer's
-                    step = self._membership_done(step, trained=True)
-                done = step
-                end_of_epoch = done % self.steps_per_epoch == 0
-                if done < cfg.steps and ((cfg.val_every and done % cfg.val_every == 0) or end_of_epoch):
-                    self.evaluate(done)
-                if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < cfg.steps:
-                    self.checkpoint(done)
+            if self.ft is not None and self.ft_cfg.window_quorum:
+                self._run_windows()
+            else:
+                self._run_steps()
             self.optimizer.flush()  # an overlapped exchange still in flight: apply it
             self.evaluate(cfg.steps)
             if cfg.ckpt_at_end or cfg.ckpt_every:
@@ -605,6 +597,70 @@ class Trainer:
         if self.ft is not None:
             self.ft.shutdown()
         return summary
+
+    def _run_steps(self) -> None:
+        """The loop: a quorum before each step that communicates, under fault tolerance (or none)."""
+        cfg = self.cfg
+        step, first = self.start_step, True
+        while step < cfg.steps:
+            quorum = self.ft is not None and (first or self.optimizer.communicates_next())
+            if quorum:
+                step = self._membership(step)  # a joining node may jump ahead to the live step
+                if step >= cfg.steps:
+                    break
+            first = False
+            self.train_step(step)
+            step = step + 1
+            if quorum and self.ft_cfg.async_quorum:  # a node that healed during the step goes on from the peer's
+                step = self._membership_done(step, trained=True)
+            self._after_step(step)
+
+    def _after_step(self, done: int) -> None:
+        """Validate and checkpoint where due once ``done`` steps are trained."""
+        cfg = self.cfg
+        end_of_epoch = done % self.steps_per_epoch == 0
+        if done < cfg.steps and ((cfg.val_every and done % cfg.val_every == 0) or end_of_epoch):
+            self.evaluate(done)
+        if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < cfg.steps:
+            self.checkpoint(done)
+
+    def _run_windows(self) -> None:
+        """The loop with the window quorum (NoLoCo under fault tolerance): one quorum per outer window.
+
+        It is started when a window starts and forms in the background while the inner steps run
+        (they exchange nothing between nodes); the outer step waits for it. So a node waits for the
+        others' quorum only when one of them is a whole window behind, and otherwise only for its
+        group, in the exchange. A node that heals loads the peer's state before the outer step and
+        goes on from the peer's step, inner weights restarted from the outer ones (the method's
+        rule), taking part in the outer step with the inner steps it trained from there. A peer copies
+        this node's state whenever its quorum forms: between two inner steps (``_state_lock``).
+        """
+        cfg = self.cfg
+        step, start, first = self.start_step, True, True
+        while step < cfg.steps:
+            if start:
+                self.next_step = step
+                self._membership(step)
+                start = False
+                if first:  # wait for the first quorum at once: a joining node heals before it trains
+                    first = False
+                    step = self._membership_done(step, trained=False)
+                    continue
+            if self.optimizer.communicates_next() and self.ft.quorum_pending:
+                before = step
+                step = self._membership_done(step, trained=False)
+                if step != before:  # healed: on from the peer's step, in the window of the quorum just formed
+                    continue
+            outer = self.optimizer.communicates_next()
+            if outer:  # the window's quorum has formed: nothing copies this node's state until the next one
+                self.train_step(step)
+            else:
+                with self._state_lock:
+                    self.train_step(step)
+                    self.next_step = step + 1
+            step += 1
+            start = outer
+            self._after_step(step)
 
     # ------------------------------------------------------------------ fault tolerance
     def _dropped(self) -> int:
@@ -627,8 +683,11 @@ class Trainer:
 
     def _membership_done(self, step: int, *, trained: bool) -> int:
         """Log what the quorum changed; after a heal, the step to go on from (the peer's, +1 if this node
-        has trained it since: the async quorum heals at the step's commit vote)."""
-        self.ft.finish_quorum()
+        has trained it since: the async quorum heals at the step's commit vote; the window quorum here)."""
+        if self.ft_cfg.window_quorum:
+            self.ft.heal_now()
+        else:
+            self.ft.finish_quorum()
         before = self._members_before
         if self._healed_to is not None:
             self.ft.healed_at[-1]["quorum_s"] = self.ft.last_quorum_s  # the quorum with the transfer in it
@@ -656,7 +715,14 @@ class Trainer:
 
     def _ft_state(self) -> dict:
         """What a joining node copies from this one (called on torchft's thread while this rank waits for the
-        quorum, so the state is that of the step boundary ``self.next_step``)."""
+        quorum, so the state is that of the step boundary ``self.next_step``; with the window quorum while
+        this rank trains, between two of its inner steps)."""
+        if self.ft_cfg.window_quorum:
+            with self._state_lock:
+                return self._ft_state_now()
+        return self._ft_state_now()
+
+    def _ft_state_now(self) -> dict:
         from lowband.ft import local_state
 
         return {
@@ -668,7 +734,8 @@ class Trainer:
             "optimizer": [_optimizer_local_state(o) for o in self.optimizer.state_owners()],
         }
 
-    def _ft_load(self, state: dict) -> None:
+    def _ft_load(self, state: dict) -> int:
+        """Load a live peer's state (fault tolerance's heal); returns the step this node goes on from."""
         from lowband.ft import load_local_state
 
         load_local_state(dict(self._shards), state["params"], what="parameters")
@@ -679,6 +746,16 @@ class Trainer:
         self.optimizer.reset_replica_state()
         self.clock = {"train_time_s": float(state["trainer"]["train_time_s"]), "tokens": int(state["trainer"]["tokens"])}
         self._healed_to = int(state["trainer"]["step"])
+        if self.ft_cfg.window_quorum:
+            # The peer's state is from some moment of its window (each rank's from its own peer, at
+            # its own moment): every rank goes on at the window's last inner step.
+            skip = self.optimizer.skip_to_outer_step()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()" on a new node
+                for _ in range(skip):
+                    self.scheduler.step()
+            self._healed_to += skip
+        return self._healed_to
 
     def _ft_record(self) -> None:
         """``ft_rank{R}.json``: membership, healing and dropped steps of this rank, and a digest of its shards."""

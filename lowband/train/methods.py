@@ -412,6 +412,16 @@ class MethodSpec:
         shards_per_node: "all" (shard a copy over all ranks of a node) or 1 (every rank a replica).
         family: "demo" for the decoupled-momentum family, "full" for full sync, "local" for
             DiLoCo/NoLoCo/SparseLoCo.
+        ft_quorum: where fault tolerance forms its quorum with ``--ft-quorum async`` (with ``sync``
+            every method forms it right before each step that communicates and waits for it):
+
+            - "step": before each communicating step, in the background during its forward and
+              backward pass (the methods that exchange every step);
+            - "outer": right before the outer step, waited for (DiLoCo, SparseLoCo: their all-reduce or
+              all-gather waits for every live node anyway);
+            - "window": at the start of each outer window, in the background during its inner steps,
+              waited for before the outer step (NoLoCo: its exchange waits for its group only, so
+              the quorum must not hold every node to the slowest one's pace).
     """
 
     name: str
@@ -419,6 +429,7 @@ class MethodSpec:
     config: type[MethodConfig]
     shards_per_node: int | str = "all"
     family: str = "demo"
+    ft_quorum: str = "step"
 
     @property
     def hyperparameters(self) -> dict[str, Any]:
@@ -437,11 +448,11 @@ METHODS: dict[str, MethodSpec] = {
                    description="FlexDeMo: copy sharded over a node's ranks; top-k DCT of the momentum between nodes"),
         MethodSpec(name="demo", family="demo", shards_per_node=1, config=FlexDeMoConfig,
                    description="DeMo: FlexDeMo with one shard (every rank a replica)"),
-        MethodSpec(name="diloco", family="local", config=DiLoCoConfig,
+        MethodSpec(name="diloco", family="local", ft_quorum="outer", config=DiLoCoConfig,
                    description="DiLoCo: H local AdamW steps, then an all-reduced Nesterov outer step"),
-        MethodSpec(name="noloco", family="local", config=NoLoCoConfig,
+        MethodSpec(name="noloco", family="local", ft_quorum="window", config=NoLoCoConfig,
                    description="NoLoCo: H local Adam steps, then gossip averaging in random groups of n"),
-        MethodSpec(name="sparseloco", family="local", config=SparseLoCoConfig,
+        MethodSpec(name="sparseloco", family="local", ft_quorum="outer", config=SparseLoCoConfig,
                    description="SparseLoCo: H local AdamW steps, then an all-gather of each replica's top-k of its "
                    "error feedback, 2-bit"),
     )
