@@ -35,12 +35,16 @@ class FaultTolerantJob:
         nodes: node slots (``--ft-max-nodes``).
         ranks_per_node: ranks of each node (``--nproc-per-node``).
         out: run directory; node i writes ``out/node{i}`` and its log ``out/node{i}.log``.
-        heartbeat_timeout_s, join_timeout_s: the Lighthouse's (see :func:`lowband.ft.start_lighthouse`).
+        heartbeat_timeout_s, join_timeout_s, min_nodes: the Lighthouse's (see
+            :func:`lowband.ft.start_lighthouse`). ``min_nodes`` = ``nodes`` makes the job start with every
+            node at once (the first node up does not train alone while the others start), but then no
+            quorum forms while a node is down: for measurements without faults.
         ft_timeout_s: each node's ``--ft-timeout``.
     """
 
     def __init__(self, *, train_args: list[str], nodes: int, ranks_per_node: int, out: str | Path,
                  heartbeat_timeout_s: float = 2.0, join_timeout_s: float = 10.0, ft_timeout_s: float = 5.0,
+                 min_nodes: int = 1,
                  net=None, node_dirs: Path | None = None, log_dir: Path | None = None) -> None:
         from lowband.ft import require_torchft
 
@@ -63,7 +67,8 @@ class FaultTolerantJob:
         # In a network namespace setup it runs in node 0's namespace, reachable at node 0's address.
         host = net.nodes[0].ip if net is not None else "127.0.0.1"
         argv = [sys.executable, "-m", "lowband.cli", "lighthouse", "--bind", f"{'0.0.0.0' if net else host}:0",
-                "--heartbeat-timeout", f"{heartbeat_timeout_s}s", "--join-timeout", f"{join_timeout_s}s"]
+                "--heartbeat-timeout", f"{heartbeat_timeout_s}s", "--join-timeout", f"{join_timeout_s}s",
+                "--min-nodes", str(min_nodes)]
         if net is not None:
             argv = net.exec_argv(0, argv)
         self.lighthouse = subprocess.Popen(
