@@ -10,6 +10,8 @@ saying so, so the unit layer cannot silently grow slow.
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import platform
 import subprocess
@@ -60,3 +62,10 @@ def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: py
     monkeypatch.setattr(os, "fork", _refuse("forks a process"))
     monkeypatch.setattr(subprocess, "_fork_exec", _refuse("starts a subprocess"))
     monkeypatch.setattr(subprocess, "_USE_POSIX_SPAWN", False)
+    for name in ("posix_spawn", "posix_spawnp"):
+        monkeypatch.setattr(os, name, _refuse("spawns a process"))
+    # multiprocessing's other start methods: "spawn" execs through util.spawnv_passfds (which also
+    # starts the fork server), "forkserver" asks a running fork server for each new process.
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", _refuse("spawns a process (multiprocessing)"))
+    monkeypatch.setattr(multiprocessing.forkserver.ForkServer, "connect_to_new_process",
+                        _refuse("starts a process through multiprocessing's fork server"))
