@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +23,12 @@ from lowband.train.methods import (
     TRAINER_DEFAULTS,
     build_optimizer,
     check_hyperparameters,
+    demo_method,
+    display_name,
+    hp_fields,
     hp_flag,
     method_config,
+    reference_method,
 )
 
 OPTIMIZER = {"AdamWConfig": AdamWFullSync, "DetoFullConfig": DetoFull, "FlexDeMoConfig": FlexDeMo,
@@ -137,3 +143,57 @@ def test_every_registered_optimizer_speaks_the_trainers_protocol(method):
     assert owners[0] is opt and all(isinstance(o, torch.optim.Optimizer) for o in owners)
     opt.flush()
     assert isinstance(opt.communicates_next(), bool)
+
+
+def test_method_traits_in_the_registry():
+    """One reference method (AdamW, the quality target), unique report names, the shard sweep's members,
+    gossip where the config has a group size, and DeMo / FlexDeMo by shard count."""
+    assert [m.name for m in METHODS.values() if m.reference] == ["adamw"] and reference_method() == "adamw"
+    displays = [m.display for m in METHODS.values()]
+    assert len(set(displays)) == len(displays)
+    assert display_name("flexdemo") == "FlexDeMo" and display_name("adamw") == "AdamW"
+    assert display_name("not-a-method") == "not-a-method"
+    assert {m.name for m in METHODS.values() if m.shard_sweep} == {"deto-full", "demo", "flexdemo"}
+    assert all(m.gossip == ("group_size" in hp_fields(m.name)) for m in METHODS.values())
+    assert demo_method(1) == "demo" and demo_method(2) == demo_method(4) == "flexdemo"
+
+
+_LOWBAND = Path(__file__).resolve().parents[1] / "lowband"
+#: Where a method's name may be tested: the registry itself and the optimizers.
+_NAMES_ALLOWED_IN = ("train/methods.py", "optim/")
+#: The left side of a comparison with a family: ``spec.family`` or ``family_of(...)``.
+_FAMILY = re.compile(r"(\.family|\bfamily_of\([^()]*\))\s*$")
+
+
+def method_name_tests(root: Path) -> list[str]:
+    """``file:line: text`` of every test of a method's name as a literal under ``root`` (a package dir).
+
+    ``== "demo"``, ``"demo" !=``, ``in ("demo", "flexdemo")``, ``NAMES["adamw"]``, ``method_config("noloco")``.
+    """
+    names = "|".join(re.escape(n) for n in METHODS)
+    q = rf"""["'](?:{names})["']"""
+    pattern = re.compile("|".join([
+        rf"[=!]=\s*{q}", rf"{q}\s*[=!]=",   # comparisons
+        rf"\bin\s*[(\[{{][^)\]}}]*{q}",      # membership in a literal tuple, list or set
+        rf"(?<=[\w)\]])\[\s*{q}\s*\]",      # a lookup by name
+        rf"\w\(\s*{q}\s*\)",                 # a call with the name alone
+    ]))  # fmt: skip
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(_NAMES_ALLOWED_IN):
+            continue
+        text = path.read_text()
+        for m in pattern.finditer(text):
+            before = text[text.rfind("\n", 0, m.start()) + 1:m.start()]
+            if _FAMILY.search(before):  # family == "demo": the family's name, a trait, not the method's
+                continue
+            line = text.count("\n", 0, m.start()) + 1
+            found.append(f"{rel}:{line}: {m.group(0)!r}")
+    return found
+
+
+def test_no_method_name_is_tested_outside_the_registry():
+    """Code outside lowband/train/methods.py and lowband/optim/ asks a method's traits (MethodSpec), never its
+    name: a new method then needs no edit elsewhere. Configuration (defaults, examples) may name methods."""
+    assert method_name_tests(_LOWBAND) == [], "test a MethodSpec trait instead of the name"

@@ -348,9 +348,9 @@ def _check_group_sizes(specs: Sequence[BenchMethod], *, nodes: int, ranks_per_no
     from lowband.train.methods import method_config
 
     for spec in specs:
-        if spec.name != "noloco":
+        if not METHODS[spec.name].gossip:
             continue
-        n = spec.get("group_size", method_config("noloco").group_size)
+        n = spec.get("group_size", method_config(spec.name).group_size)
         for s in [spec.get("shards")] if spec.get("shards") is not None else (shards or [ranks_per_node]):
             replicas = nodes * ranks_per_node // s
             if replicas > 1 and n > replicas:

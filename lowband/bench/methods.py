@@ -34,6 +34,9 @@ from lowband.train.methods import (
     ALIASES,
     METHODS,
     canonical_names,
+    demo_method,
+    display_name,
+    family_of,
     hp_fields,
     hp_flag,
     method_config,
@@ -58,13 +61,10 @@ __all__ = [
     "train_hp_args",
 ]
 
-#: Names in tables and plots (the papers' spelling); other methods show their own name.
-DISPLAY_NAMES: dict[str, str] = {
-    "adamw": "AdamW", "deto-full": "Deto-Full", "demo": "DeMo", "flexdemo": "FlexDeMo",
-    "diloco": "DiLoCo", "noloco": "NoLoCo", "sparseloco": "SparseLoCo",
-}  # fmt: skip
-#: Methods that run at every ``--shards`` value (the rows of the FlexDeMo paper's Table 2).
-SHARD_SWEEP: tuple[str, ...] = ("deto-full", "demo", "flexdemo")
+#: Names in tables and plots (the papers' spelling; each method's ``display``); other methods show their own name.
+DISPLAY_NAMES: dict[str, str] = {name: m.display for name, m in METHODS.items()}
+#: Methods that run at every ``--shards`` value (the rows of the FlexDeMo paper's Table 2; ``shard_sweep``).
+SHARD_SWEEP: tuple[str, ...] = tuple(name for name, m in METHODS.items() if m.shard_sweep)
 #: Hyper-parameters that define a run: always passed to the trainer (its default when not set)
 #: and shown in table labels.
 RUN_DEFINING: tuple[str, ...] = ("topk", "chunk")
@@ -201,9 +201,7 @@ def parse_method_list(items: str | Sequence[str]) -> list[BenchMethod]:
 
 def canonical_method(name: str, shards: int) -> str:
     """The name a run is recorded under: FlexDeMo with shards=1 is DeMo, DeMo with more is FlexDeMo."""
-    if name in ("demo", "flexdemo"):
-        return "demo" if shards == 1 else "flexdemo"
-    return name
+    return demo_method(shards) if family_of(name) == "demo" else name
 
 
 def run_params(method: str, given: Mapping[str, Any], shards: int) -> dict[str, Any]:
@@ -222,7 +220,7 @@ def method_label(name: str, params: Mapping[str, Any]) -> str:
     it has one: ``H``, ``n``) except ``shards`` (tables show it in a column of its own) and the
     default chunk.
     """
-    parts = [DISPLAY_NAMES.get(name, name)]
+    parts = [display_name(name)]
     rest = {k: v for k, v in params.items() if k != "shards"}
     if "topk" in rest:
         parts[0] += f" Top{rest.pop('topk')}"

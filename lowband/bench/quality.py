@@ -42,8 +42,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lowband.bench.methods import DISPLAY_NAMES, method_label
-from lowband.train.methods import METHODS
+from lowband.bench.methods import method_label
+from lowband.train.methods import METHODS, display_name, reference_method
 
 __all__ = [
     "Crossing",
@@ -233,7 +233,7 @@ def target_variants(vs: Sequence[Variant]) -> tuple[Variant | None, list[Variant
     The lowest mean final loss among AdamW variants that ran without faults; a variant with one
     seed is never the target when one with several exists (a single seed against a mean).
     """
-    adamw = [v for v in vs if v.method == "adamw" and v.ok and not v.faulted]
+    adamw = [v for v in vs if v.method == reference_method() and v.ok and not v.faulted]
     if not adamw:
         return None, []
     several = [v for v in adamw if _n_seeds(v.label, vs) > 1]
@@ -247,7 +247,7 @@ def reference_runs(runs: Sequence[Run]) -> list[Run]:
     best, _ = target_variants(vs)
     if best is None:
         return []
-    return [r for v in vs if v.method == "adamw" and not v.faulted and v.label == best.label for r in v.ok]
+    return [r for v in vs if v.method == reference_method() and not v.faulted and v.label == best.label for r in v.ok]
 
 
 def choose_target(runs: Sequence[Run], target_loss: float | None = None) -> tuple[float | None, str]:
@@ -262,7 +262,7 @@ def choose_target(runs: Sequence[Run], target_loss: float | None = None) -> tupl
     finals = [float(r["val_loss"]) for r in reference_runs(runs)]
     n = _n_seeds(best.label, vs)
     lr = f" (lr {best.lr:g})" if best.lr is not None else ""
-    source = f"{DISPLAY_NAMES['adamw']}{lr} final validation loss, mean over {n} seed{'s' if n != 1 else ''}"
+    source = f"{display_name(reference_method())}{lr} final validation loss, mean over {n} seed{'s' if n != 1 else ''}"
     lower = sorted({v.label for v in left_out if _mean_final(v) < statistics.fmean(finals)})
     if left_out:
         source += ("; AdamW variants run at one seed are not the target when one ran at several"

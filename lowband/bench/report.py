@@ -29,8 +29,9 @@ from lowband.bench.config import (
     preset_differences,
     sequence_lengths,
 )
-from lowband.bench.methods import DISPLAY_NAMES, SHARD_SWEEP, column_labels
+from lowband.bench.methods import SHARD_SWEEP, column_labels
 from lowband.bench.plots import write_plots
+from lowband.train.methods import METHODS, demo_method, display_name, family_of, reference_method
 from lowband.units import format_bandwidth
 
 __all__ = [
@@ -129,8 +130,8 @@ def table1(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
 def _table2_column(run: Run) -> tuple[tuple, str]:
     """(sort key, column name) of a FlexDeMo-family run in Table 2."""
     label = run["label"]
-    if run["method"] in ("demo", "flexdemo"):
-        name = label.removeprefix(DISPLAY_NAMES[run["method"]]).strip()
+    if family_of(run["method"]) == "demo":
+        name = label.removeprefix(display_name(run["method"])).strip()
         return (1, run.get("topk") or 0, run.get("chunk") or 0, name), name
     return (0, 0, 0, label), label
 
@@ -153,7 +154,7 @@ def table2(results: Mapping[str, Any]) -> list[tuple[float, list[str], list[list
             cells.setdefault((r["shards"], _table2_column(r)[1]), []).append(r)
         rows = []
         for s in sorted({r["shards"] for r in runs}):
-            rows.append(["DeMo" if s == 1 else "FlexDeMo", str(s), *(_step_cell(cells.get((s, n))) for n in names)])
+            rows.append([display_name(demo_method(s)), str(s), *(_step_cell(cells.get((s, n))) for n in names)])
         tables.append((bw, ["", "Shards", *names], rows))
     return tables
 
@@ -201,7 +202,7 @@ def _mean_range(stat: tuple[float, float, float] | None, fmt: str, n: int, scale
 
 def _reference(vs: Sequence[quality.Variant], v: quality.Variant, target_label: str | None) -> quality.Variant | None:
     """The AdamW variant that set the target, at ``v``'s link if it ran there."""
-    refs = [u for u in vs if u.method == "adamw" and u.label == target_label and u.ok and not u.faulted]
+    refs = [u for u in vs if u.method == reference_method() and u.label == target_label and u.ok and not u.faulted]
     same_link = [u for u in refs if u.bandwidth_bps == v.bandwidth_bps]
     return (same_link or refs or [None])[0]
 
@@ -252,7 +253,7 @@ def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[lis
         ref_final, own = v.stat("adamw_time_to_final_s"), v.stat("train_time_s")
         if ref_final is not None and own is not None and len(v.values("adamw_time_to_final_s")) == n:
             at_final = f"{ref_final[0] / own[0]:.2f}×"
-        elif v.ok and v.method != "adamw":
+        elif v.ok and v.method != reference_method():
             missing = n - len(v.values("adamw_time_to_final_s"))
             # adamw_time_to_final_s needs every AdamW seed to have reached this run's final loss.
             if not n:
@@ -389,7 +390,8 @@ def why_not_reached_notes(results: Mapping[str, Any]) -> list[str]:
 def _noloco_notes(results: Mapping[str, Any]) -> list[str]:
     notes = []
     for r in results["runs"]:
-        if r["method"] != "noloco" or r.get("replicas") is None or r["hyperparameters"] is None:
+        spec = METHODS.get(r["method"])
+        if spec is None or not spec.gossip or r.get("replicas") is None or r["hyperparameters"] is None:
             continue
         hp = r["hyperparameters"]
         n = int(hp["group_size"] if "group_size" in hp else hp["n"])  # "n": results written before the typed configs

@@ -138,6 +138,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from lowband.train.methods import family_of
 from lowband.train.summary import RunSummary, summary_path
 from lowband.util import atomic_path
 
@@ -291,7 +292,7 @@ def aggregate_run(
     for key in _FROM_RANK0:
         record[key] = getattr(first, key)
     record["hyperparameters"] = dict(first.hp)
-    demo = record["method"] in ("demo", "flexdemo")
+    demo = family_of(record["method"]) == "demo"
     record["topk"], record["chunk"] = (first.topk, first.chunk) if demo else (None, None)
     record["val_loss"] = _finite(first.val_loss)
     record["train_loss"] = _finite(first.train_loss)

@@ -64,11 +64,15 @@ __all__ = [
     "SparseLoCoConfig",
     "build_optimizer",
     "check_hyperparameters",
+    "demo_method",
+    "display_name",
+    "family_of",
     "hp_fields",
     "hp_flag",
     "method_config",
     "method_shards",
     "parse_hp_value",
+    "reference_method",
 ]
 
 
@@ -405,10 +409,20 @@ TRAINER_DEFAULTS: dict[tuple[str, str], str] = {
 class MethodSpec:
     """A training method.
 
+    Every question about a method outside this module and :mod:`lowband.optim` asks one of these
+    traits, never its name (``tests/test_method_configs.py`` checks that no name is compared).
+
     Args:
         name: the name on the command line.
+        display: the name in reports, tables and plots (the papers' spelling: ``FlexDeMo``).
         description: one line for --help and reports.
         config: its hyper-parameters' config class (a :class:`MethodConfig`).
+        reference: the method every other is compared with: the bench's quality target is its
+            final loss, and its time to the target is the speed-ups' numerator (exactly one method).
+        shard_sweep: the bench runs it at every ``--shards`` value (the rows of the FlexDeMo
+            paper's Table 2).
+        gossip: it exchanges with a random group of ``group_size`` replicas, not with every one
+            (NoLoCo; its config has ``group_size``, which must not exceed the replicas).
         shards_per_node: "all" (shard a copy over all ranks of a node) or 1 (every rank a replica).
         family: "demo" for the decoupled-momentum family, "full" for full sync, "local" for
             DiLoCo/NoLoCo/SparseLoCo.
@@ -425,8 +439,12 @@ class MethodSpec:
     """
 
     name: str
+    display: str
     description: str
     config: type[MethodConfig]
+    reference: bool = False
+    shard_sweep: bool = False
+    gossip: bool = False
     shards_per_node: int | str = "all"
     family: str = "demo"
     ft_quorum: str = "step"
@@ -440,23 +458,50 @@ class MethodSpec:
 METHODS: dict[str, MethodSpec] = {
     m.name: m
     for m in (
-        MethodSpec(name="adamw", family="full", config=AdamWConfig,
+        MethodSpec(name="adamw", display="AdamW", family="full", reference=True, config=AdamWConfig,
                    description="AdamW, gradients all-reduced between nodes every step (HSDP-equivalent)"),
-        MethodSpec(name="deto-full", family="full", config=DetoFullConfig,
+        MethodSpec(name="deto-full", display="Deto-Full", family="full", shard_sweep=True, config=DetoFullConfig,
                    description="sign-SGD on gradients all-reduced between nodes every step (the paper's Deto-Full)"),
-        MethodSpec(name="flexdemo", family="demo", config=FlexDeMoConfig,
+        MethodSpec(name="flexdemo", display="FlexDeMo", family="demo", shard_sweep=True, config=FlexDeMoConfig,
                    description="FlexDeMo: copy sharded over a node's ranks; top-k DCT of the momentum between nodes"),
-        MethodSpec(name="demo", family="demo", shards_per_node=1, config=FlexDeMoConfig,
-                   description="DeMo: FlexDeMo with one shard (every rank a replica)"),
-        MethodSpec(name="diloco", family="local", ft_quorum="outer", config=DiLoCoConfig,
+        MethodSpec(name="demo", display="DeMo", family="demo", shard_sweep=True, shards_per_node=1,
+                   config=FlexDeMoConfig, description="DeMo: FlexDeMo with one shard (every rank a replica)"),
+        MethodSpec(name="diloco", display="DiLoCo", family="local", ft_quorum="outer", config=DiLoCoConfig,
                    description="DiLoCo: H local AdamW steps, then an all-reduced Nesterov outer step"),
-        MethodSpec(name="noloco", family="local", ft_quorum="window", config=NoLoCoConfig,
+        MethodSpec(name="noloco", display="NoLoCo", family="local", ft_quorum="window", gossip=True,
+                   config=NoLoCoConfig,
                    description="NoLoCo: H local Adam steps, then gossip averaging in random groups of n"),
-        MethodSpec(name="sparseloco", family="local", ft_quorum="outer", config=SparseLoCoConfig,
+        MethodSpec(name="sparseloco", display="SparseLoCo", family="local", ft_quorum="outer",
+                   config=SparseLoCoConfig,
                    description="SparseLoCo: H local AdamW steps, then an all-gather of each replica's top-k of its "
                    "error feedback, 2-bit"),
     )
 }  # fmt: skip
+
+
+def reference_method() -> str:
+    """The method every other is compared with (the one spec with ``reference=True``)."""
+    (name,) = (m.name for m in METHODS.values() if m.reference)
+    return name
+
+
+def display_name(method: str) -> str:
+    """The report name of ``method`` (an unknown name, e.g. from an old results file, as it is)."""
+    spec = METHODS.get(method)
+    return spec.display if spec is not None else method
+
+
+def family_of(method: str) -> str | None:
+    """The ``family`` of ``method``, or None for a name not in :data:`METHODS`."""
+    spec = METHODS.get(method)
+    return spec.family if spec is not None else None
+
+
+def demo_method(shards: int) -> str:
+    """The decoupled-momentum method of a copy in ``shards`` shards: one shard is DeMo, more FlexDeMo."""
+    (name,) = (m.name for m in METHODS.values()
+               if m.family == "demo" and (m.shards_per_node == 1) == (shards == 1))
+    return name
 
 
 def hp_fields(method: str) -> dict[str, dataclasses.Field]:
