@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +87,11 @@ class FaultToleranceConfig:
             message flagged as not taking part), loads the peer's state before its commit vote,
             and applies the live nodes' mean like the others. Only for methods that communicate
             every step; every node of a job must agree (it is in the fingerprint).
+        start_nodes: a job's first step waits until this many nodes are in one quorum (a node at step 0
+            that is not behind anyone asks for quorums again, every ``start_poll_s``), so that the
+            nodes of a new job start together instead of the first one up training alone and the
+            others healing into it; after ``quorum_timeout_s`` it starts with the nodes there are.
+            A node that joins a running job (someone in its quorum is ahead) does not wait.
         window_quorum: (with ``async_quorum``) the quorum spans an outer window: started in the
             background when the window starts, waited for before its outer step, so a node waits for
             the others only when one of them is a whole window behind. A node that must heal loads the
@@ -102,6 +109,8 @@ class FaultToleranceConfig:
     fingerprint: str = ""
     async_quorum: bool = False
     window_quorum: bool = False
+    start_nodes: int = 1
+    start_poll_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.lighthouse.startswith(("http://", "https://")):
@@ -114,6 +123,10 @@ class FaultToleranceConfig:
                              f"got {self.node}")
         if not self.timeout_s > 0 or not self.quorum_timeout_s > 0:
             raise ValueError("--ft-timeout and the quorum timeout must be > 0 s")
+        if not self.start_poll_s > 0:
+            raise ValueError(f"start_poll_s must be > 0 s, got {self.start_poll_s}")
+        if not 1 <= self.start_nodes <= self.max_nodes:
+            raise ValueError(f"--ft-start-nodes must be in [1, --ft-max-nodes = {self.max_nodes}], got {self.start_nodes}")
         if self.window_quorum and not self.async_quorum:
             raise ValueError("window_quorum needs async_quorum (the window's quorum forms in the background)")
 
@@ -213,6 +226,8 @@ class FaultTolerance:
         self.commit_s = 0.0
         self.last_quorum_s = 0.0
         self.last_members = 0
+        self.quorum_heals = False  # whether the last quorum heals this node (torchft's result)
+        self.quorum_max_step = 0  # the newest step in the last quorum (torchft's, see quorum_step)
         self._errored_this_step = False
         advertise = cfg.advertise or os.environ.get("LOWBAND_FT_ADVERTISE") or "127.0.0.1"
         timeout = timedelta(seconds=cfg.timeout_s)
@@ -238,7 +253,7 @@ class FaultTolerance:
             # The node's store must be reachable from other nodes (they configure the quorum's process
             # group through the first member's store): advertise it at the node's address.
             store_addr=store_addr or advertise, store_port=store_port, lighthouse_addr=cfg.lighthouse,
-            replica_id=f"lowband_node{cfg.node}", hostname=advertise, init_sync=False,
+            replica_id=replica_id(cfg.fingerprint, cfg.node), hostname=advertise, init_sync=False,
             checkpoint_transport=_Transport(timeout=timeout, num_chunks=0),
         )
         self.manager._client = _QuorumRecorder(self.manager._client, self)
@@ -290,6 +305,30 @@ class FaultTolerance:
         self.quorums += 1
         self._check_slot()
 
+    def gather(self, step: int) -> int:
+        """At a new job's start: the quorum started by :meth:`start_step` for ``step``, then again until
+        ``cfg.start_nodes`` nodes are in it. Stops early when this node is behind someone in the quorum
+        (it joins a running job: that quorum is its first, and heals it) and after ``quorum_timeout_s``
+        (counted in attempts, so that every rank of the node stops at the same quorum). Returns the
+        members of the last quorum."""
+        attempts = max(1, math.ceil(self.cfg.quorum_timeout_s / self.cfg.start_poll_s))
+        mine = quorum_step(step, self.committed_steps)
+        for attempt in range(attempts):
+            self.finish_quorum()
+            if (self.last_members >= self.cfg.start_nodes or self.quorum_heals or self.quorum_max_step > mine
+                    or attempt == attempts - 1):
+                break
+            if attempt == 0:
+                log.info("node %d: %d of %d nodes live; waiting for the others to start (--ft-start-nodes)",
+                         self.cfg.node, self.last_members, self.cfg.start_nodes)
+            time.sleep(self.cfg.start_poll_s)
+            self.start_step(step)
+        if self.last_members < self.cfg.start_nodes and not self.quorum_heals and self.quorum_max_step <= mine:
+            log.warning("node %d: only %d of %d nodes started within %.0f s; training with them (the others join "
+                        "when they start)", self.cfg.node, self.last_members, self.cfg.start_nodes,
+                        self.cfg.quorum_timeout_s)
+        return self.last_members
+
     @property
     def quorum_pending(self) -> bool:
         """A quorum was started and not waited for yet."""
@@ -316,8 +355,7 @@ class FaultTolerance:
     def _check_slot(self) -> None:
         """Refuse a second live process for this node slot (``--ft-node`` given twice, or a node started
         again while its old ranks still run): the one joining leaves with an error, the live one goes on."""
-        mine = f"lowband_node{self.cfg.node}"
-        twins = [r for r in self.replica_ids if r.split(":", 1)[0] == mine]
+        twins = [r for r in self.replica_ids if member_of(r)[1] == self.cfg.node]
         if len(twins) > 1 and self.quorums == 1:
             raise NodeSlotTaken(
                 f"node slot {self.cfg.node} is already live in this job ({len(twins)} processes joined the quorum "
@@ -394,17 +432,96 @@ class NodeSlotTaken(ValueError):
     """Another live process already holds this node's ``--ft-node`` slot."""
 
 
+class ForeignJob(ValueError):
+    """A node of another job (another fingerprint) is in this node's quorum and this node is the one to leave."""
+
+
+def replica_id(fingerprint: str, node: int) -> str:
+    """A node's torchft replica id: its job's fingerprint and its slot (torchft reads the slot from the
+    trailing digits and appends ``:uuid``)."""
+    return f"lowband_{fingerprint or 'none'}_node{node}"
+
+
+_REPLICA_ID = re.compile(r"^lowband_(?:(?P<fp>[0-9A-Za-z]+)_)?node(?P<node>\d+)$")
+
+
+def member_of(rid: str) -> tuple[str, int | None]:
+    """(fingerprint, node slot) of a quorum member's replica id ("" and None for ids lowband did not make)."""
+    m = _REPLICA_ID.match(rid.split(":", 1)[0])
+    if m is None:
+        return "", None
+    return m["fp"] or "", int(m["node"])
+
+
+def admit(replica_ids: list[str], mine: str, *, behind: bool, rounds: int) -> str:
+    """What a node does with a quorum whose members are not all of one job (one fingerprint).
+
+    Every member sees the same members, so they all judge alike: the job with the most nodes in the
+    quorum stays and asks for a quorum again (the Lighthouse forms it without the others once they
+    leave); the nodes of every other job leave with :class:`ForeignJob`. When two jobs have as many
+    nodes, a node that is behind (a newcomer: someone in the quorum is at a newer step) leaves first;
+    if the tie remains a round later, the job with the smaller fingerprint stays.
+
+    Returns ``"accept"`` (one job), ``"retry"`` or ``"leave"``.
+    """
+    counts: dict[str, int] = {}
+    for rid in replica_ids:
+        fp = member_of(rid)[0]
+        counts[fp] = counts.get(fp, 0) + 1
+    if len(counts) <= 1:
+        return "accept"
+    top = max(counts.values())
+    if counts.get(mine, 0) < top:
+        return "leave"
+    tied = sorted(fp for fp, c in counts.items() if c == top)
+    if len(tied) == 1:
+        return "retry"
+    if behind:
+        return "leave"
+    if rounds == 0:
+        return "retry"
+    return "retry" if mine == tied[0] else "leave"
+
+
 class _QuorumRecorder:
-    """torchft's manager client with the members of each quorum noted (torchft keeps only their count)."""
+    """torchft's manager client with the members of each quorum noted (torchft keeps only their count),
+    and only members of this node's job admitted (see :func:`admit`)."""
 
     def __init__(self, client, ft: FaultTolerance) -> None:
         self._client = client
         self._ft = ft
 
     def _quorum(self, *args, **kwargs):
-        result = self._client._quorum(*args, **kwargs)
+        cfg = self._ft.cfg
+        mine = member_of(replica_id(cfg.fingerprint, cfg.node))[0]
+        # Rounds are counted, not timed, so that every rank of the node gives up at the same quorum.
+        max_rounds = max(1, math.ceil(cfg.quorum_timeout_s / cfg.start_poll_s))
+        rounds = 0
+        while True:
+            result = self._client._quorum(*args, **kwargs)
+            step = kwargs.get("step")
+            behind = bool(result.heal) or (step is not None and int(result.max_step) > int(step))
+            verdict = admit(list(result.replica_ids), mine, behind=behind, rounds=rounds)
+            if verdict == "accept":
+                break
+            others = sorted({f"node{member_of(r)[1]} ({member_of(r)[0] or '?'})" for r in result.replica_ids
+                             if member_of(r)[0] != mine})
+            if verdict == "leave" or rounds >= max_rounds:
+                raise ForeignJob(
+                    f"node {cfg.node}: nodes of this Lighthouse's quorum run another job, model, method or "
+                    f"hyper-parameters ({', '.join(others)}; this node's fingerprint is {mine}). Start every "
+                    "node of a job with the same `lowband train` arguments, or give each job its own Lighthouse "
+                    "(--ft-lighthouse). " + ("This node leaves; the running job goes on." if verdict == "leave"
+                                               else "They did not leave within the quorum timeout."))
+            if rounds == 0:
+                log.warning("node %d: %s of another job joined the quorum; it is refused, and the quorum formed "
+                            "again without it", cfg.node, ", ".join(others))
+            rounds += 1
+            time.sleep(cfg.start_poll_s)
         self._ft.replica_ids = list(result.replica_ids)
         self._ft.replica_rank = result.replica_rank
+        self._ft.quorum_heals = bool(result.heal)
+        self._ft.quorum_max_step = int(result.max_step)
         return result
 
     def __getattr__(self, name: str):

@@ -7,11 +7,15 @@ import torch
 
 from lowband.ft import (
     FaultToleranceConfig,
+    ForeignJob,
+    admit,
     committed_of,
     data_slot,
     load_local_state,
     local_state,
+    member_of,
     quorum_step,
+    replica_id,
 )
 from lowband.train.loop import TrainConfig
 from lowband.train.methods import method_config
@@ -106,3 +110,116 @@ def test_a_second_process_for_a_live_node_slot_is_refused_when_it_joins_and_the_
     _ft_with(ids, node=0, quorums=1)._check_slot()  # other slots are not concerned
     # node10 is not node1
     _ft_with(["lowband_node1:aa", "lowband_node10:bb"], node=1, quorums=1)._check_slot()
+
+
+class _Quorums:
+    """A stand-in for the Lighthouse: the members and newest step of each quorum a node asks for."""
+
+    def __init__(self, results):
+        self.results, self.asked = list(results), 0
+
+    def start_step(self, ft, step):
+        self.asked += 1
+        ft.last_members, ft.quorum_heals, ft.quorum_max_step = self.results.pop(0)
+        ft.quorums += 1
+
+
+def _gathering(results, *, start_nodes=3, timeout_s=2.0, poll_s=0.001):
+    from lowband.ft import FaultTolerance
+
+    ft = FaultTolerance.__new__(FaultTolerance)  # no Manager: only the start rule
+    ft.cfg = FaultToleranceConfig(lighthouse="http://h:1", node=0, max_nodes=3, start_nodes=start_nodes,
+                                  quorum_timeout_s=timeout_s, start_poll_s=poll_s)
+    ft.quorums, ft._pending = 0, None
+    lighthouse = _Quorums(results)
+    ft.start_step = lambda step: lighthouse.start_step(ft, step)
+    ft.manager = type("M", (), {"current_step": lambda self: 0})()
+    ft.start_step(0)  # the first quorum, as the trainer starts it
+    return ft, lighthouse
+
+
+def test_a_new_job_waits_for_its_nodes_and_a_node_joining_a_running_job_does_not(caplog):
+    # Alone, then two, then all three: three quorums, then training.
+    ft, lh = _gathering([(1, False, 0), (2, False, 0), (3, False, 0)])
+    assert ft.gather(0) == 3 and lh.asked == 3
+    # A node whose first quorum has someone ahead joins a running job at once (that quorum heals it).
+    ft, lh = _gathering([(2, True, 7 << 32)])
+    assert ft.gather(0) == 2 and lh.asked == 1
+    # --ft-start-nodes 1: nobody waits.
+    ft, lh = _gathering([(1, False, 0)], start_nodes=1)
+    assert ft.gather(0) == 1 and lh.asked == 1
+    # The others never come: it starts with what there is after the quorum timeout, and says so.
+    # (Attempts are counted, not timed, so that every rank of the node stops at the same quorum.)
+    ft, lh = _gathering([(1, False, 0)] * 4, timeout_s=0.004, poll_s=0.001)
+    assert ft.gather(0) == 1 and lh.asked == 4
+    assert "only 1 of 3 nodes started" in caplog.text
+
+
+def test_start_nodes_must_fit_the_slots():
+    with pytest.raises(ValueError, match=r"--ft-start-nodes must be in \[1, --ft-max-nodes = 3\], got 4"):
+        FaultToleranceConfig(lighthouse="http://h:1", node=0, max_nodes=3, start_nodes=4)
+
+
+def test_a_replica_id_carries_the_job_and_the_slot_and_torchft_still_reads_the_slot():
+    rid = replica_id("0123abcd", 12)
+    assert member_of(rid + ":5f0e-uuid") == ("0123abcd", 12)
+    assert member_of("lowband_node3:uuid") == ("", 3)  # an id without a fingerprint
+    assert member_of("someone-else:uuid") == ("", None)
+    from torchft.manager import extract_trailing_digits  # what torchft makes of it
+    assert extract_trailing_digits(rid) == 12
+
+
+@pytest.mark.parametrize("ids, mine, behind, rounds, verdict", [
+    (["lowband_a_node0", "lowband_a_node1"], "a", False, 0, "accept"),
+    # one foreign node: the two of the job stay and ask again, the foreign one leaves
+    (["lowband_a_node0", "lowband_a_node1", "lowband_b_node2"], "a", False, 0, "retry"),
+    (["lowband_a_node0", "lowband_a_node1", "lowband_b_node2"], "b", False, 0, "leave"),
+    (["lowband_a_node0", "lowband_a_node1", "lowband_b_node2"], "b", True, 0, "leave"),
+    # one against one: the newcomer (behind) leaves, the running node stays
+    (["lowband_a_node0", "lowband_b_node1"], "b", True, 0, "leave"),
+    (["lowband_a_node0", "lowband_b_node1"], "a", False, 0, "retry"),
+    # both at the newest step and still tied a round later: the smaller fingerprint stays
+    (["lowband_a_node0", "lowband_b_node1"], "a", False, 1, "retry"),
+    (["lowband_a_node0", "lowband_b_node1"], "b", False, 1, "leave"),
+    # a minority of several jobs leaves, the largest stays
+    (["lowband_a_node0", "lowband_c_node1", "lowband_b_node2", "lowband_b_node3"], "c", False, 0, "leave"),
+    (["lowband_a_node0", "lowband_c_node1", "lowband_b_node2", "lowband_b_node3"], "b", True, 0, "retry"),
+])
+def test_every_member_judges_a_mixed_quorum_alike(ids, mine, behind, rounds, verdict):
+    assert admit([i + ":uuid" for i in ids], mine, behind=behind, rounds=rounds) == verdict
+
+
+class _Result:
+    def __init__(self, ids, *, heal=False, max_step=0):
+        self.replica_ids, self.heal, self.max_step, self.replica_rank = ids, heal, max_step, 0
+
+
+def _recorder(results, *, fp="a", timeout_s=1.0):
+    from lowband.ft import FaultTolerance, _QuorumRecorder
+
+    ft = FaultTolerance.__new__(FaultTolerance)
+    ft.cfg = FaultToleranceConfig(lighthouse="http://h:1", node=0, max_nodes=3, fingerprint=fp,
+                                  quorum_timeout_s=timeout_s, start_poll_s=0.001)
+    client = type("C", (), {})()
+    asked = []
+    client._quorum = lambda **kw: (asked.append(kw), results.pop(0))[1]
+    return ft, _QuorumRecorder(client, ft), asked
+
+
+def test_a_quorum_with_a_node_of_another_job_forms_again_without_it_or_this_node_leaves(caplog):
+    ids = [replica_id("a", 0) + ":u", replica_id("a", 1) + ":u"]
+    foreign = ids + [replica_id("b", 2) + ":u"]
+    # The job's node: the quorum with the foreign node is asked again; the next one is taken.
+    ft, rec, asked = _recorder([_Result(foreign), _Result(ids)])
+    assert rec._quorum(step=0).replica_ids == ids and len(asked) == 2 and ft.replica_ids == ids
+    assert "node2 (b) of another job joined the quorum" in caplog.text
+    # The foreign node: it leaves at once, saying why and what to do.
+    ft, rec, asked = _recorder([_Result(foreign)], fp="b")
+    with pytest.raises(ForeignJob, match=r"run another job.*node0 \(a\), node1 \(a\).*"
+                                         r"fingerprint is b.*This node leaves; the running job goes on"):
+        rec._quorum(step=0)
+    # A foreign node that never leaves: the job's node gives up after the quorum timeout, naming it.
+    ft, rec, asked = _recorder([_Result(foreign)] * 10, timeout_s=0.003)
+    with pytest.raises(ForeignJob, match="did not leave within the quorum timeout"):
+        rec._quorum(step=0)
+    assert len(asked) == 4

@@ -40,11 +40,13 @@ class FaultTolerantJob:
             node at once (the first node up does not train alone while the others start), but then no
             quorum forms while a node is down: for measurements without faults.
         ft_timeout_s: each node's ``--ft-timeout``.
+        start_nodes: each node's ``--ft-start-nodes`` (None: theirs by default, every node slot): a test
+            that starts fewer nodes than ``nodes`` sets it, or the first step waits for the others.
     """
 
     def __init__(self, *, train_args: list[str], nodes: int, ranks_per_node: int, out: str | Path,
                  heartbeat_timeout_s: float = 2.0, join_timeout_s: float = 10.0, ft_timeout_s: float = 5.0,
-                 min_nodes: int = 1,
+                 min_nodes: int = 1, start_nodes: int | None = None,
                  net=None, node_dirs: Path | None = None, log_dir: Path | None = None) -> None:
         from lowband.ft import require_torchft
 
@@ -62,6 +64,7 @@ class FaultTolerantJob:
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.ft_timeout_s = ft_timeout_s
+        self.start_nodes = start_nodes
         # The Lighthouse runs as a process of its own, as on a cluster (and so that torchft's runtime
         # threads never live in a process that later forks).
         # In a network namespace setup it runs in node 0's namespace, reachable at node 0's address.
@@ -110,6 +113,8 @@ class FaultTolerantJob:
                f"--nproc-per-node={self.ranks_per_node}", "-m", "lowband.cli", "train", *self.train_args,
                "--ft-lighthouse", self.address, "--ft-node", str(node), "--ft-max-nodes", str(self.nodes),
                "--ft-timeout", f"{self.ft_timeout_s}s", "--out", str(out), "--no-progress"]
+        if self.start_nodes is not None:
+            cmd += ["--ft-start-nodes", str(self.start_nodes)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    RUST_LOG=os.environ.get("RUST_LOG", "error"))
         if self.net is not None:

@@ -97,6 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "node outside a node's group holds it up only once it is a whole window behind; DiLoCo and "
                         "SparseLoCo always form theirs before the outer step. sync: before each step that "
                         "communicates, waited for")
+    f.add_argument("--ft-start-nodes", type=int, default=d.ft_start_nodes, metavar="N",
+                   help="a new job trains its first step once N nodes are live (default: --ft-max-nodes), so "
+                        "its nodes start together; after 120 s it starts with those there are. A node that joins "
+                        "a running job does not wait")
     f.add_argument("--ft-timeout", type=parse_duration, default=d.ft_timeout_s, metavar="DURATION",
                    help="a collective between nodes, a commit vote or a state transfer that takes longer fails "
                         "(the step is dropped), e.g. 10s")
@@ -160,7 +164,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         link_bandwidth_bps=args.link_bandwidth, link_latency_s=args.link_latency,
         tensorboard=args.tensorboard, progress=not args.no_progress,
         ft_lighthouse=args.ft_lighthouse, ft_node=args.ft_node, ft_max_nodes=args.ft_max_nodes,
-        ft_timeout_s=args.ft_timeout, ft_quorum=args.ft_quorum,
+        ft_timeout_s=args.ft_timeout, ft_quorum=args.ft_quorum, ft_start_nodes=args.ft_start_nodes,
     )
 
 

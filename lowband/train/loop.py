@@ -144,6 +144,7 @@ class TrainConfig:
     ft_max_nodes: int = 1
     ft_timeout_s: float = 10.0
     ft_quorum: str = "async"
+    ft_start_nodes: int | None = None
 
     def ft_config(self):
         """The node's fault-tolerance configuration, or None (no ``ft_lighthouse``)."""
@@ -156,6 +157,7 @@ class TrainConfig:
             lighthouse=self.ft_lighthouse, node=self.ft_node, max_nodes=self.ft_max_nodes, timeout_s=self.ft_timeout_s,
             async_quorum=self.ft_quorum == "async" and METHODS[self.method].ft_quorum != "outer",
             window_quorum=self.ft_quorum == "async" and METHODS[self.method].ft_quorum == "window",
+            start_nodes=self.ft_max_nodes if self.ft_start_nodes is None else self.ft_start_nodes,
             fingerprint=fingerprint(self.method, sorted(method.as_dict().items()), self.model, self.data,
                                     self.max_examples, self.seed, self.batch_size, self.grad_accum, self.precision,
                                     self.steps, self.ft_max_nodes, self.ft_quorum),
@@ -445,7 +447,13 @@ class Trainer:
         self.step_batch = cfg.batch_size * cfg.grad_accum  # examples per rank per optimizer step
         self.profile = PhaseMemory(self.device, return_freed=cfg.memory_profile)
         # A node that rejoins a fault-tolerant job appends to the record of its earlier life.
-        self._earlier_life = self.ft is not None and (self.out / "metrics.jsonl").exists()
+        # Rank 0 looks before it creates the file, and tells the node's other ranks: each looking for
+        # itself would race with rank 0 creating it, and the ranks of a node must decide alike (a new
+        # job's first step waits for its nodes; a node that lived before does not).
+        earlier = [self.ft is not None and (self.out / "metrics.jsonl").exists()]
+        if self.ft is not None and dist.is_initialized() and self.world > 1:
+            dist.broadcast_object_list(earlier, src=0)
+        self._earlier_life = bool(earlier[0])
         self.metrics = _Metrics(self.out, enabled=self.rank == 0, tensorboard=cfg.tensorboard,
                                 append=self.start_step > 0 or self.ft is not None)
         self.steps_per_epoch = steps_per_epoch(self.data, world_size=self.data_world, batch_size=self.step_batch)
@@ -676,7 +684,10 @@ class Trainer:
         _reshard(self.model)
         self._members_before = self.ft.last_members
         self._healed_before = len(self.ft.healed_at)
+        first = self.ft.quorums == 0 and self.ft.quorum_pending is False
         self.ft.start_step(step)
+        if first and step == 0 and not self._earlier_life:
+            self.ft.gather(step)  # a new job: wait for its nodes (a node joining a running job does not)
         if self.ft_cfg.async_quorum:
             return step
         return self._membership_done(step, trained=False)
