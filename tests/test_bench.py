@@ -45,11 +45,12 @@ FAKE_TRAINER = textwrap.dedent(
 
     from lowband.train.summary import RunSummary
 
+    from lowband.train.cli import parse_train_args
+
     def main(args, env):
         assert args[0] == "train", args
-        def opt(name, default=None):
-            return args[args.index(name) + 1] if name in args else default
-        method, out, steps = opt("--method"), Path(opt("--out")), int(opt("--steps"))
+        cfg = parse_train_args(args[1:])  # the run's config file, --out beside it
+        method, out, steps = cfg.method, Path(cfg.out), cfg.steps
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         per_node = int(env["LOCAL_WORLD_SIZE"])
         if method in env.get("FAKE_FAIL_METHODS", "").split(","):
@@ -59,10 +60,9 @@ FAKE_TRAINER = textwrap.dedent(
             out.mkdir(parents=True, exist_ok=True)
             (out / f"started-{rank}").touch()
             __import__("time").sleep(300)
-        shards = int(opt("--shards"))
-        topk = int(opt("--topk")) if opt("--topk") else None
-        chunk = int(opt("--chunk")) if opt("--chunk") else None
-        bw = float(opt("--link-bandwidth") or 1e8)  # shaping is named on the command line
+        shards = cfg.shards
+        topk, chunk = cfg.hp.get("topk"), cfg.hp.get("chunk")
+        bw = cfg.link_bandwidth_bps or 1e8  # shaping is in the run's configuration
         per_rank = {"adamw": 1e6, "deto-full": 1e6}.get(method, 3.0 * (topk or 1) * 1e6 / 128)
         per_rank = per_rank * 2 / shards  # smaller shards: more of them cross per node
         comm = per_rank * per_node * 8 / bw
@@ -74,7 +74,7 @@ FAKE_TRAINER = textwrap.dedent(
         summary = {
             "rank": rank, "node": node, "method": method, "topk": topk, "chunk": chunk, "shards": shards,
             "nodes": world // per_node, "ranks_per_node": per_node, "replicas": world // shards,
-            "steps": steps, "model": opt("--model"), "num_params": 1234, "status": "ok", "batch_size": 8,
+            "steps": steps, "model": cfg.model, "num_params": 1234, "status": "ok", "batch_size": 8,
             "hp": {"lr": 0.001, "topk": topk, "chunk": chunk},
             "step_time_s": 0.1 + comm, "compute_time_s": 0.1, "comm_time_s": comm,
             "inter_node_bytes_per_step": per_rank, "node_inter_node_bytes_per_step": per_rank * per_node,
@@ -304,9 +304,14 @@ def test_report_tables_and_plots(tmp_path: Path, fake_trainer: Path, monkeypatch
     stdout = capsys.readouterr().out
     assert "shaped in-process, not measured" in stdout and "FlexDeMo Top8" in stdout
     assert len(calls) == 14
-    # Shaping is named on every run's command line (nothing reaches the trainer through the environment).
-    assert all(c[c.index("--link-bandwidth") + 1] in ("100000000", "1000000000") for c in calls)
-    assert all(c[c.index("--link-latency") + 1] == "0" for c in calls)
+    # Each run's ranks read its whole configuration from the run's config.toml, shaping included
+    # (nothing reaches the trainer through the environment, nor as a flag but where it writes).
+    import tomllib
+
+    assert all(c[:2] == ["train", "--config"] and c[3] == "--out" and len(c) == 5 for c in calls)
+    jobs = [tomllib.loads(Path(c[2]).read_text()) for c in calls]
+    assert {j["link"]["bandwidth_bps"] for j in jobs} == {1e8, 1e9} and {j["link"]["latency_s"] for j in jobs} == {0}
+    assert all(Path(c[2]).parent == Path(c[4]) for c in calls)  # in the run's directory, which re-runs it
     results = load_results(out)
     assert results["schema_version"] == SCHEMA_VERSION and results["emulation"]["mode"] == "shaped"
     assert results["finished"] is not None and results["interrupted"] is False and len(results["runs"]) == 14

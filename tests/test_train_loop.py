@@ -74,3 +74,38 @@ def test_bad_configuration_is_refused_before_anything_starts(tmp_path):
         with pytest.raises((ValueError, FileNotFoundError)) as e:
             TrainConfig(**kwargs).validate()
         assert needle in str(e.value), (kwargs, str(e.value))
+
+
+def _train_then_again(rank: int, out: str, cache: str) -> dict:
+    import os
+
+    os.environ["LOWBAND_CACHE"] = cache
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    import argparse
+
+    from lowband.train.cli import add_arguments, config_from_args
+    from lowband.train.loop import Trainer
+
+    def run(*argv: str):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return Trainer(config_from_args(p.parse_args(list(argv)))).run().to_dict()
+
+    first = run("--method", "diloco", "--sync-every", "2", "--max-grad-norm", "none", "--model", "t5-tiny",
+                "--max-examples", "300", "--val-size", "16", "--val-batches", "2", "--batch-size", "2",
+                "--max-source-len", "32", "--max-target-len", "8", "--vocab-size", "512", "--steps", "4",
+                "--seed", "3", "--no-progress", "--out", f"{out}/first")
+    again = run("--config", f"{out}/first/config.toml", "--out", f"{out}/again")
+    return {"first": first, "again": again}
+
+
+@pytest.mark.multiprocess
+def test_a_runs_config_file_runs_it_again_exactly(tmp_path, tmp_path_factory):
+    cache = str(tmp_path_factory.getbasetemp() / "lowband-cache")
+    results = run_ranks(_train_then_again, world_size=4, ranks_per_node=2, args=(str(tmp_path), cache),
+                        timeout_s=300)
+    for r in results:
+        a, b = r["first"], r["again"]
+        assert (b["method"], b["steps"], b["hp"]) == (a["method"], a["steps"], a["hp"])
+        assert b["train_loss"] == a["train_loss"] and b["val_loss"] == a["val_loss"]
+    assert (tmp_path / "again" / "config.toml").read_text() == (tmp_path / "first" / "config.toml").read_text()

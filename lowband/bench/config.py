@@ -165,14 +165,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (QUALITY_PRESET,)}
 
 def sequence_lengths(model: str, train_args: Sequence[str]) -> str:
     """The tokens per example a run of ``model`` with these ``lowband train`` arguments uses, in words."""
-    from lowband.train.loop import TrainConfig
+    from lowband.train.cli import parse_train_args
     from lowband.train.models import MODEL_SIZES
 
-    d = TrainConfig()
-    src = _train_arg(train_args, "--max-source-len", str(d.max_source_len))
-    tgt = _train_arg(train_args, "--max-target-len", str(d.max_target_len))
-    causal = f"{_train_arg(train_args, '--max-len', str(d.max_len))} tokens per text"
-    seq2seq = f"{src} source / {tgt} target tokens"
+    cfg = parse_train_args(train_args, known_only=True)
+    causal = f"{cfg.max_len} tokens per text"
+    seq2seq = f"{cfg.max_source_len} source / {cfg.max_target_len} target tokens"
     size = MODEL_SIZES.get(model)
     if size is None:
         return f"{seq2seq} if seq2seq, {causal} if causal"
@@ -359,23 +357,11 @@ def _check_group_sizes(specs: Sequence[BenchMethod], *, nodes: int, ranks_per_no
                                  f"or more --nodes")
 
 
-def _train_arg(args: Sequence[str], flag: str, default: str) -> str:
-    """The last value given to ``flag`` in ``lowband train`` arguments (``--f v`` or ``--f=v``)."""
-    value = default
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
-    return value
-
-
-def _check_data_columns(data: str, model: str, train_args: Sequence[str]) -> None:
+def _check_data_columns(data: str, model: str, cfg) -> None:
     """A seq2seq model's .jsonl/.csv/.tsv must have the source and target columns, checked on its first row."""
     import csv
     import json
 
-    from lowband.train.data import DataConfig
     from lowband.train.models import MODEL_SIZES
 
     size = MODEL_SIZES.get(model)
@@ -384,11 +370,10 @@ def _check_data_columns(data: str, model: str, train_args: Sequence[str]) -> Non
     if size is None or ext not in (".jsonl", ".csv", ".tsv"):
         return
     if size.kind == "seq2seq":
-        wanted = {"source": _train_arg(train_args, "--source-column", DataConfig.source_column),
-                  "target": _train_arg(train_args, "--target-column", DataConfig.target_column)}
+        wanted = {"source": cfg.source_column, "target": cfg.target_column}
         fix = "--train-args='--source-column NAME --target-column NAME'"
     else:
-        wanted = {"text": _train_arg(train_args, "--text-column", DataConfig.text_column)}
+        wanted = {"text": cfg.text_column}
         fix = "--train-args='--text-column NAME'"
     try:
         with path.open(encoding="utf-8") as f:
@@ -509,8 +494,15 @@ def make_config(
     if entry.endswith(".py") and not Path(entry).is_file():
         raise ValueError(f"entry script {entry} does not exist; give a module name or an existing .py file")
     _check_group_sizes(specs, nodes=nodes, ranks_per_node=ranks_per_node, shards=shard_values)
-    if data is not None:
-        _check_data_columns(data, model, entry_args)
+    if entry == DEFAULT_ENTRY:  # lowband's own flags, checked now (another entry may take flags of its own)
+        from lowband.train.cli import parse_train_args
+
+        try:
+            train_config = parse_train_args(entry_args)
+        except ValueError as e:
+            raise ValueError(f"--train-args {shlex.join(entry_args[len(DEFAULT_TRAIN_ARGS):])!r}: {e}") from None
+        if data is not None:
+            _check_data_columns(data, model, train_config)
     fault_events = _check_fault_tolerance(specs, ft=ft, faults=faults, nodes=nodes, steps=steps, entry=entry,
                                           ranks_per_node=ranks_per_node)
     return BenchConfig(

@@ -9,12 +9,15 @@ import json
 import logging
 from typing import Any
 
+from lowband.train import jobfile
 from lowband.train.loop import TrainConfig, Trainer
 from lowband.train.methods import ALIASES, METHODS, canonical_names, hp_flag, parse_hp_value
 from lowband.units import parse_bandwidth, parse_duration
 from lowband.util import format_value
 
-__all__ = ["add_arguments", "main", "config_from_args"]
+__all__ = ["add_arguments", "main", "config_from_args", "parse_train_args"]
+
+log = logging.getLogger(__name__)
 
 
 def _hp_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,119 +56,156 @@ def _hp_value(method: str, name: str, text: str) -> Any:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = TrainConfig()
-    p.add_argument("--method", default=d.method, choices=list(METHODS),
+    p.add_argument("--method", choices=list(METHODS),
                    help="; ".join(f"{m.name}: {m.description}" for m in METHODS.values()))
     _hp_arguments(p)
 
     m = p.add_argument_group("model and data")
-    m.add_argument("--model", default=d.model, help="named size (t5-tiny, t5-mini, t5-small, gpt-mini, ...) "
+    m.add_argument("--model", help="named size (t5-tiny, t5-mini, t5-small, gpt-mini, ...) "
                    "or a local model directory (config.json, optional weights)")
-    m.add_argument("--data", default=None, help="local .jsonl/.csv/.txt file (default: embedded Wikipedia "
+    m.add_argument("--data", help="local .jsonl/.csv/.txt file (default: embedded Wikipedia "
                    "lead paragraph -> description pairs)")
-    m.add_argument("--val-data", default=None, help="separate validation file (same format as --data)")
-    m.add_argument("--tokenizer", default=None, help="a tokenizer.json or its directory (default: train one "
+    m.add_argument("--val-data", help="separate validation file (same format as --data)")
+    m.add_argument("--tokenizer", help="a tokenizer.json or its directory (default: train one "
                    "on the data, cached)")
-    m.add_argument("--source-column", default=d.source_column)
-    m.add_argument("--target-column", default=d.target_column)
-    m.add_argument("--text-column", default=d.text_column)
-    m.add_argument("--max-source-len", type=int, default=d.max_source_len, help="paper: 512")
-    m.add_argument("--max-target-len", type=int, default=d.max_target_len, help="paper: 150")
-    m.add_argument("--max-len", type=int, default=d.max_len, help="causal LM sequence length")
-    m.add_argument("--vocab-size", type=int, default=d.vocab_size)
-    m.add_argument("--val-size", type=float, default=d.val_size, help="validation examples (>= 1) or share (< 1)")
-    m.add_argument("--max-examples", type=int, default=None, help="use at most this many examples")
+    m.add_argument("--source-column")
+    m.add_argument("--target-column")
+    m.add_argument("--text-column")
+    m.add_argument("--max-source-len", type=int, help="paper: 512")
+    m.add_argument("--max-target-len", type=int, help="paper: 150")
+    m.add_argument("--max-len", type=int, help="causal LM sequence length")
+    m.add_argument("--vocab-size", type=int)
+    m.add_argument("--val-size", type=float, help="validation examples (>= 1) or share (< 1)")
+    m.add_argument("--max-examples", type=int, help="use at most this many examples")
 
     s = p.add_argument_group("link shaping (emulated slow links; real links need none)")
-    s.add_argument("--link-bandwidth", type=parse_bandwidth, default=None, metavar="RATE",
+    s.add_argument("--link-bandwidth", type=parse_bandwidth, metavar="RATE",
                    help="shape traffic between nodes in-process to this uplink rate per node, e.g. 100mbit "
                         "(default: no shaping)")
-    s.add_argument("--link-latency", type=parse_duration, default=d.link_latency_s, metavar="DURATION",
+    s.add_argument("--link-latency", type=parse_duration, metavar="DURATION",
                    help="add this latency per message between nodes, e.g. 20ms (default: 0)")
 
     f = p.add_argument_group("fault tolerance (torchft: one torchrun per node, nodes may die and join; "
                              "see docs/fault-tolerance.md)")
-    f.add_argument("--ft-lighthouse", default=None, metavar="URL", help="the Lighthouse's address "
+    f.add_argument("--ft-lighthouse", metavar="URL", help="the Lighthouse's address "
                    "(http://HOST:PORT, printed by `lowband lighthouse`); turns fault tolerance on")
-    f.add_argument("--ft-node", type=int, default=d.ft_node, help="this node's slot, 0 <= N < --ft-max-nodes "
+    f.add_argument("--ft-node", type=int, help="this node's slot, 0 <= N < --ft-max-nodes "
                    "(a restarted node takes its old slot)")
-    f.add_argument("--ft-max-nodes", type=int, default=d.ft_max_nodes, help="the most nodes at once; each step's "
+    f.add_argument("--ft-max-nodes", type=int, help="the most nodes at once; each step's "
                    "global batch is laid out for this many (a dead node's slice is skipped)")
-    f.add_argument("--ft-quorum", choices=("async", "sync"), default=d.ft_quorum,
+    f.add_argument("--ft-quorum", choices=("async", "sync"),
                    help="async (default): form each step's quorum while the step's forward and backward run, "
                         "as torchft does; NoLoCo forms one per outer window while its inner steps run, so a slow "
                         "node outside a node's group holds it up only once it is a whole window behind; DiLoCo and "
                         "SparseLoCo always form theirs before the outer step. sync: before each step that "
                         "communicates, waited for")
-    f.add_argument("--ft-start-nodes", type=int, default=d.ft_start_nodes, metavar="N",
+    f.add_argument("--ft-start-nodes", type=int, metavar="N",
                    help="a new job trains its first step once N nodes are live (default: --ft-max-nodes), so "
                         "its nodes start together; after 120 s it starts with those there are. A node that joins "
                         "a running job does not wait")
-    f.add_argument("--ft-timeout", type=parse_duration, default=d.ft_timeout_s, metavar="DURATION",
+    f.add_argument("--ft-timeout", type=parse_duration, metavar="DURATION",
                    help="a collective between nodes, a commit vote or a state transfer that takes longer fails "
                         "(the step is dropped), e.g. 10s")
 
     r = p.add_argument_group("run")
-    r.add_argument("--steps", type=int, default=d.steps)
-    r.add_argument("--batch-size", type=int, default=d.batch_size, help="examples per rank per micro-batch")
-    r.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step "
+    r.add_argument("--steps", type=int)
+    r.add_argument("--batch-size", type=int, help="examples per rank per micro-batch")
+    r.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step "
                    "(the step equals one on a grad-accum-times larger batch; one intra-node reduce-scatter)")
-    r.add_argument("--precision", choices=["fp32", "bf16"], default=d.precision, help="bf16: FSDP2 mixed "
+    r.add_argument("--precision", choices=["fp32", "bf16"], help="bf16: FSDP2 mixed "
                    "precision (bf16 parameters and compute, fp32 gradient reduction, fp32 optimizer state)")
     r.add_argument("--activation-checkpointing", action="store_true", help="recompute each transformer "
                    "block's activations in backward (less memory, about one more forward)")
     r.add_argument("--memory-profile", action="store_true", help="CPU: make glibc return freed memory so the "
                    "summary's per-phase peaks follow live memory (~25%% more CPU time)")
-    r.add_argument("--seed", type=int, default=d.seed)
-    r.add_argument("--shards", type=int, default=None, help="ranks sharding one model copy (default: all "
+    r.add_argument("--seed", type=int)
+    r.add_argument("--shards", type=int, help="ranks sharding one model copy (default: all "
                    "ranks of a node; demo: 1)")
-    r.add_argument("--schedule", choices=["constant", "cosine"], default=d.schedule)
-    r.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    r.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
-    r.add_argument("--val-every", type=int, default=d.val_every, help="validate every N steps (0: per epoch)")
-    r.add_argument("--val-batches", type=int, default=d.val_batches)
-    r.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="DCP checkpoint every N steps (0: off)")
+    r.add_argument("--schedule", choices=["constant", "cosine"])
+    r.add_argument("--warmup-steps", type=int)
+    r.add_argument("--min-lr-ratio", type=float)
+    r.add_argument("--val-every", type=int, help="validate every N steps (0: per epoch)")
+    r.add_argument("--val-batches", type=int)
+    r.add_argument("--ckpt-every", type=int, help="DCP checkpoint every N steps (0: off)")
     r.add_argument("--ckpt-at-end", action="store_true", help="write a checkpoint after the last step")
-    r.add_argument("--resume", default=None, help="checkpoint directory, 'auto' for the newest in OUT, or "
+    r.add_argument("--resume", help="checkpoint directory, 'auto' for the newest in OUT, or "
                    "'if-any': the newest if there is one, else start afresh (a node's first start and restarts)")
-    r.add_argument("--out", default=d.out, help="run directory")
+    r.add_argument("--out", help="run directory")
     r.add_argument("--tensorboard", action="store_true")
     r.add_argument("--no-progress", action="store_true")
+    p.add_argument("--config", metavar="FILE.toml", help="the job as a TOML file (a run writes its own to "
+                   "OUT/config.toml); flags given beside it win. See docs/configuration.md")
+    _defaults_from_config(p)
+
+
+#: flag dest -> TrainConfig field, where they differ (every other flag's dest is its field)
+_FIELD_OF = {"link_bandwidth": "link_bandwidth_bps", "link_latency": "link_latency_s", "ft_timeout": "ft_timeout_s",
+             "no_progress": "progress"}
+
+
+def _defaults_from_config(p: argparse.ArgumentParser) -> None:
+    """Flags carry no defaults of their own: a flag not given is absent from the parsed arguments (so a
+    job file's value is not overridden by a default), and TrainConfig's default applies. Their help
+    says that default."""
+    d = TrainConfig()
+    for action in p._actions:
+        field = _FIELD_OF.get(action.dest, action.dest)
+        if action.dest in ("help", "config", "hp") or action.dest.startswith("hp_"):
+            continue
+        action.default = argparse.SUPPRESS
+        value = getattr(d, field)
+        if action.help and "default" not in action.help and value is not None and not isinstance(value, bool):
+            action.help += f" (default {format_value(value)})"
+        elif action.help is None and value is not None and not isinstance(value, bool):
+            action.help = f"(default {format_value(value)})"
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    hp = {k.removeprefix("hp_"): v for k, v in vars(args).items() if k.startswith("hp_")}
-    if args.hp:
+    """The run's TrainConfig: its defaults, then ``--config``'s file, then the flags given."""
+    given = vars(args)
+    values: dict[str, Any] = jobfile.load(given["config"]) if given.get("config") else {}
+    file_hp = values.pop("hp", {})
+    if "method" in given and values.get("method", given["method"]) != given["method"]:
+        if file_hp:
+            log.warning("--method %s replaces the file's %s: the file's hyper-parameters (%s) are dropped",
+                        given["method"], values["method"], ", ".join(file_hp))
+        file_hp = {}
+    for dest, value in given.items():
+        if dest in ("command", "config", "hp") or dest.startswith("hp_"):
+            continue
+        field = _FIELD_OF.get(dest, dest)
+        values[field] = (not value) if dest == "no_progress" else value
+    hp = {k.removeprefix("hp_"): v for k, v in given.items() if k.startswith("hp_")}
+    if given.get("hp"):
         try:
-            extra = json.loads(args.hp)
+            extra = json.loads(given["hp"])
         except json.JSONDecodeError as e:
             raise ValueError(f"--hp must be a JSON object, e.g. '{{\"beta1\": 0.9}}': {e}") from e
         if not isinstance(extra, dict):
             raise ValueError("--hp must be a JSON object")
-        extra = canonical_names(args.method, extra)
+        extra = canonical_names(values.get("method", TrainConfig.method), extra)
         twice = sorted(set(extra) & set(hp))
         if twice:
             raise ValueError(f"{', '.join(twice)} given both as a flag and in --hp; give each once")
         hp.update(extra)
-    val_size: float | int = args.val_size
-    if val_size >= 1:
-        val_size = int(val_size)
-    return TrainConfig(
-        method=args.method, hp=hp, model=args.model, data=args.data, val_data=args.val_data,
-        tokenizer=args.tokenizer, source_column=args.source_column,
-        target_column=args.target_column, text_column=args.text_column, max_source_len=args.max_source_len,
-        max_target_len=args.max_target_len, max_len=args.max_len, vocab_size=args.vocab_size,
-        val_size=val_size, max_examples=args.max_examples, steps=args.steps, batch_size=args.batch_size,
-        seed=args.seed, shards=args.shards,
-        grad_accum=args.grad_accum, precision=args.precision, activation_checkpointing=args.activation_checkpointing,
-        memory_profile=args.memory_profile, schedule=args.schedule, warmup_steps=args.warmup_steps,
-        min_lr_ratio=args.min_lr_ratio, val_every=args.val_every, val_batches=args.val_batches,
-        ckpt_every=args.ckpt_every, ckpt_at_end=args.ckpt_at_end, resume=args.resume, out=args.out,
-        link_bandwidth_bps=args.link_bandwidth, link_latency_s=args.link_latency,
-        tensorboard=args.tensorboard, progress=not args.no_progress,
-        ft_lighthouse=args.ft_lighthouse, ft_node=args.ft_node, ft_max_nodes=args.ft_max_nodes,
-        ft_timeout_s=args.ft_timeout, ft_quorum=args.ft_quorum, ft_start_nodes=args.ft_start_nodes,
-    )
+    values["hp"] = {**file_hp, **hp}
+    if isinstance(values.get("val_size"), float) and values["val_size"] >= 1:
+        values["val_size"] = int(values["val_size"])
+    return TrainConfig(**values)
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print and exit
+        raise ValueError(message)
+
+
+def parse_train_args(argv: list[str] | tuple[str, ...], *, known_only: bool = False) -> TrainConfig:
+    """``lowband train`` arguments as the TrainConfig they give; a bad one is a ValueError that names it
+    (``known_only``: arguments lowband does not know are ignored, as another entry's may be)."""
+    p = _RaisingParser(prog="lowband train", add_help=False)
+    add_arguments(p)
+    args = p.parse_known_args(list(argv))[0] if known_only else p.parse_args(list(argv))
+    return config_from_args(args)
 
 
 def main(args: argparse.Namespace) -> int:

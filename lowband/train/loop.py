@@ -456,6 +456,11 @@ class Trainer:
         self._earlier_life = bool(earlier[0])
         self.metrics = _Metrics(self.out, enabled=self.rank == 0, tensorboard=cfg.tensorboard,
                                 append=self.start_step > 0 or self.ft is not None)
+        if self.rank == 0:  # the complete job: `lowband train --config OUT/config.toml` runs it again
+            from lowband.train import jobfile
+
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.toml").write_text(jobfile.dumps(cfg))
         self.steps_per_epoch = steps_per_epoch(self.data, world_size=self.data_world, batch_size=self.step_batch)
         self.bar = None
         if self.rank == 0 and cfg.progress:
