@@ -110,3 +110,23 @@ def test_a_bad_file_is_named_before_anything_runs(tmp_path, text, needle):
 def test_a_missing_file_says_what_a_job_file_is(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"--config .*nope.toml: no such file .*OUT/config.toml"):
         config_from_args(_parse("--config", str(tmp_path / "nope.toml")))
+
+
+@pytest.mark.parametrize("shaped", [True, False])
+def test_the_bench_builds_each_runs_config_as_its_command_line_would_and_the_users_args_win(tmp_path, shaped):
+    from lowband.bench.config import make_config, plan_runs
+    from lowband.bench.runner import _shaping_args
+    from lowband.train.cli import parse_train_args
+
+    config = make_config(methods="adamw,flexdemo:topk=4,diloco:H=5,noloco:H=2,n=2", bandwidths="100mbit,1gbit",
+                         steps=30, model="t5-tiny", latency="50ms", seeds="0,1",
+                         train_args="--batch-size 3 --sync-every 7 --warmup-steps 2")
+    mode = "shaped" if shaped else "netns"
+    for plan in plan_runs(config):
+        cfg = plan.train_config(config, tmp_path, shaped=shaped)
+        argv = plan.train_args(config, tmp_path)[1:] + _shaping_args(plan, mode)
+        assert cfg == parse_train_args(argv), plan.id  # the same job as the flags would give
+        assert (cfg.batch_size, cfg.warmup_steps, cfg.link_latency_s, cfg.seed) == (3, 2, 0.05, plan.seed)
+        assert cfg.link_bandwidth_bps == (plan.bandwidth_bps if shaped else None)
+        if cfg.method in ("diloco", "noloco"):
+            assert method_config(cfg.method, cfg.hp).sync_every == 7  # the user's --train-args win over the spec

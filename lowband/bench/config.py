@@ -601,6 +601,23 @@ class RunPlan:
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
 
+    def train_config(self, config: BenchConfig, out_dir: Path, *, shaped: bool):
+        """The run's TrainConfig: the bench's settings and this run's, then ``config.train_args`` (the
+        user's, which win), then the link (bandwidth when shaped in-process, latency always)."""
+        from lowband.train.cli import train_overrides
+        from lowband.train.loop import TrainConfig
+
+        hp = {k: v for k, v in self.params.items() if k != "shards"}
+        fields: dict[str, Any] = dict(method=self.method, shards=self.shards, model=config.model, steps=config.steps,
+                                      seed=self.seed, data=config.data, out=str(out_dir))
+        user = train_overrides(config.train_args)
+        fields.update({k: v for k, v in user.items() if k != "hp"})
+        fields["hp"] = {**hp, **user.get("hp", {})}
+        fields["link_latency_s"] = self.latency_s
+        if shaped:
+            fields["link_bandwidth_bps"] = self.bandwidth_bps
+        return TrainConfig(**fields)
+
     def train_args(self, config: BenchConfig, out_dir: Path) -> list[str]:
         """Arguments after the entry module: ``train --method M ... --out OUT_DIR``."""
         argv = ["train", "--method", self.method, *train_hp_args(self.params)]

@@ -197,22 +197,21 @@ def _new_record(plan: RunPlan, config: BenchConfig, *, out_dir: Path, mode: str)
         latency_s=plan.latency_s, emulation=mode, status="failed",
         run_dir=str(run_dir.relative_to(out_dir)),
         logs=[str((run_dir / "logs" / f"node{i}.log").relative_to(out_dir)) for i in range(plan.nodes)],
-        command=_command(plan.train_args(config, run_dir.resolve()) + _shaping_args(plan, mode), config, run_dir),
+        command=_command(plan, config, run_dir, mode),
         error=STOPPED_DURING_RUN,
     )  # fmt: skip
 
 
-def _command(argv: list[str], config: BenchConfig, run_dir: Path) -> list[str]:
-    """``train ARGS`` as ``train --config RUN_DIR/config.toml --out RUN_DIR``: the run's complete
-    configuration goes to its ranks in the file (which also re-runs the row), not as argv strings.
-    Another entry than lowband's own gets the arguments as they are (it may take flags of its own)."""
+def _command(plan: RunPlan, config: BenchConfig, run_dir: Path, mode: str) -> list[str]:
+    """``train --config RUN_DIR/config.toml --out RUN_DIR``: the run's complete configuration
+    (:meth:`RunPlan.train_config`) goes to its ranks in the file, which also re-runs the row. Another
+    entry than lowband's own gets ``lowband train`` arguments (it may take flags of its own)."""
     from lowband.bench.config import DEFAULT_ENTRY
     from lowband.train import jobfile
-    from lowband.train.cli import parse_train_args
 
     if config.entry != DEFAULT_ENTRY:
-        return argv
-    cfg = parse_train_args(argv[1:])
+        return plan.train_args(config, run_dir.resolve()) + _shaping_args(plan, mode)
+    cfg = plan.train_config(config, run_dir.resolve(), shaped=mode == "shaped")
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir.resolve() / "config.toml"
     path.write_text(jobfile.dumps(cfg))

@@ -15,7 +15,7 @@ from lowband.train.methods import ALIASES, METHODS, canonical_names, hp_flag, pa
 from lowband.units import parse_bandwidth, parse_duration
 from lowband.util import format_value
 
-__all__ = ["add_arguments", "main", "config_from_args", "parse_train_args"]
+__all__ = ["add_arguments", "main", "config_from_args", "given_values", "parse_train_args", "train_overrides"]
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,12 @@ def _defaults_from_config(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The run's TrainConfig: its defaults, then ``--config``'s file, then the flags given."""
+    return TrainConfig(**given_values(args))
+
+
+def given_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainConfig fields that ``--config``'s file and the flags given set (``hp``: the method's
+    hyper-parameters they set); the fields neither sets are absent."""
     given = vars(args)
     values: dict[str, Any] = jobfile.load(given["config"]) if given.get("config") else {}
     file_hp = values.pop("hp", {})
@@ -191,7 +197,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values["hp"] = {**file_hp, **hp}
     if isinstance(values.get("val_size"), float) and values["val_size"] >= 1:
         values["val_size"] = int(values["val_size"])
-    return TrainConfig(**values)
+    return values
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -202,10 +208,15 @@ class _RaisingParser(argparse.ArgumentParser):
 def parse_train_args(argv: list[str] | tuple[str, ...], *, known_only: bool = False) -> TrainConfig:
     """``lowband train`` arguments as the TrainConfig they give; a bad one is a ValueError that names it
     (``known_only``: arguments lowband does not know are ignored, as another entry's may be)."""
+    return TrainConfig(**train_overrides(argv, known_only=known_only))
+
+
+def train_overrides(argv: list[str] | tuple[str, ...], *, known_only: bool = False) -> dict[str, Any]:
+    """:func:`given_values` of ``lowband train`` arguments: what they set, on top of what else sets it."""
     p = _RaisingParser(prog="lowband train", add_help=False)
     add_arguments(p)
     args = p.parse_known_args(list(argv))[0] if known_only else p.parse_args(list(argv))
-    return config_from_args(args)
+    return given_values(args)
 
 
 def main(args: argparse.Namespace) -> int:
