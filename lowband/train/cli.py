@@ -7,12 +7,12 @@ import dataclasses
 import functools
 import json
 import logging
+import typing
 from typing import Any
 
 from lowband.train import jobfile
 from lowband.train.loop import TrainConfig, Trainer
 from lowband.train.methods import ALIASES, METHODS, canonical_names, hp_flag, parse_hp_value
-from lowband.units import parse_bandwidth, parse_duration
 from lowband.util import format_value
 
 __all__ = ["add_arguments", "main", "config_from_args", "given_values", "parse_train_args", "train_overrides"]
@@ -56,108 +56,41 @@ def _hp_value(method: str, name: str, text: str) -> Any:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", choices=list(METHODS),
-                   help="; ".join(f"{m.name}: {m.description}" for m in METHODS.values()))
+    """``lowband train``'s flags: one per TrainConfig field, from its metadata (:func:`jobfile.option`),
+    grouped by the job file's tables; one per hyper-parameter of any method; ``--config``."""
+    p.add_argument("--method", choices=list(METHODS), default=argparse.SUPPRESS,
+                   help="; ".join(f"{m.name}: {m.description}" for m in METHODS.values()).replace("%", "%%")
+                   + f" (default {TrainConfig.method})")
     _hp_arguments(p)
-
-    m = p.add_argument_group("model and data")
-    m.add_argument("--model", help="named size (t5-tiny, t5-mini, t5-small, gpt-mini, ...) "
-                   "or a local model directory (config.json, optional weights)")
-    m.add_argument("--data", help="local .jsonl/.csv/.txt file (default: embedded Wikipedia "
-                   "lead paragraph -> description pairs)")
-    m.add_argument("--val-data", help="separate validation file (same format as --data)")
-    m.add_argument("--tokenizer", help="a tokenizer.json or its directory (default: train one "
-                   "on the data, cached)")
-    m.add_argument("--source-column")
-    m.add_argument("--target-column")
-    m.add_argument("--text-column")
-    m.add_argument("--max-source-len", type=int, help="paper: 512")
-    m.add_argument("--max-target-len", type=int, help="paper: 150")
-    m.add_argument("--max-len", type=int, help="causal LM sequence length")
-    m.add_argument("--vocab-size", type=int)
-    m.add_argument("--val-size", type=float, help="validation examples (>= 1) or share (< 1)")
-    m.add_argument("--max-examples", type=int, help="use at most this many examples")
-
-    s = p.add_argument_group("link shaping (emulated slow links; real links need none)")
-    s.add_argument("--link-bandwidth", type=parse_bandwidth, metavar="RATE",
-                   help="shape traffic between nodes in-process to this uplink rate per node, e.g. 100mbit "
-                        "(default: no shaping)")
-    s.add_argument("--link-latency", type=parse_duration, metavar="DURATION",
-                   help="add this latency per message between nodes, e.g. 20ms (default: 0)")
-
-    f = p.add_argument_group("fault tolerance (torchft: one torchrun per node, nodes may die and join; "
-                             "see docs/fault-tolerance.md)")
-    f.add_argument("--ft-lighthouse", metavar="URL", help="the Lighthouse's address "
-                   "(http://HOST:PORT, printed by `lowband lighthouse`); turns fault tolerance on")
-    f.add_argument("--ft-node", type=int, help="this node's slot, 0 <= N < --ft-max-nodes "
-                   "(a restarted node takes its old slot)")
-    f.add_argument("--ft-max-nodes", type=int, help="the most nodes at once; each step's "
-                   "global batch is laid out for this many (a dead node's slice is skipped)")
-    f.add_argument("--ft-quorum", choices=("async", "sync"),
-                   help="async (default): form each step's quorum while the step's forward and backward run, "
-                        "as torchft does; NoLoCo forms one per outer window while its inner steps run, so a slow "
-                        "node outside a node's group holds it up only once it is a whole window behind; DiLoCo and "
-                        "SparseLoCo always form theirs before the outer step. sync: before each step that "
-                        "communicates, waited for")
-    f.add_argument("--ft-start-nodes", type=int, metavar="N",
-                   help="a new job trains its first step once N nodes are live (default: --ft-max-nodes), so "
-                        "its nodes start together; after 120 s it starts with those there are. A node that joins "
-                        "a running job does not wait")
-    f.add_argument("--ft-timeout", type=parse_duration, metavar="DURATION",
-                   help="a collective between nodes, a commit vote or a state transfer that takes longer fails "
-                        "(the step is dropped), e.g. 10s")
-
-    r = p.add_argument_group("run")
-    r.add_argument("--steps", type=int)
-    r.add_argument("--batch-size", type=int, help="examples per rank per micro-batch")
-    r.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step "
-                   "(the step equals one on a grad-accum-times larger batch; one intra-node reduce-scatter)")
-    r.add_argument("--precision", choices=["fp32", "bf16"], help="bf16: FSDP2 mixed "
-                   "precision (bf16 parameters and compute, fp32 gradient reduction, fp32 optimizer state)")
-    r.add_argument("--activation-checkpointing", action="store_true", help="recompute each transformer "
-                   "block's activations in backward (less memory, about one more forward)")
-    r.add_argument("--memory-profile", action="store_true", help="CPU: make glibc return freed memory so the "
-                   "summary's per-phase peaks follow live memory (~25%% more CPU time)")
-    r.add_argument("--seed", type=int)
-    r.add_argument("--shards", type=int, help="ranks sharding one model copy (default: all "
-                   "ranks of a node; demo: 1)")
-    r.add_argument("--schedule", choices=["constant", "cosine"])
-    r.add_argument("--warmup-steps", type=int)
-    r.add_argument("--min-lr-ratio", type=float)
-    r.add_argument("--val-every", type=int, help="validate every N steps (0: per epoch)")
-    r.add_argument("--val-batches", type=int)
-    r.add_argument("--ckpt-every", type=int, help="DCP checkpoint every N steps (0: off)")
-    r.add_argument("--ckpt-at-end", action="store_true", help="write a checkpoint after the last step")
-    r.add_argument("--resume", help="checkpoint directory, 'auto' for the newest in OUT, or "
-                   "'if-any': the newest if there is one, else start afresh (a node's first start and restarts)")
-    r.add_argument("--out", help="run directory")
-    r.add_argument("--tensorboard", action="store_true")
-    r.add_argument("--no-progress", action="store_true")
-    p.add_argument("--config", metavar="FILE.toml", help="the job as a TOML file (a run writes its own to "
-                   "OUT/config.toml); flags given beside it win. See docs/configuration.md")
-    _defaults_from_config(p)
-
-
-#: flag dest -> TrainConfig field, where they differ (every other flag's dest is its field)
-_FIELD_OF = {"link_bandwidth": "link_bandwidth_bps", "link_latency": "link_latency_s", "ft_timeout": "ft_timeout_s",
-             "no_progress": "progress"}
-
-
-def _defaults_from_config(p: argparse.ArgumentParser) -> None:
-    """Flags carry no defaults of their own: a flag not given is absent from the parsed arguments (so a
-    job file's value is not overridden by a default), and TrainConfig's default applies. Their help
-    says that default."""
     d = TrainConfig()
-    for action in p._actions:
-        field = _FIELD_OF.get(action.dest, action.dest)
-        if action.dest in ("help", "config", "hp") or action.dest.startswith("hp_"):
+    hints = jobfile.field_types()
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for table, names in jobfile.SECTIONS.items():
+        names = [n for n in names if fields[n].metadata.get("help")]
+        if not names:
             continue
-        action.default = argparse.SUPPRESS
-        value = getattr(d, field)
-        if action.help and "default" not in action.help and value is not None and not isinstance(value, bool):
-            action.help += f" (default {format_value(value)})"
-        elif action.help is None and value is not None and not isinstance(value, bool):
-            action.help = f"(default {format_value(value)})"
+        g = p.add_argument_group(jobfile.TITLES[table])
+        for name in names:
+            meta, default = fields[name].metadata, getattr(d, name)
+            flag = meta["flag"] or "--" + name.replace("_", "-")
+            text = meta["help"].replace("%", "%%")
+            if default is not None and not isinstance(default, bool) and "default" not in text:
+                text += f" (default {format_value(default)})".replace("%", "%%")
+            kwargs: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS, help=text)
+            if hints[name] is bool:
+                kwargs["action"] = "store_false" if default else "store_true"
+            else:
+                kwargs.update(type=meta["type"] or _base_type(hints[name]), choices=meta["choices"],
+                              metavar=meta["metavar"])
+            g.add_argument(flag, **kwargs)
+    p.add_argument("--config", metavar="FILE.toml", default=None, help="the job as a TOML file (a run writes its own to "
+                   "OUT/config.toml); flags given beside it win. See docs/configuration.md")
+
+
+def _base_type(hint: Any) -> type:
+    """int, float or str: the type a flag's text is parsed to (``int | None`` -> int)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return args[0]
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -179,8 +112,7 @@ def given_values(args: argparse.Namespace) -> dict[str, Any]:
     for dest, value in given.items():
         if dest in ("command", "config", "hp") or dest.startswith("hp_"):
             continue
-        field = _FIELD_OF.get(dest, dest)
-        values[field] = (not value) if dest == "no_progress" else value
+        values[dest] = value  # every other flag's dest is its TrainConfig field
     hp = {k.removeprefix("hp_"): v for k, v in given.items() if k.startswith("hp_")}
     if given.get("hp"):
         try:

@@ -34,7 +34,16 @@ from typing import Any
 
 import tomllib
 
-__all__ = ["SECTIONS", "KEYS", "dumps", "load", "loads", "check_value"]
+__all__ = ["SECTIONS", "KEYS", "TITLES", "dumps", "load", "loads", "check_value", "option"]
+
+
+def option(default: Any, help: str, *, flag: str | None = None, type: Any = None, choices: tuple | None = None,
+           metavar: str | None = None) -> Any:
+    """A TrainConfig field with what its ``lowband train`` flag needs: its help, and where they are not
+    the field's own, its flag (default ``--field-name``; a bool field that defaults to True gets a
+    ``--no-...`` flag that turns it off), the type that parses it (default: the field's) and its metavar."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "type": type,
+                                                        "choices": choices, "metavar": metavar})
 
 #: table -> the TrainConfig fields it holds (``method``'s table also holds the hyper-parameters).
 SECTIONS: dict[str, tuple[str, ...]] = {
@@ -49,6 +58,14 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "fault_tolerance": ("ft_lighthouse", "ft_node", "ft_max_nodes", "ft_timeout_s", "ft_quorum", "ft_start_nodes"),
 }
 
+#: each table's title in ``lowband train --help``
+TITLES = {
+    "method": "method", "model": "model", "data": "data", "schedule": "schedule and batches",
+    "link": "link shaping (emulated slow links; real links need none)", "checkpoint": "checkpoints",
+    "run": "run", "fault_tolerance": "fault tolerance (torchft: one torchrun per node, nodes may die and join; "
+                                     "see docs/fault-tolerance.md)",
+}
+
 #: the key of a field in its table where it is not the field's name (the table says the prefix).
 _RENAMED = {"method": "name", "link_bandwidth_bps": "bandwidth_bps", "link_latency_s": "latency_s",
             "ckpt_every": "every", "ckpt_at_end": "at_end", "ft_lighthouse": "lighthouse", "ft_node": "node",
@@ -60,6 +77,11 @@ KEYS: dict[str, tuple[str, str]] = {f: (s, _RENAMED.get(f, f)) for s, fields in 
 
 #: fields a written file leaves out (see the module's docstring)
 _NOT_WRITTEN = ("out", "resume")
+
+
+def field_types() -> dict[str, Any]:
+    """TrainConfig's field types (resolved annotations)."""
+    return dict(_hints())
 
 
 @functools.cache

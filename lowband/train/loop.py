@@ -46,9 +46,11 @@ import torch.distributed as dist
 from lowband.link import Link
 from lowband.memory import PhaseMemory
 from lowband.topology import Topology
+from lowband.train.jobfile import option
 from lowband.train.methods import METHODS, MethodConfig, method_config, method_shards
 from lowband.train.schedule import warmup_cosine_factor
 from lowband.train.summary import RunSummary
+from lowband.units import parse_bandwidth, parse_duration
 
 __all__ = ["TrainConfig", "Trainer", "run_training", "WARMUP_STEPS_EXCLUDED"]
 
@@ -105,46 +107,69 @@ class TrainConfig:
 
     method: str = "flexdemo"
     hp: dict[str, Any] | MethodConfig = field(default_factory=dict)
-    model: str = "t5-mini"
-    data: str | None = None
-    val_data: str | None = None
-    tokenizer: str | None = None
-    source_column: str = "source"
-    target_column: str = "target"
-    text_column: str = "text"
-    max_source_len: int = 128
-    max_target_len: int = 32
-    max_len: int = 128
-    vocab_size: int = 8192
-    val_size: float | int = 256
-    max_examples: int | None = None
-    steps: int = 100
-    batch_size: int = 8
-    grad_accum: int = 1
-    precision: str = "fp32"
-    activation_checkpointing: bool = False
-    memory_profile: bool = False
-    seed: int = 0
-    shards: int | None = None
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    val_every: int = 0
-    val_batches: int = 8
-    ckpt_every: int = 0
-    ckpt_at_end: bool = False
-    resume: str | None = None
-    out: str = "runs/train"
-    tensorboard: bool = False
-    progress: bool = True
-    link_bandwidth_bps: float | None = None
-    link_latency_s: float = 0.0
-    ft_lighthouse: str | None = None
-    ft_node: int = 0
-    ft_max_nodes: int = 1
-    ft_timeout_s: float = 10.0
-    ft_quorum: str = "async"
-    ft_start_nodes: int | None = None
+    model: str = option("t5-mini", "named size (t5-tiny, t5-mini, t5-small, gpt-mini, ...) or a local model "
+                        "directory (config.json, optional weights)")
+    data: str | None = option(None, "local .jsonl/.csv/.txt file (default: embedded Wikipedia lead paragraph -> "
+                              "description pairs)")
+    val_data: str | None = option(None, "separate validation file (same format as --data)")
+    tokenizer: str | None = option(None, "a tokenizer.json or its directory (default: train one on the data, "
+                                   "cached)")
+    source_column: str = option("source", "seq2seq data: the input column")
+    target_column: str = option("target", "seq2seq data: the output column")
+    text_column: str = option("text", "causal LM data: the text column")
+    max_source_len: int = option(128, "tokens per source, truncated (paper: 512)")
+    max_target_len: int = option(32, "tokens per target, truncated (paper: 150)")
+    max_len: int = option(128, "causal LM sequence length")
+    vocab_size: int = option(8192, "size of the tokenizer trained on the data")
+    val_size: float | int = option(256, "validation examples (>= 1) or share (< 1)", type=float)
+    max_examples: int | None = option(None, "use at most this many examples")
+    steps: int = option(100, "optimizer steps")
+    batch_size: int = option(8, "examples per rank per micro-batch")
+    grad_accum: int = option(1, "micro-batches per optimizer step (the step equals one on a grad-accum-times "
+                             "larger batch; one intra-node reduce-scatter)")
+    precision: str = option("fp32", "bf16: FSDP2 mixed precision (bf16 parameters and compute, fp32 gradient "
+                            "reduction, fp32 optimizer state)", choices=("fp32", "bf16"))
+    activation_checkpointing: bool = option(False, "recompute each transformer block's activations in backward "
+                                            "(less memory, about one more forward)")
+    memory_profile: bool = option(False, "CPU: make glibc return freed memory so the summary's per-phase peaks "
+                                  "follow live memory (~25% more CPU time)")
+    seed: int = option(0, "model init, data order and everything random")
+    shards: int | None = option(None, "ranks sharding one model copy (default: all ranks of a node; demo: 1)")
+    schedule: str = option("constant", "learning-rate schedule (cosine: linear warm-up, then cosine to "
+                           "--min-lr-ratio × lr)", choices=("constant", "cosine"))
+    warmup_steps: int = option(0, "of the schedule")
+    min_lr_ratio: float = option(0.1, "of the cosine schedule")
+    val_every: int = option(0, "validate every N steps (0: per epoch)")
+    val_batches: int = option(8, "validation batches per evaluation")
+    ckpt_every: int = option(0, "DCP checkpoint every N steps (0: off)")
+    ckpt_at_end: bool = option(False, "write a checkpoint after the last step")
+    resume: str | None = option(None, "checkpoint directory, 'auto' for the newest in OUT, or 'if-any': the "
+                                "newest if there is one, else start afresh (a node's first start and restarts)")
+    out: str = option("runs/train", "run directory")
+    tensorboard: bool = option(False, "also write TensorBoard scalars (needs the tensorboard package)")
+    progress: bool = option(True, "no progress bar", flag="--no-progress")
+    link_bandwidth_bps: float | None = option(
+        None, "shape traffic between nodes in-process to this uplink rate per node, e.g. 100mbit (default: no "
+        "shaping)", flag="--link-bandwidth", type=parse_bandwidth, metavar="RATE")
+    link_latency_s: float = option(0.0, "add this latency per message between nodes, e.g. 20ms",
+                                   flag="--link-latency", type=parse_duration, metavar="DURATION")
+    ft_lighthouse: str | None = option(None, "the Lighthouse's address (http://HOST:PORT, printed by `lowband "
+                                       "lighthouse`); turns fault tolerance on", metavar="URL")
+    ft_node: int = option(0, "this node's slot, 0 <= N < --ft-max-nodes (a restarted node takes its old slot)")
+    ft_max_nodes: int = option(1, "the most nodes at once; each step's global batch is laid out for this many "
+                               "(a dead node's slice is skipped)")
+    ft_timeout_s: float = option(10.0, "a collective between nodes, a commit vote or a state transfer that takes "
+                                 "longer fails (the step is dropped), e.g. 10s", flag="--ft-timeout",
+                                 type=parse_duration, metavar="DURATION")
+    ft_quorum: str = option(
+        "async", "async: form each step's quorum while the step's forward and backward run, as torchft does; "
+        "NoLoCo forms one per outer window while its inner steps run, so a slow node outside a node's group holds "
+        "it up only once it is a whole window behind; DiLoCo and SparseLoCo always form theirs before the outer "
+        "step. sync: before each step that communicates, waited for", choices=("async", "sync"))
+    ft_start_nodes: int | None = option(
+        None, "a new job trains its first step once N nodes are live (default: --ft-max-nodes), so its nodes start "
+        "together; after 120 s it starts with those there are. A node that joins a running job does not wait",
+        metavar="N")
 
     def ft_config(self):
         """The node's fault-tolerance configuration, or None (no ``ft_lighthouse``)."""
