@@ -138,6 +138,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from lowband.traffic import OpTally, merge_tallies
 from lowband.train.methods import family_of
 from lowband.train.summary import RunSummary, summary_path
 from lowband.util import atomic_path
@@ -244,15 +245,10 @@ def read_summaries(run_dir: Path, world_size: int) -> list[RunSummary]:
 
 
 def _merge_link_ops(summaries: Sequence[RunSummary]) -> dict[str, dict[str, int]]:
-    merged: dict[str, dict[str, int]] = {}
+    merged: dict[str, OpTally] = {}
     for s in summaries:
-        for kind, ops in s.link_ops.items():
-            d = merged.setdefault(kind, {"count": 0, "bytes": 0, "inter_node_bytes": 0, "largest_group": 0})
-            d["count"] += int(ops["count"])
-            d["bytes"] += int(ops["bytes"])
-            d["inter_node_bytes"] += int(ops["inter_node_bytes"])
-            d["largest_group"] = max(d["largest_group"], int(ops["largest_group"]))
-    return dict(sorted(merged.items()))
+        merge_tallies(merged, s.link_ops)
+    return {kind: tally.to_dict() for kind, tally in sorted(merged.items())}
 
 
 _POINT_KEYS = ("step", "epoch", "tokens", "train_time_s", "wall_s", "val_loss")
