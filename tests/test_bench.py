@@ -341,7 +341,7 @@ def test_a_run_record_round_trips_through_results_json_with_the_same_keys_in_the
     assert RunRecord.field_names() == RUN_KEYS
     path = write_results(tmp_path, _results([record, RunRecord(id="empty", status="failed")]))
     written = json.loads(path.read_text())
-    assert written["schema_version"] == SCHEMA_VERSION and tuple(written["runs"][0]) == RUN_KEYS
+    assert written["schema_version"] == 3 and tuple(written["runs"][0]) == RUN_KEYS
     assert written["runs"][0]["link_ops"] == {"all_gather": {"count": 24, "bytes": 4500000,
                                                             "inter_node_bytes": 4500000, "largest_group": 2}}
     assert tuple(written["runs"][1]) == RUN_KEYS and written["runs"][1]["val_loss"] is None  # null unless given
@@ -363,6 +363,22 @@ def test_a_run_record_with_a_key_it_does_not_know_is_refused_naming_the_key(tmp_
     (tmp_path / "results.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"results\.json: run 0 \(00-flexdemo-top8-s2-100mbit-seed0\) .*: extra"):
         load_results(tmp_path)
+
+
+def test_a_results_json_of_another_schema_version_is_refused_saying_to_rerun_the_bench(tmp_path: Path, capsys) -> None:
+    old = _results([], version=2)
+    old["runs"] = [_full_record().to_dict()]  # version 2 had these very keys: the version decides
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(old))
+    with pytest.raises(ValueError) as info:
+        load_results(tmp_path)
+    message = str(info.value)
+    assert str(path) in message and "schema_version 2" in message and "schema_version 3" in message
+    assert "Re-run the bench" in message
+    parser = argparse.ArgumentParser()
+    bench.add_report_arguments(parser)
+    assert bench.report_main(parser.parse_args([str(tmp_path)])) == 2  # `lowband report` says so and stops
+    assert "Re-run the bench" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ report and plots

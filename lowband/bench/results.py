@@ -1,4 +1,4 @@
-"""``results.json``: what a bench measured, in a stable, documented schema (version 1).
+"""``results.json``: what a bench measured, in a stable, documented schema (version 3).
 
 A bench's run directory holds::
 
@@ -8,15 +8,17 @@ A bench's run directory holds::
     runs/<run id>/               one directory per run: the trainer's metrics.jsonl and
                                  summary_rank<R>.json, and logs/node<i>.log
 
-Schema, version 2 (version 1 had ``val_history`` as ``[step, wall_s, val_loss]`` lists and one
-``seed``). Sizes are in bytes, times in seconds, rates in bit/s, memory in MB (10^6
-bytes); a value that does not apply or was not measured is ``null``. Every key is present in
-every record. New keys may be added within a version; a key is never renamed or removed
-without raising ``schema_version``.
+Schema, version 3 (version 2 had the same keys, read without a check: version 3's run records are
+:class:`~lowband.bench.record.RunRecord`, and a key that is not a field is refused; version 1 had
+``val_history`` as ``[step, wall_s, val_loss]`` lists and one ``seed``). A file of another version
+is refused with what to do: re-run the bench (there is no conversion). Sizes are in bytes, times in
+seconds, rates in bit/s, memory in MB (10^6 bytes); a value that does not apply or was not measured
+is ``null``. Every key is present in every record. New keys may be added within a version; a key is
+never renamed or removed without raising ``schema_version``.
 
 Top level::
 
-    schema_version  2
+    schema_version  3
     created         ISO 8601 local time with offset, when the bench started
     finished        ISO 8601, when it ended (null while running)
     interrupted     true when stopped by Ctrl-C / SIGTERM before every run was done
@@ -87,7 +89,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 RESULTS_FILE = "results.json"
 _MAX_ERROR_CHARS = 6000
 
@@ -259,8 +261,9 @@ def load_results(path: Path) -> dict[str, Any]:
     Returns the top level as a dict whose ``runs`` are :class:`~lowband.bench.record.RunRecord` objects.
 
     Raises:
-        ValueError: no such file, not JSON, a schema version this lowband cannot read, or a run that
-            is not a run record of this version (the message names the run and the keys).
+        ValueError: no such file, not JSON, a schema version other than :data:`SCHEMA_VERSION` (the
+            message says to re-run the bench: there is no conversion), or a run that is not a run
+            record of this version (the message names the run and the keys).
     """
     path = Path(path)
     if path.is_dir():
@@ -273,7 +276,11 @@ def load_results(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
     version = results.get("schema_version") if isinstance(results, dict) else None
     if version != SCHEMA_VERSION:
-        raise ValueError(f"{path} has schema_version {version!r}; this lowband reads version {SCHEMA_VERSION}")
+        raise ValueError(
+            f"{path} has schema_version {version!r}, but this lowband reads only schema_version {SCHEMA_VERSION}: "
+            "it was written by another lowband version, and there is no conversion. Re-run the bench with this "
+            "lowband (lowband bench ... --out NEW_DIR) to get results it can report on."
+        )
     if not isinstance(results.get("runs"), list):
         raise ValueError(f"{path} has no list of runs")
     results["runs"] = [
