@@ -211,8 +211,8 @@ def test_demo_counts_only_bytes_that_cross_nodes():
         assert r["replicas"] == 4 and r["shards"] == 1 and r["equal"]
         for inter, node_inter, _total, kinds in r["traffic"]:
             p = r["payload"]
-            assert set(kinds) == {"all_gather"} and kinds["all_gather"]["count"] == 1
-            assert kinds["all_gather"]["bytes"] == 3 * (p + 1)  # ring: (R−1)·(payload + flag), all hops
+            assert set(kinds) == {"all_gather"} and kinds["all_gather"].count == 1
+            assert kinds["all_gather"].bytes == 3 * (p + 1)  # ring: (R−1)·(payload + flag), all hops
             # Ring 0→1→2→3→0: only ranks 1 and 3 send to the other node.
             expected_inter = 3 * (p + 1) if rank in (1, 3) else 0
             assert inter == expected_inter, (rank, inter, expected_inter)
