@@ -408,7 +408,7 @@ def _worker(rank: int, config: str, opts: dict, data) -> dict:
         if link is not None:
             traffic = link.end_step()
             rec["link_inter_node_bytes_sent"] = traffic.inter_node_bytes_sent
-            rec["link_ops"] = traffic.by_kind()
+            rec["link_ops"] = {kind: tally.to_dict() for kind, tally in traffic.by_kind().items()}
         rec["counted"] = counter.summary(f"step{step}")
         if det is not None:
             rec["detonation_own_data_transmit"] = det.data_transmitted[-1] if det.data_transmitted else None

@@ -4,17 +4,28 @@ Counts follow the ring algorithm (all-gather: (G−1)·b sent per rank; all-redu
 with each rank sending to the next rank of the group. Only a hop whose two ends are on different
 nodes counts as inter-node: with DeMo on nodes of several ranks, the replicate group holds ranks of
 the same node and their hops are free. :class:`lowband.link.Link` fills these records; the trainer
-and the bench read them.
+and the bench read them. :class:`OpTally` is the one per-kind tally of operations: a step's
+(:meth:`StepTraffic.by_kind`), a rank's run (the trainer's summary) and a whole run over all ranks
+(the bench's run record) add up the same four numbers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["OpRecord", "StepTraffic", "exchange_inter_node_bytes", "nbytes", "ring_inter_node_bytes"]
+__all__ = [
+    "OpRecord",
+    "OpTally",
+    "StepTraffic",
+    "exchange_inter_node_bytes",
+    "merge_tallies",
+    "nbytes",
+    "ring_inter_node_bytes",
+]
 
 
 @dataclass(slots=True)
@@ -33,6 +44,56 @@ class OpRecord:
     time_s: float  # wall time from start to result, shaping included (hidden part included)
     modelled_link_time_s: float  # what the shaped link needs, queueing included (0 when not shaping)
     exposed_s: float = 0.0  # the part of it this rank spent blocked (starting it, waiting for it)
+
+
+@dataclass(slots=True)
+class OpTally:
+    """Operations of one kind through the link, added up (over steps, over ranks).
+
+    Attributes:
+        count: operations.
+        bytes: bytes sent (ring model, intra-node hops included).
+        inter_node_bytes: the part of ``bytes`` that crossed to another node.
+        largest_group: the largest group size among them (a maximum, not a sum).
+    """
+
+    count: int = 0
+    bytes: int = 0
+    inter_node_bytes: int = 0
+    largest_group: int = 0
+
+    def add_op(self, op: OpRecord) -> None:
+        """Count one operation (as this rank saw it)."""
+        self.count += 1
+        self.bytes += op.bytes_sent
+        self.inter_node_bytes += op.inter_node_bytes_sent
+        self.largest_group = max(self.largest_group, op.group_size)
+
+    def add(self, other: OpTally) -> None:
+        """Add ``other``'s operations to these: counts and bytes sum, the largest group is the larger."""
+        self.count += other.count
+        self.bytes += other.bytes
+        self.inter_node_bytes += other.inter_node_bytes
+        self.largest_group = max(self.largest_group, other.largest_group)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"count": self.count, "bytes": self.bytes, "inter_node_bytes": self.inter_node_bytes,
+                "largest_group": self.largest_group}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OpTally:
+        """The tally in ``data`` (:meth:`to_dict`'s keys, all four); another key or a missing one: ValueError."""
+        names = {"count", "bytes", "inter_node_bytes", "largest_group"}
+        if set(data) != names:
+            raise ValueError(f"not an operation tally {sorted(names)}: {sorted(data)}")
+        return cls(**{k: int(v) for k, v in data.items()})
+
+
+def merge_tallies(into: dict[str, OpTally], more: Mapping[str, OpTally]) -> dict[str, OpTally]:
+    """Add the per-kind tallies ``more`` into ``into`` (kinds new to it are copied); returns ``into``."""
+    for kind, tally in more.items():
+        into.setdefault(kind, OpTally()).add(tally)
+    return into
 
 
 @dataclass
@@ -65,14 +126,11 @@ class StepTraffic:
     def comm_time_s(self) -> float:
         return sum(o.time_s for o in self.ops)
 
-    def by_kind(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {}
+    def by_kind(self) -> dict[str, OpTally]:
+        """The step's operations tallied per kind, in the order the kinds first occurred."""
+        out: dict[str, OpTally] = {}
         for o in self.ops:
-            d = out.setdefault(o.kind, {"count": 0, "bytes": 0, "inter_node_bytes": 0, "largest_group": 0})
-            d["count"] += 1
-            d["bytes"] += o.bytes_sent
-            d["inter_node_bytes"] += o.inter_node_bytes_sent
-            d["largest_group"] = max(d["largest_group"], o.group_size)
+            out.setdefault(o.kind, OpTally()).add_op(o)
         return out
 
     def as_dict(self) -> dict:

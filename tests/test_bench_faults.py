@@ -9,6 +9,7 @@ import pytest
 from lowband.bench.config import make_config, plan_runs
 from lowband.bench.faults import FaultEvent, parse_faults
 from lowband.bench.ft_report import cost_rows, fault_events, fault_rows, ft_section
+from lowband.bench.record import RunRecord
 
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 
@@ -63,10 +64,10 @@ def test_bad_fault_tolerance_settings_are_named_before_anything_starts(kwargs, n
 
 
 def _run(label, *, faults=None, loss, seed=0, step_time=0.1, bytes_=1e5, ft=None):
-    return {"label": label, "method": "flexdemo", "shards": 2, "seed": seed, "bandwidth_bps": 1e8, "status": "ok",
-            "val_loss": loss, "step_time_s": step_time, "inter_node_bytes_per_step": bytes_, "nodes": 3,
-            "val_history": [{"step": 0, "val_loss": 9.0}, {"step": 50, "val_loss": loss}],
-            "fault_tolerance": ft if ft is not None else ({"faults": faults} if faults else None)}
+    return RunRecord(label=label, method="flexdemo", shards=2, seed=seed, bandwidth_bps=1e8, status="ok",
+                     val_loss=loss, step_time_s=step_time, inter_node_bytes_per_step=bytes_, nodes=3,
+                     val_history=[{"step": 0, "val_loss": 9.0}, {"step": 50, "val_loss": loss}],
+                     fault_tolerance=ft if ft is not None else ({"faults": faults} if faults else None))
 
 
 def _faulted_ft():
@@ -137,9 +138,9 @@ def test_bench_with_faults_end_to_end(tmp_path, mode):
     assert bench.main(args) == 0, (out / "report.md").read_text() if (out / "report.md").exists() else ""
     results = load_results(out)
     twin, faulted = results["runs"]
-    assert twin["label"] == "DeMo Top2 FT" and faulted["label"] == "DeMo Top2 FT faults"  # one rank per node
-    assert twin["status"] == faulted["status"] == "ok"
-    ft = faulted["fault_tolerance"]
+    assert twin.label == "DeMo Top2 FT" and faulted.label == "DeMo Top2 FT faults"  # one rank per node
+    assert twin.status == faulted.status == "ok"
+    ft = faulted.fault_tolerance
     assert [e["planned"] for e in ft["events"] if e.get("planned")] == ["node2:kill@15", "node2:start@30"]
     steady = ft["nodes"]["0"]
     seen = [m["replicas"] for m in steady["membership"]]
@@ -150,4 +151,4 @@ def test_bench_with_faults_end_to_end(tmp_path, mode):
     report = (out / "report.md").read_text()
     assert "## Faults: each faulted run beside its fault-free twin" in report
     assert (out / "faults.png").is_file()
-    json.dumps(results)  # serialisable as written
+    json.dumps(json.loads((out / "results.json").read_text()))  # plain JSON as written

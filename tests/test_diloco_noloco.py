@@ -77,7 +77,7 @@ def watch_sends(link: Link, method: str) -> list[bool]:
 
 
 def kinds(traffic) -> list[dict]:
-    return [{k: (v["count"], v["largest_group"]) for k, v in t.by_kind().items()} for t in traffic]
+    return [{k: (v.count, v.largest_group) for k, v in t.by_kind().items()} for t in traffic]
 
 
 # ----------------------------------------------------------------------------- launch 1: DiLoCo, 2 × 2

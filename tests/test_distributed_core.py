@@ -17,6 +17,7 @@ from lowband.link import Link
 from lowband.optim import AdamWFullSync, DetoFull, FlexDeMo, NonFiniteGradientError
 from lowband.testing import full_params, run_ranks, tiny_batch, tiny_loss, tiny_model, tiny_sharded
 from lowband.topology import Topology
+from lowband.traffic import OpTally
 
 LR = 0.05
 
@@ -170,14 +171,14 @@ def test_equivalences_and_bytes_on_2x2_mesh():
         payload = r["flex_expected_payload"]
         assert r["flex_payload_method"] == payload
         for sent, kinds in r["flex_bytes"]:
-            assert kinds == {"all_gather": {"count": 1, "bytes": payload + 1, "inter_node_bytes": payload + 1,
-                                            "largest_group": 2}}
+            assert kinds == {"all_gather": OpTally(count=1, bytes=payload + 1, inter_node_bytes=payload + 1,
+                                                   largest_group=2)}
             assert sent == payload + 1
         # Full sync: ring all-reduce of n fp32 elements plus the flag element: 2·(R−1)/R·(n+1)·4.
         n = r["adamw_local_numel"]
         for sent, kinds in r["adamw_bytes"]:
             assert sent == (2 * 1 * (n + 1) * 4) // 2
-            assert kinds == {"all_reduce": {"count": 1, "bytes": sent, "inter_node_bytes": sent, "largest_group": 2}}
+            assert kinds == {"all_reduce": OpTally(count=1, bytes=sent, inter_node_bytes=sent, largest_group=2)}
 
 
 # ----------------------------------------------------------------------------- launch 2
@@ -210,8 +211,8 @@ def test_demo_counts_only_bytes_that_cross_nodes():
         assert r["replicas"] == 4 and r["shards"] == 1 and r["equal"]
         for inter, node_inter, _total, kinds in r["traffic"]:
             p = r["payload"]
-            assert set(kinds) == {"all_gather"} and kinds["all_gather"]["count"] == 1
-            assert kinds["all_gather"]["bytes"] == 3 * (p + 1)  # ring: (R−1)·(payload + flag), all hops
+            assert set(kinds) == {"all_gather"} and kinds["all_gather"].count == 1
+            assert kinds["all_gather"].bytes == 3 * (p + 1)  # ring: (R−1)·(payload + flag), all hops
             # Ring 0→1→2→3→0: only ranks 1 and 3 send to the other node.
             expected_inter = 3 * (p + 1) if rank in (1, 3) else 0
             assert inter == expected_inter, (rank, inter, expected_inter)

@@ -358,7 +358,7 @@ def _local_overlap_2x2(rank: int, ckpt_dir: str) -> dict:
     opt = NoLoCo(model.parameters(), INNER, link=link, sync_every=2, delay=1, seed=7)
     _, traffic = train(model, opt, rank, range(6), link)
     opt.flush()
-    out["r4_kinds"] = [{k: (v["count"], v["largest_group"]) for k, v in t.by_kind().items()} for t in traffic]
+    out["r4_kinds"] = [{k: (v.count, v.largest_group) for k, v in t.by_kind().items()} for t in traffic]
     out["r4_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import pytest
@@ -10,7 +11,9 @@ import pytest
 import lowband.bench as bench
 from lowband.bench import quality
 from lowband.bench.config import PRESETS, make_config, plan_runs
+from lowband.bench.record import RunRecord
 from lowband.bench.report import modelled_rows, render_markdown, time_to_target_rows
+from lowband.traffic import OpTally
 
 
 def _history(losses, *, dt=2.0, tokens=1000, every=10):
@@ -22,13 +25,13 @@ def _run(method, losses, *, seed=0, label=None, params=None, dt=2.0, bw=1e8, nby
     params = dict(params or {})
     history = _history(losses, dt=dt)
     steps = history[-1]["step"]
-    return {
-        "id": f"{method}-{seed}", "label": label or method, "method": method, "params": params, "shards": 2,
-        "hyperparameters": {"lr": params.get("lr", 1e-3)}, "seed": seed, "status": "ok", "bandwidth_bps": bw,
-        "latency_s": 0.05, "nodes": 2, "ranks_per_node": 2, "replicas": 2, "steps": steps,
-        "val_loss": losses[-1], "val_history": history, "train_time_s": history[-1]["train_time_s"], "step_time_s": compute + 0.5, "compute_time_s": compute,
-        "inter_node_bytes_per_step": nbytes, "link_ops": {"all_gather": {"count": 4 * steps * ops}},
-    }  # fmt: skip
+    return RunRecord(
+        id=f"{method}-{seed}", label=label or method, method=method, params=params, shards=2,
+        hyperparameters={"lr": params.get("lr", 1e-3)}, seed=seed, status="ok", bandwidth_bps=bw,
+        latency_s=0.05, nodes=2, ranks_per_node=2, replicas=2, steps=steps,
+        val_loss=losses[-1], val_history=history, train_time_s=history[-1]["train_time_s"], step_time_s=compute + 0.5, compute_time_s=compute,
+        inter_node_bytes_per_step=nbytes, link_ops={"all_gather": OpTally(count=4 * steps * ops)},
+    )  # fmt: skip
 
 
 def test_crossing_is_interpolated_between_validations() -> None:
@@ -54,12 +57,12 @@ def test_target_is_best_adamw_mean_over_seeds_and_runs_are_timed_to_it() -> None
     assert results["target_loss"] == pytest.approx(5.1)
     assert "AdamW (lr 0.001)" in results["target_source"] and "2 seeds" in results["target_source"]
     adamw0, adamw1 = runs[0], runs[1]
-    assert adamw0["time_to_target_s"] == pytest.approx(2 + 2 * 0.9) and adamw1["steps_to_target"] is None
-    assert runs[3]["steps_to_target"] == pytest.approx(10 * 2.9 / 3) and runs[5]["time_to_target_s"] is None
-    assert runs[5]["best_val_loss"] == 6.5
+    assert adamw0.time_to_target_s == pytest.approx(2 + 2 * 0.9) and adamw1.steps_to_target is None
+    assert runs[3].steps_to_target == pytest.approx(10 * 2.9 / 3) and runs[5].time_to_target_s is None
+    assert runs[5].best_val_loss == 6.5
     # Given explicitly, the target wins.
     assert quality.annotate_time_to_target({"runs": runs}, 7.5)["target_loss"] == 7.5
-    assert runs[5]["steps_to_target"] == pytest.approx(5.0)
+    assert runs[5].steps_to_target == pytest.approx(5.0)
     results = quality.annotate_time_to_target({"runs": runs})
     assert quality.choose_target([runs[5]])[0] is None
 
@@ -77,18 +80,18 @@ def test_target_is_best_adamw_mean_over_seeds_and_runs_are_timed_to_it() -> None
     assert row["FlexDeMo Top1"]["vs AdamW"] == "-0.850 (better, beyond the seed spread)"
     assert row["DiLoCo H=10"]["time to target (s)"] == "not reached"
     # DiLoCo ends at 6.5: AdamW (both seeds) was there at step 7.5, after 1.5 s; DiLoCo trained 4 s.
-    assert runs[5]["adamw_steps_to_final"] == pytest.approx(7.5) and runs[5]["adamw_time_to_final_s"] == pytest.approx(1.5)
+    assert runs[5].adamw_steps_to_final == pytest.approx(7.5) and runs[5].adamw_time_to_final_s == pytest.approx(1.5)
     assert row["DiLoCo H=10"]["at its final loss: AdamW time ÷ this"] == "0.38×"
     # FlexDeMo ends below where either AdamW seed got: no AdamW time to compare with.
     assert row["FlexDeMo Top1"]["at its final loss: AdamW time ÷ this"] == "not every AdamW seed got this low (2/2 seeds)"
-    assert runs[0]["adamw_time_to_final_s"] is None  # AdamW's own runs are the reference
+    assert runs[0].adamw_time_to_final_s is None  # AdamW's own runs are the reference
     one = quality.annotate_time_to_target({"runs": [_run("adamw", [8.0, 6.0, 5.0], label="AdamW"),
                                                     _run("deto-full", [8.0, 6.0, 4.5], label="Deto-Full")]})
     headers1, rows1 = time_to_target_rows(one)
     assert dict(zip(headers1, rows1[1], strict=True))["at its final loss: AdamW time ÷ this"] == "AdamW never got this low"
     assert row["FlexDeMo Top1"]["final val loss"] == "4.250 [4.000–4.500]"
-    flex_time = statistics_mean([runs[3]["time_to_target_s"], runs[4]["time_to_target_s"]])
-    assert row["FlexDeMo Top1"]["AdamW time ÷ this"] == f"{adamw0['time_to_target_s'] / flex_time:.2f}×"
+    flex_time = statistics_mean([runs[3].time_to_target_s, runs[4].time_to_target_s])
+    assert row["FlexDeMo Top1"]["AdamW time ÷ this"] == f"{adamw0.time_to_target_s / flex_time:.2f}×"
     text = render_markdown({**results, "config": {}, "host": {}, "emulation": {}})
     assert "## Time to target" in text and "interpolated" in text and "Modelled, not measured" in text
 
@@ -101,7 +104,7 @@ def test_modelled_time_and_break_even() -> None:
     adamw = _run("adamw", [8, 6, 5], nbytes=8e6, compute=0.3)  # 64 Mbit per step at 100 Mbit/s: 0.64 s
     flex = _run("flexdemo", [8, 7, 6, 5.5, 5], nbytes=5e4, compute=0.3)
     quality.annotate_time_to_target({"runs": [adamw, flex]})
-    assert adamw["steps_to_target"] == 20 and flex["steps_to_target"] == 40
+    assert adamw.steps_to_target == 20 and flex.steps_to_target == 40
     m_a = 8e6 * 8 / 1e8 + 0.05 * 1
     assert quality.modelled_comm_s(adamw) == pytest.approx(m_a)
     assert quality.modelled_time_to_target_s(adamw, 0.1) == pytest.approx(20 * (0.1 + m_a))
@@ -111,13 +114,13 @@ def test_modelled_time_and_break_even() -> None:
     # At the break-even compute both take the same modelled time.
     assert quality.modelled_time_to_target_s(flex, c) == pytest.approx(quality.modelled_time_to_target_s(adamw, c))
     # Fewer steps and fewer bytes: sooner at every compute time.
-    assert quality.break_even_compute_s(adamw | {"steps_to_target": 10, "inter_node_bytes_per_step": 1.0},
+    assert quality.break_even_compute_s(dataclasses.replace(adamw, steps_to_target=10, inter_node_bytes_per_step=1.0),
                                         adamw) == (math.inf, "below")
     # An overlapping variant costs max(compute, comm) per step.
-    overlapped = flex | {"params": {"overlap": True}}
+    overlapped = dataclasses.replace(flex, params={"overlap": True})
     assert quality.modelled_time_to_target_s(overlapped, 1.0) == pytest.approx(40 * 1.0)
     # So does DiLoCo/NoLoCo with a delayed merge, whether written overlap=true or delay=τ.
-    assert quality.overlaps({"params": {"delay": 2}}) and not quality.overlaps({"params": {"delay": 0}})
+    assert quality.overlaps(RunRecord(params={"delay": 2})) and not quality.overlaps(RunRecord(params={"delay": 0}))
     headers, rows = modelled_rows({"runs": [adamw, flex], "target_loss": 5.0})
     assert rows[1][0] == "flexdemo" and rows[1][-1] == f"sooner when compute < {c:.3g} s/step"
 
@@ -202,7 +205,7 @@ def test_a_variant_that_misses_the_target_is_explained_by_loss_and_time_per_step
             _run("flexdemo", [8.0, 6.5, 5.5], label="FlexDeMo Top1", dt=1.0, compute=0.6),
             _run("diloco", [8.0, 5.5, 4.5], label="DiLoCo H=10", dt=1.0)]
     for r, exposed in zip(runs, (0.7, 0.01, 0.0), strict=True):
-        r["exposed_comm_time_s"] = exposed
+        r.exposed_comm_time_s = exposed
     results = quality.annotate_time_to_target({"runs": runs})
     notes = why_not_reached_notes(results)
     assert len(notes) == 1  # DiLoCo reached the target; AdamW is the reference
@@ -241,8 +244,8 @@ def test_overlapping_and_compressed_variants_are_set_beside_their_plain_twin() -
 
     def local(label, losses, seed, nbytes, sync, **hiding):
         run = _run("diloco", losses, seed=seed, label=label, nbytes=nbytes, params={"lr": 3e-3, **hiding})
-        run["hyperparameters"] = {**METHODS["diloco"].hyperparameters, "lr": 3e-3, "sync_every": 20, **hiding}
-        run["sync_time_s"] = sync
+        run.hyperparameters = {**METHODS["diloco"].hyperparameters, "lr": 3e-3, "sync_every": 20, **hiding}
+        run.sync_time_s = sync
         return run
 
     runs = [local("DiLoCo", [8, 6, 5.00], 0, 8e5, 0.7), local("DiLoCo", [8, 6, 5.10], 1, 8e5, 0.8),
@@ -252,7 +255,7 @@ def test_overlapping_and_compressed_variants_are_set_beside_their_plain_twin() -
             local("DiLoCo int8", [8, 6, 5.40], 1, 2e5, 0.5, values="int8", quant_block=128)]
     # A compressed variant at another lr has no plain twin in this bench: it is left out.
     other_lr = local("DiLoCo int4 lr", [8, 6, 5.2], 0, 1e5, 0.4, values="int4")
-    other_lr["hyperparameters"]["lr"] = 1e-2
+    other_lr.hyperparameters["lr"] = 1e-2
     vs = quality.variants([*runs, other_lr])
     assert quality.plain_variant(vs[0], vs) is None  # the plain one itself
     assert quality.plain_variant(vs[1], vs) is vs[0] and quality.plain_variant(vs[2], vs) is vs[0]
@@ -300,11 +303,11 @@ def test_speedup_at_equal_loss_compares_at_the_target_or_else_at_the_runs_own_fi
     assert quality.equal_loss_steps(short, adamw) == (20.0, 15.0, "final")
     assert quality.modelled_speedup_at_equal_loss(short, adamw, c) == pytest.approx(15 * (c + m_a) / (20 * (c + m_f)))
     # An overlapping variant costs max(compute, comm) per step.
-    assert low["steps_to_target"] is not None
+    assert low.steps_to_target is not None
     got = quality.modelled_speedup_at_equal_loss(low, adamw, 1.0)
-    assert got == pytest.approx(20 * (1.0 + m_a) / (low["steps_to_target"] * max(1.0, m_f)))
+    assert got == pytest.approx(20 * (1.0 + m_a) / (low.steps_to_target * max(1.0, m_f)))
     # No common loss (AdamW never got as low as this run's final loss and the run missed the target): None.
-    missed_low = short | {"steps_to_target": None, "adamw_steps_to_final": None}
+    missed_low = dataclasses.replace(short, steps_to_target=None, adamw_steps_to_final=None)
     assert quality.equal_loss_steps(missed_low, adamw) is None
     assert quality.modelled_speedup_at_equal_loss(missed_low, adamw, c) is None
 

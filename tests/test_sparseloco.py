@@ -255,7 +255,7 @@ def _sparseloco_2x2(rank: int) -> dict:
                 g = _gather(p.to_local(), topo)
                 equal.append(all(torch.equal(g[0], x) for x in g[1:]))
         msg = opt.message_nbytes()
-        kinds = [{k: (d["count"], d["largest_group"]) for k, d in t.by_kind().items()} for t in traffic]
+        kinds = [{k: (d.count, d.largest_group) for k, d in t.by_kind().items()} for t in traffic]
         out[f"{values}-{transform}"] = dict(
             err=max(errs), picks=max(picks) if picks else 0.0, equal=all(equal), kinds=kinds,
             bytes=[t.bytes_sent for t in traffic], msg=msg,

@@ -6,7 +6,14 @@ import pytest
 
 from lowband.shaping import UplinkClock
 from lowband.topology import Topology
-from lowband.traffic import OpRecord, StepTraffic, exchange_inter_node_bytes, ring_inter_node_bytes
+from lowband.traffic import (
+    OpRecord,
+    OpTally,
+    StepTraffic,
+    exchange_inter_node_bytes,
+    merge_tallies,
+    ring_inter_node_bytes,
+)
 
 
 def _node_of(ranks_per_node: int):
@@ -48,8 +55,8 @@ def test_step_traffic_tallies_its_ops():
     step = StepTraffic(step=3, ops=[op("all_reduce", 10, 4, 2), op("all_reduce", 6, 0, 4), op("exchange", 5, 5, 2)])
     assert (step.bytes_sent, step.inter_node_bytes_sent, step.node_inter_node_bytes_sent) == (21, 9, 18)
     assert step.comm_time_s == pytest.approx(1.5)
-    assert step.by_kind() == {"all_reduce": {"count": 2, "bytes": 16, "inter_node_bytes": 4, "largest_group": 4},
-                              "exchange": {"count": 1, "bytes": 5, "inter_node_bytes": 5, "largest_group": 2}}
+    assert step.by_kind() == {"all_reduce": OpTally(count=2, bytes=16, inter_node_bytes=4, largest_group=4),
+                              "exchange": OpTally(count=1, bytes=5, inter_node_bytes=5, largest_group=2)}
     d = step.as_dict()
     assert d["step"] == 3 and d["inter_node_bytes_recv"] == 9 and len(d["ops"]) == 3
 
@@ -63,3 +70,22 @@ def test_uplink_clock_queues_operations():
     # Started after the uplink is free: no queueing.
     assert clock.schedule(20.0, 0, 8e6, 0.2) == pytest.approx(20.2)
     assert clock.free_at == pytest.approx(20.0)
+
+
+def test_op_tallies_add_up_counts_and_bytes_and_keep_the_largest_group() -> None:
+    a = OpTally(count=2, bytes=16, inter_node_bytes=4, largest_group=4)
+    a.add(OpTally(count=1, bytes=5, inter_node_bytes=5, largest_group=2))
+    assert a == OpTally(count=3, bytes=21, inter_node_bytes=9, largest_group=4)  # the group: a maximum, not a sum
+    op = OpRecord(kind="exchange", group_size=8, payload_bytes=3, bytes_sent=3, bytes_recv=3, inter_node_bytes_sent=0,
+                  inter_node_bytes_recv=0, node_inter_node_bytes_sent=0, messages=1, time_s=0.1, modelled_link_time_s=0.0)
+    a.add_op(op)
+    assert a == OpTally(count=4, bytes=24, inter_node_bytes=9, largest_group=8)
+    into = {"all_reduce": OpTally(count=1, bytes=2, inter_node_bytes=2, largest_group=2)}
+    more = {"all_reduce": OpTally(count=1, bytes=3, inter_node_bytes=0, largest_group=4), "exchange": a}
+    assert merge_tallies(into, more) is into
+    assert into == {"all_reduce": OpTally(count=2, bytes=5, inter_node_bytes=2, largest_group=4), "exchange": a}
+    assert into["exchange"] is not a  # a copy: adding to the merged tally leaves the source alone
+    assert OpTally.from_dict(a.to_dict()) == a and list(a.to_dict()) == ["count", "bytes", "inter_node_bytes",
+                                                                         "largest_group"]
+    with pytest.raises(ValueError, match="count"):
+        OpTally.from_dict({"count": 1, "bytes": 2})

@@ -231,7 +231,7 @@ def main(args: argparse.Namespace) -> int:
     report = write_report(out_dir, results)
     print(console_summary(results))
     print(f"\nResults: {out_dir / 'results.json'}\nReport:  {report}")
-    return 0 if all(r["status"] == "ok" for r in results["runs"]) else 1
+    return 0 if all(r.status == "ok" for r in results["runs"]) else 1
 
 
 def report_main(args: argparse.Namespace) -> int:

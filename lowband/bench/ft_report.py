@@ -18,20 +18,21 @@ from pathlib import Path
 from typing import Any
 
 from lowband.bench.quality import variants
+from lowband.bench.record import RunRecord
 
 __all__ = ["ft_section", "fault_plot", "FAULT_PLOT_FILE"]
 
 FAULT_PLOT_FILE = "faults.png"
 
-Run = Mapping[str, Any]
+Run = RunRecord
 
 
 def _ft(run: Run) -> dict:
-    return run.get("fault_tolerance") or {}
+    return run.fault_tolerance or {}
 
 
 def _is_ft(run: Run) -> bool:
-    return bool(run.get("fault_tolerance"))
+    return bool(run.fault_tolerance)
 
 
 def _twin_label(label: str) -> str:
@@ -40,7 +41,7 @@ def _twin_label(label: str) -> str:
 
 def _find(runs: Sequence[Run], *, label: str, seed: Any, bw: Any) -> Run | None:
     for r in runs:
-        if r["label"] == label and r.get("seed") == seed and r.get("bandwidth_bps") == bw:
+        if r.label == label and r.seed == seed and r.bandwidth_bps == bw:
             return r
     return None
 
@@ -98,20 +99,20 @@ def fault_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     for r in runs:
         if not _ft(r).get("faults"):
             continue
-        twin = _find(runs, label=_twin_label(r["label"]), seed=r.get("seed"), bw=r.get("bandwidth_bps"))
+        twin = _find(runs, label=_twin_label(r.label), seed=r.seed, bw=r.bandwidth_bps)
         evs = fault_events(r)
         kills = "; ".join(f"{e['event']}: {_fmt(e.get('detect_s'), '.2f')}" for e in evs if e["action"] == "kill")
         starts = "; ".join(f"{e['event']}: {e.get('healed_step', '–')}, {_fmt(e.get('heal_mb'), '.2f')}, "
                            f"{_fmt(e.get('heal_quorum_s'), '.2f')}" for e in evs if e["action"] == "start")
-        loss, tloss = r.get("val_loss"), (twin or {}).get("val_loss")
+        loss, tloss = r.val_loss, (twin.val_loss if twin is not None else None)
         delta = loss - tloss if loss is not None and tloss is not None else None
-        tv = vs.get((_twin_label(r["label"]), r.get("bandwidth_bps")))
+        tv = vs.get((_twin_label(r.label), r.bandwidth_bps))
         spread = "one seed: unknown"
         if tv is not None and len(tv.ok) > 1:
             mean, lo, hi = tv.stat("val_loss")
             spread = f"{lo:.4f}–{hi:.4f}" + (" (within)" if loss is not None and lo <= loss <= hi else " (outside)")
-        rows.append([r["label"], str(r.get("seed")), ", ".join(_ft(r)["faults"]),
-                     str(dropped_steps(r)) if r.get("status") == "ok" else "run failed", kills or "–", starts or "–",
+        rows.append([r.label, str(r.seed), ", ".join(_ft(r)["faults"]),
+                     str(dropped_steps(r)) if r.status == "ok" else "run failed", kills or "–", starts or "–",
                      _fmt(loss, ".4f"), _fmt(tloss, ".4f"), _fmt(delta, "+.4f"), spread])
         for note in _ft(r).get("notes") or []:
             rows[-1][5] += f" ({note})"
@@ -127,14 +128,14 @@ def cost_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     from lowband.units import format_bandwidth
 
     for r in runs:
-        if not _is_ft(r) or _ft(r).get("faults") or not r["label"].endswith(" FT"):
+        if not _is_ft(r) or _ft(r).get("faults") or not r.label.endswith(" FT"):
             continue
-        off = _find(runs, label=r["label"].removesuffix(" FT"), seed=r.get("seed"), bw=r.get("bandwidth_bps"))
-        if off is None or off.get("status") != "ok" or r.get("status") != "ok":
+        off = _find(runs, label=r.label.removesuffix(" FT"), seed=r.seed, bw=r.bandwidth_bps)
+        if off is None or off.status != "ok" or r.status != "ok":
             continue
-        a, b = off.get("step_time_s"), r.get("step_time_s")
-        ba, bb = off.get("inter_node_bytes_per_step"), r.get("inter_node_bytes_per_step")
-        rows.append([off["label"], str(r.get("seed")), format_bandwidth(r["bandwidth_bps"]), _fmt(a, ".3f"),
+        a, b = off.step_time_s, r.step_time_s
+        ba, bb = off.inter_node_bytes_per_step, r.inter_node_bytes_per_step
+        rows.append([off.label, str(r.seed), format_bandwidth(r.bandwidth_bps), _fmt(a, ".3f"),
                      _fmt(b, ".3f"), _fmt(b / a if a and b else None, ".3f"), _fmt(ba / 1e6 if ba else None, ".4f"),
                      _fmt(bb / 1e6 if bb else None, ".4f"), _fmt(bb / ba if ba and bb else None, ".3f")])
     return headers, rows
@@ -169,7 +170,7 @@ def ft_section(results: Mapping[str, Any]) -> list[str]:
 def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
     """``faults.png``: per faulted run, loss against step beside its twin, faults marked, live nodes below."""
     runs = results["runs"]
-    faulted = [r for r in runs if _ft(r).get("faults") and r.get("status") == "ok"]
+    faulted = [r for r in runs if _ft(r).get("faults") and r.status == "ok"]
     if not faulted:
         return None
     from matplotlib.figure import Figure
@@ -181,11 +182,11 @@ def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
         row, col = 2 * (i // 3), i % 3
         ax = fig.add_subplot(grid[row, col])
         axn = fig.add_subplot(grid[row + 1, col], sharex=ax)
-        twin = _find(runs, label=_twin_label(r["label"]), seed=r.get("seed"), bw=r.get("bandwidth_bps"))
+        twin = _find(runs, label=_twin_label(r.label), seed=r.seed, bw=r.bandwidth_bps)
         for run, style, name in ((twin, "-", "fault-free twin"), (r, "--", "with faults")):
-            if run is None or not run.get("val_history"):
+            if run is None or not run.val_history:
                 continue
-            pts = [(p["step"], p["val_loss"]) for p in run["val_history"]]
+            pts = [(p["step"], p["val_loss"]) for p in run.val_history]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", label=name)
         for e in fault_events(r):
             if e.get("job_step") is None:
@@ -195,7 +196,7 @@ def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
                 a.axvline(e["job_step"], color=colour, alpha=0.6, lw=1)
             ax.annotate(e["event"], (e["job_step"], 1.0), xycoords=("data", "axes fraction"), rotation=90,
                         va="top", ha="right", fontsize=7, color=colour)
-        ax.set_title(f"{r['label']} (seed {r.get('seed')})", fontsize=9)
+        ax.set_title(f"{r.label} (seed {r.seed})", fontsize=9)
         ax.set_ylabel("validation loss")
         ax.legend(fontsize=7)
         ft = _ft(r)
@@ -207,7 +208,7 @@ def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
             axn.plot(drops, [0.5] * len(drops), "x", color="tab:red", label="dropped step")
             if drops:
                 axn.legend(fontsize=7, loc="lower right")
-        axn.set_ylim(0, int(r.get("nodes") or 3) + 0.5)
+        axn.set_ylim(0, int(r.nodes or 3) + 0.5)
         axn.set_ylabel("live nodes")
         axn.set_xlabel("step")
     import textwrap

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lowband.bench.record import RunRecord
 from lowband.train.methods import (
     ALIASES,
     METHODS,
@@ -239,9 +240,9 @@ def train_hp_args(params: Mapping[str, Any]) -> list[str]:
     return argv
 
 
-def column_labels(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+def column_labels(runs: Sequence[RunRecord]) -> list[str]:
     """Each run's method column: its label, plus ``S=<shards>`` where a label ran at several shard counts."""
     shards_of: dict[str, set] = {}
     for r in runs:
-        shards_of.setdefault(r["label"], set()).add(r.get("shards"))
-    return [r["label"] + (f" S={r.get('shards')}" if len(shards_of[r["label"]]) > 1 else "") for r in runs]
+        shards_of.setdefault(r.label, set()).add(r.shards)
+    return [r.label + (f" S={r.shards}" if len(shards_of[r.label]) > 1 else "") for r in runs]

@@ -42,6 +42,7 @@ from lowband.bench.quality import (
     reference_runs,
     variants,
 )
+from lowband.bench.record import RunRecord
 from lowband.units import format_bandwidth
 
 __all__ = ["PLOT_FILES", "write_plots"]
@@ -85,7 +86,7 @@ def _empty(ax: Any, text: str) -> None:
 
 def _mean_curve(v: Variant, x_key: str, scale: float) -> list[tuple[float, float, float, float]]:
     """(x, mean loss, min loss, max loss) per validation, over the variant's seeds (index-aligned)."""
-    histories = [[p for p in r.get("val_history") or [] if p.get("val_loss") is not None and p.get(x_key) is not None]
+    histories = [[p for p in r.val_history or [] if p.get("val_loss") is not None and p.get(x_key) is not None]
                  for r in v.ok]  # fmt: skip
     histories = [h for h in histories if h]
     if not histories:
@@ -246,7 +247,7 @@ def _modelled_plot(vs: Sequence[Variant], target: float | None, path: Path) -> N
                      drawn=drawn, empty="no run reached the target" if target is not None else "no target (no AdamW run)")
 
 
-def _equal_loss_plot(vs: Sequence[Variant], runs: Sequence[Mapping[str, Any]], path: Path) -> None:
+def _equal_loss_plot(vs: Sequence[Variant], runs: Sequence[RunRecord], path: Path) -> None:
     import numpy as np
 
     refs = reference_runs(runs)
@@ -260,11 +261,11 @@ def _equal_loss_plot(vs: Sequence[Variant], runs: Sequence[Mapping[str, Any]], p
             continue
         curves, where = [], set()
         for r in v.ok:
-            same_link = [a for a in refs if a["bandwidth_bps"] == r["bandwidth_bps"]] or refs
+            same_link = [a for a in refs if a.bandwidth_bps == r.bandwidth_bps] or refs
             ratio = modelled_speedup_at_equal_loss(r, same_link, compute)
             if ratio is not None:
                 curves.append(ratio)
-                where.add(equal_loss_steps(r, same_link)[2])  # cheap: a few dictionary lookups
+                where.add(equal_loss_steps(r, same_link)[2])  # cheap: a few attribute reads
         if not curves:
             never.append(v.label)
             continue
@@ -288,18 +289,18 @@ def _equal_loss_plot(vs: Sequence[Variant], runs: Sequence[Mapping[str, Any]], p
                      drawn=drawn, empty="nothing to compare with AdamW" if refs else "no AdamW run to compare with")
 
 
-def _step_time_plot(runs: Sequence[Mapping[str, Any]], path: Path) -> None:
+def _step_time_plot(runs: Sequence[RunRecord], path: Path) -> None:
     labels = column_labels(runs)
     colours = _colours(labels)
     series: dict[str, dict[float, list[float]]] = {}
     for run, label in zip(runs, labels, strict=True):
-        if run.get("status") == "ok" and run.get("step_time_s") is not None:
-            series.setdefault(label, {}).setdefault(run["bandwidth_bps"] / 1e6, []).append(float(run["step_time_s"]))
+        if run.status == "ok" and run.step_time_s is not None:
+            series.setdefault(label, {}).setdefault(run.bandwidth_bps / 1e6, []).append(float(run.step_time_s))
     fig, ax = _figure(len(series))
     for label, points in series.items():
         xs = sorted(points)
         ax.plot(xs, [statistics.fmean(points[x]) for x in xs], marker="o", label=label, color=colours[label])
-    bandwidths = sorted({r["bandwidth_bps"] / 1e6 for r in runs})
+    bandwidths = sorted({r.bandwidth_bps / 1e6 for r in runs})
     if len(bandwidths) > 1:
         ax.set_xscale("log")
     if bandwidths:
@@ -320,7 +321,7 @@ def _step_time_plot(runs: Sequence[Mapping[str, Any]], path: Path) -> None:
 def write_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
     """Write the PNGs of :data:`PLOT_FILES` into ``out_dir``; returns their paths."""
     out_dir = Path(out_dir)
-    runs = list(results.get("runs") or [])
+    runs: list[RunRecord] = list(results.get("runs") or [])
     target = results.get("target_loss")
     vs = variants(runs)
     paths = [out_dir / name for name in PLOT_FILES]

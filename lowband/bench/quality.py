@@ -1,7 +1,7 @@
 """Time to quality: the target loss, when each run reached it, seed spread, best learning rates.
 
-Everything here is a pure function of run records (``results.json``), so ``lowband report``
-recomputes it from the file alone.
+Everything here is a pure function of run records (:class:`~lowband.bench.record.RunRecord`, the
+``runs`` of ``results.json``), so ``lowband report`` recomputes it from the file alone.
 
 - **Target.** AdamW's final validation loss in the same bench (the FlexDeMo paper's metric:
   Figures 3-4 ask when each method reaches what AdamW ends at), or a loss the user gives
@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lowband.bench.methods import method_label
+from lowband.bench.record import RunRecord
 from lowband.train.methods import METHODS, display_name, reference_method
 
 __all__ = [
@@ -68,7 +69,7 @@ __all__ = [
     "variants",
 ]
 
-Run = Mapping[str, Any]
+Run = RunRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,19 +125,20 @@ class Variant:
 
     @property
     def ok(self) -> list[Run]:
-        return [r for r in self.runs if r.get("status") == "ok" and r.get("val_loss") is not None]
+        return [r for r in self.runs if r.status == "ok" and r.val_loss is not None]
 
     @property
     def faulted(self) -> bool:
         """Runs with nodes killed on purpose (``--faults``): never the reference others are timed to."""
-        return any((r.get("fault_tolerance") or {}).get("faults") for r in self.runs)
+        return any((r.fault_tolerance or {}).get("faults") for r in self.runs)
 
     @property
     def seeds(self) -> list[int]:
-        return [r.get("seed") for r in self.ok]
+        return [r.seed for r in self.ok]
 
     def values(self, key: str) -> list[float]:
-        return [float(r[key]) for r in self.ok if r.get(key) is not None]
+        """The run-record field ``key`` (a number, e.g. "val_loss") of the successful seeds that have it."""
+        return [float(v) for v in (getattr(r, key) for r in self.ok) if v is not None]
 
     def stat(self, key: str) -> tuple[float, float, float] | None:
         """(mean, min, max) of ``key`` over the seeds that have it."""
@@ -147,21 +149,21 @@ class Variant:
 
 
 def _lr_of(run: Run) -> float | None:
-    hp = run.get("hyperparameters") or {}
-    lr = (run.get("params") or {}).get("lr", hp.get("lr"))
+    hp = run.hyperparameters or {}
+    lr = (run.params or {}).get("lr", hp.get("lr"))
     return float(lr) if lr is not None else None
 
 
 def _group_label(run: Run) -> str:
-    params = {k: v for k, v in (run.get("params") or {}).items() if k != "lr"}
-    return method_label(run["method"], params)
+    params = {k: v for k, v in (run.params or {}).items() if k != "lr"}
+    return method_label(run.method, params)
 
 
 def variants(runs: Sequence[Run]) -> list[Variant]:
     """Runs grouped into variants (same label, method and link), in the order they first ran."""
     groups: dict[tuple, list[Run]] = {}
     for r in runs:
-        key = (r["label"], r["method"], r.get("shards"), r["bandwidth_bps"])
+        key = (r.label, r.method, r.shards, r.bandwidth_bps)
         groups.setdefault(key, []).append(r)
     out = []
     for (label, method, _shards, bw), rs in groups.items():
@@ -224,7 +226,7 @@ def best_lr_labels(vs: Sequence[Variant]) -> set[str]:
 
 
 def _n_seeds(label: str, vs: Sequence[Variant]) -> int:
-    return len({r.get("seed") for v in vs if v.label == label for r in v.ok})
+    return len({r.seed for v in vs if v.label == label for r in v.ok})
 
 
 def target_variants(vs: Sequence[Variant]) -> tuple[Variant | None, list[Variant]]:
@@ -259,7 +261,7 @@ def choose_target(runs: Sequence[Run], target_loss: float | None = None) -> tupl
     if best is None:
         return None, "no target: the bench has no successful AdamW run (add adamw, or give --target-loss)"
     # AdamW's loss does not depend on the link: its runs at every bandwidth are the same training.
-    finals = [float(r["val_loss"]) for r in reference_runs(runs)]
+    finals = [float(r.val_loss) for r in reference_runs(runs)]
     n = _n_seeds(best.label, vs)
     lr = f" (lr {best.lr:g})" if best.lr is not None else ""
     source = f"{display_name(reference_method())}{lr} final validation loss, mean over {n} seed{'s' if n != 1 else ''}"
@@ -271,8 +273,11 @@ def choose_target(runs: Sequence[Run], target_loss: float | None = None) -> tupl
 
 
 def annotate_time_to_target(results: dict[str, Any], target_loss: float | None = None) -> dict[str, Any]:
-    """Set ``target_loss``/``target_source`` and every run's ``*_to_target`` fields; returns ``results``."""
-    runs = results.get("runs") or []
+    """Set ``target_loss``/``target_source`` and every run's ``*_to_target`` fields; returns ``results``.
+
+    ``results["runs"]`` holds :class:`~lowband.bench.record.RunRecord` objects, updated in place.
+    """
+    runs: list[RunRecord] = results.get("runs") or []
     if target_loss is None:
         target_loss = (results.get("config") or {}).get("target_loss")
     target, source = choose_target(runs, target_loss)
@@ -280,27 +285,27 @@ def annotate_time_to_target(results: dict[str, Any], target_loss: float | None =
     results["target_source"] = source
     for r in runs:
         hit = None
-        if target is not None and r.get("status") == "ok":
-            hit = crossing(r.get("val_history") or [], target)
-        r["steps_to_target"] = hit.step if hit else None
-        r["tokens_to_target"] = hit.tokens if hit else None
-        r["time_to_target_s"] = hit.train_time_s if hit else None
-        losses = [p["val_loss"] for p in r.get("val_history") or [] if p.get("val_loss") is not None]
-        r["best_val_loss"] = min(losses) if losses else None
+        if target is not None and r.status == "ok":
+            hit = crossing(r.val_history or [], target)
+        r.steps_to_target = hit.step if hit else None
+        r.tokens_to_target = hit.tokens if hit else None
+        r.time_to_target_s = hit.train_time_s if hit else None
+        losses = [p["val_loss"] for p in r.val_history or [] if p.get("val_loss") is not None]
+        r.best_val_loss = min(losses) if losses else None
     # Time to quality at the quality a run did reach: how long AdamW (the reference variant, at the
     # run's link, mean over its seeds) took to reach this run's final loss.
     refs = reference_runs(runs)
     for r in runs:
-        r["adamw_steps_to_final"] = r["adamw_time_to_final_s"] = None
-        same_link = [a for a in refs if a["bandwidth_bps"] == r["bandwidth_bps"]] or refs
-        if r.get("status") != "ok" or r.get("val_loss") is None or not same_link or any(r is a for a in same_link):
+        r.adamw_steps_to_final = r.adamw_time_to_final_s = None
+        same_link = [a for a in refs if a.bandwidth_bps == r.bandwidth_bps] or refs
+        if r.status != "ok" or r.val_loss is None or not same_link or any(r is a for a in same_link):
             continue
-        hits = [crossing(a.get("val_history") or [], r["val_loss"]) for a in same_link]
+        hits = [crossing(a.val_history or [], r.val_loss) for a in same_link]
         hits = [h for h in hits if h is not None]
         if len(hits) == len(same_link):
-            r["adamw_steps_to_final"] = statistics.fmean(h.step for h in hits)
+            r.adamw_steps_to_final = statistics.fmean(h.step for h in hits)
             times = [h.train_time_s for h in hits if h.train_time_s is not None]
-            r["adamw_time_to_final_s"] = statistics.fmean(times) if len(times) == len(hits) else None
+            r.adamw_time_to_final_s = statistics.fmean(times) if len(times) == len(hits) else None
     return results
 
 
@@ -310,8 +315,8 @@ HIDING_KEYS = ("overlap", "delay", "values")
 
 def _is_plain(run: Run) -> bool:
     """True when ``run``'s hiding settings are its method's defaults (blocking, default wire format)."""
-    hp = run.get("hyperparameters") or {}
-    spec = METHODS.get(run["method"])
+    hp = run.hyperparameters or {}
+    spec = METHODS.get(run.method)
     if spec is None:
         return True
     defaults = spec.hyperparameters
@@ -321,7 +326,7 @@ def _is_plain(run: Run) -> bool:
 def _rest(run: Run) -> dict[str, Any]:
     # quant_block only shapes a quantised format; NoLoCo's gossip seed follows the run's seed.
     skip = {*HIDING_KEYS, "quant_block", "seed"}
-    return {k: v for k, v in (run.get("hyperparameters") or {}).items() if k not in skip}
+    return {k: v for k, v in (run.hyperparameters or {}).items() if k not in skip}
 
 
 def plain_variant(v: Variant, vs: Sequence[Variant]) -> Variant | None:
@@ -334,7 +339,7 @@ def plain_variant(v: Variant, vs: Sequence[Variant]) -> Variant | None:
         return None
     for u in vs:
         if (u is not v and u.ok and u.method == v.method and u.bandwidth_bps == v.bandwidth_bps
-                and u.ok[0].get("shards") == v.ok[0].get("shards") and _is_plain(u.ok[0])
+                and u.ok[0].shards == v.ok[0].shards and _is_plain(u.ok[0])
                 and _rest(u.ok[0]) == _rest(v.ok[0])):
             return u
     return None
@@ -353,29 +358,29 @@ def exceeds_spread(a: Variant, b: Variant, key: str = "val_loss") -> bool | None
 
 def overlaps(run: Run) -> bool:
     """True for a variant that overlaps communication with compute (``overlap=true``, or DiLoCo/NoLoCo ``delay`` > 0)."""
-    params = run.get("params") or {}
+    params = run.params or {}
     return str(params.get("overlap", "false")).lower() in ("true", "1") or float(params.get("delay") or 0) > 0
 
 
 def modelled_comm_s(run: Run) -> float | None:
     """Modelled seconds of communication per step: measured bytes over the link rate, plus latency per op."""
-    nbytes = run.get("inter_node_bytes_per_step")
-    bw = run.get("bandwidth_bps")
-    steps = run.get("steps") or 0
+    nbytes = run.inter_node_bytes_per_step
+    bw = run.bandwidth_bps
+    steps = run.steps or 0
     if nbytes is None or not bw or steps <= 0:
         return None
-    ranks = max(int(run.get("nodes") or 1) * int(run.get("ranks_per_node") or 1), 1)
+    ranks = max(int(run.nodes or 1) * int(run.ranks_per_node or 1), 1)
     # link_ops counts every rank's operations over the run: per rank and step.
-    ops = sum(int(o.get("count", 0)) for o in (run.get("link_ops") or {}).values()) / ranks / steps
-    return float(nbytes) * 8.0 / float(bw) + float(run.get("latency_s") or 0.0) * ops
+    ops = sum(o.count for o in (run.link_ops or {}).values()) / ranks / steps
+    return float(nbytes) * 8.0 / float(bw) + float(run.latency_s or 0.0) * ops
 
 
 def modelled_time_to_target_s(run: Run, compute_s: float) -> float | None:
     """MODELLED training time to the target at ``compute_s`` seconds of compute per step."""
     comm = modelled_comm_s(run)
-    if comm is None or run.get("steps_to_target") is None:
+    if comm is None or run.steps_to_target is None:
         return None
-    return float(run["steps_to_target"]) * float(modelled_step_s(run, compute_s, comm))
+    return float(run.steps_to_target) * float(modelled_step_s(run, compute_s, comm))
 
 
 def modelled_step_s(run: Run, compute_s: Any, comm_s: float) -> Any:
@@ -396,11 +401,11 @@ def equal_loss_steps(run: Run, references: Sequence[Run]) -> tuple[float, float,
     AdamW's mean steps to that loss (``"final"``, from :func:`annotate_time_to_target`). None when
     AdamW never got as low as the run.
     """
-    ref_steps = [a.get("steps_to_target") for a in references]
-    if run.get("steps_to_target") is not None and references and None not in ref_steps:
-        return float(run["steps_to_target"]), statistics.fmean(ref_steps), "target"
-    if run.get("adamw_steps_to_final") is not None and run.get("steps"):
-        return float(run["steps"]), float(run["adamw_steps_to_final"]), "final"
+    ref_steps = [a.steps_to_target for a in references]
+    if run.steps_to_target is not None and references and None not in ref_steps:
+        return float(run.steps_to_target), statistics.fmean(ref_steps), "target"
+    if run.adamw_steps_to_final is not None and run.steps:
+        return float(run.steps), float(run.adamw_steps_to_final), "final"
     return None
 
 
@@ -430,7 +435,7 @@ def break_even_compute_s(run: Run, reference: Run) -> tuple[float, str] | None:
     compute times ``"below"`` or ``"above"`` ``c``; ``(inf, "below")`` means at every compute time,
     ``(0.0, "below")`` at none. None when either did not reach the target.
     """
-    pair = equal_loss_steps(run, [reference]) if reference.get("steps_to_target") is not None else None
+    pair = equal_loss_steps(run, [reference]) if reference.steps_to_target is not None else None
     m1, m2 = modelled_comm_s(run), modelled_comm_s(reference)
     if pair is None or None in (m1, m2):
         return None

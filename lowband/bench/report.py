@@ -6,8 +6,9 @@
 - The per-run table: step time with its compute / communication split, inter-node MB per step
   per node, final validation loss, peak memory per rank, status.
 
-Everything here is a pure function of the results dictionary, so ``lowband report RUN_DIR``
-re-renders a report from ``results.json`` alone.
+Everything here is a pure function of the results dictionary (its ``runs``:
+:class:`~lowband.bench.record.RunRecord` objects), so ``lowband report RUN_DIR`` re-renders a
+report from ``results.json`` alone.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from lowband.bench.config import (
 )
 from lowband.bench.methods import SHARD_SWEEP, column_labels
 from lowband.bench.plots import write_plots
+from lowband.bench.record import RunRecord
 from lowband.train.methods import METHODS, demo_method, display_name, family_of, reference_method
 from lowband.units import format_bandwidth
 
@@ -52,7 +54,7 @@ log = logging.getLogger(__name__)
 
 REPORT_FILE = "report.md"
 MISSING = "-"
-Run = Mapping[str, Any]
+Run = RunRecord
 
 
 # ------------------------------------------------------------------------------------- formatting
@@ -107,7 +109,7 @@ def _step_cell(runs: Sequence[Run] | None) -> str:
     """Seconds per step of a cell's runs (its seeds): their mean; "failed" when none succeeded."""
     if not runs:
         return MISSING
-    times = [float(r["step_time_s"]) for r in runs if r.get("status") == "ok" and r.get("step_time_s") is not None]
+    times = [float(r.step_time_s) for r in runs if r.status == "ok" and r.step_time_s is not None]
     if not times:
         return "failed"
     return format(sum(times) / len(times), ".3f")
@@ -120,19 +122,19 @@ def table1(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     columns = list(dict.fromkeys(labels))
     cells: dict[tuple[float, str], list[Run]] = {}
     for run, label in zip(runs, labels, strict=True):
-        cells.setdefault((run["bandwidth_bps"], label), []).append(run)
+        cells.setdefault((run.bandwidth_bps, label), []).append(run)
     rows = []
-    for bw in sorted({r["bandwidth_bps"] for r in runs}):
+    for bw in sorted({r.bandwidth_bps for r in runs}):
         rows.append([format_bandwidth(bw), *(_step_cell(cells.get((bw, c))) for c in columns)])
     return ["Link", *columns], rows
 
 
 def _table2_column(run: Run) -> tuple[tuple, str]:
     """(sort key, column name) of a FlexDeMo-family run in Table 2."""
-    label = run["label"]
-    if family_of(run["method"]) == "demo":
-        name = label.removeprefix(display_name(run["method"])).strip()
-        return (1, run.get("topk") or 0, run.get("chunk") or 0, name), name
+    label = run.label
+    if family_of(run.method) == "demo":
+        name = label.removeprefix(display_name(run.method)).strip()
+        return (1, run.topk or 0, run.chunk or 0, name), name
     return (0, 0, 0, label), label
 
 
@@ -143,17 +145,17 @@ def table2(results: Mapping[str, Any]) -> list[tuple[float, list[str], list[list
         ``[(bandwidth_bps, headers, rows), ...]``; rows = shard counts (``DeMo`` for 1,
         ``FlexDeMo`` above), columns = Deto-Full, Top1, Top8, ...
     """
-    family = [r for r in results["runs"] if r["method"] in SHARD_SWEEP]
+    family = [r for r in results["runs"] if r.method in SHARD_SWEEP]
     tables = []
-    for bw in sorted({r["bandwidth_bps"] for r in family}):
-        runs = [r for r in family if r["bandwidth_bps"] == bw]
+    for bw in sorted({r.bandwidth_bps for r in family}):
+        runs = [r for r in family if r.bandwidth_bps == bw]
         columns = sorted({_table2_column(r) for r in runs})
         names = [name for _, name in columns]
         cells: dict[tuple, list[Run]] = {}
         for r in runs:
-            cells.setdefault((r["shards"], _table2_column(r)[1]), []).append(r)
+            cells.setdefault((r.shards, _table2_column(r)[1]), []).append(r)
         rows = []
-        for s in sorted({r["shards"] for r in runs}):
+        for s in sorted({r.shards for r in runs}):
             rows.append([display_name(demo_method(s)), str(s), *(_step_cell(cells.get((s, n))) for n in names)])
         tables.append((bw, ["", "Shards", *names], rows))
     return tables
@@ -162,8 +164,8 @@ def table2(results: Mapping[str, Any]) -> list[tuple[float, list[str], list[list
 def run_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     """The per-run table: split step time, bytes, loss, memory and status."""
     runs = results["runs"]
-    wire = any(r.get("measured_wire_bytes_per_step") is not None for r in runs)
-    sync = any(r.get("sync_time_s") is not None for r in runs)
+    wire = any(r.measured_wire_bytes_per_step is not None for r in runs)
+    sync = any(r.sync_time_s is not None for r in runs)
     headers = ["Run", "Seed", "Method", "TopK", "Shards", "Link", "s/step", "compute s", "comm s", "exposed comm s"]
     headers += ["sync s"] if sync else []
     headers += ["MB/step/node"] + (["wire MB/step/node"] if wire else [])
@@ -172,21 +174,21 @@ def run_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     for r, label in zip(runs, column_labels(runs), strict=True):
         row = [
             label,
-            MISSING if r.get("seed") is None else str(r["seed"]),
-            r["method"],
-            MISSING if r.get("topk") is None else str(r["topk"]),
-            MISSING if r.get("shards") is None else str(r["shards"]),
-            format_bandwidth(r["bandwidth_bps"]),
-            _num(r.get("step_time_s"), ".3f"),
-            _num(r.get("compute_time_s"), ".3f"),
-            _num(r.get("comm_time_s"), ".3f"),
-            _num(r.get("exposed_comm_time_s"), ".3f"),
+            MISSING if r.seed is None else str(r.seed),
+            r.method,
+            MISSING if r.topk is None else str(r.topk),
+            MISSING if r.shards is None else str(r.shards),
+            format_bandwidth(r.bandwidth_bps),
+            _num(r.step_time_s, ".3f"),
+            _num(r.compute_time_s, ".3f"),
+            _num(r.comm_time_s, ".3f"),
+            _num(r.exposed_comm_time_s, ".3f"),
         ]
-        row += [_num(r.get("sync_time_s"), ".3f")] if sync else []
-        row += [_num(r.get("inter_node_bytes_per_step"), ".3f", 1e6)]
-        row += [_num(r.get("measured_wire_bytes_per_step"), ".3f", 1e6)] if wire else []
-        row += [_num(r.get("val_loss"), ".4f"), _num(r.get("peak_rss_mb"), ".0f"), _num(r.get("wall_time_s"), ".0f"),
-                r.get("status") or MISSING]  # fmt: skip
+        row += [_num(r.sync_time_s, ".3f")] if sync else []
+        row += [_num(r.inter_node_bytes_per_step, ".3f", 1e6)]
+        row += [_num(r.measured_wire_bytes_per_step, ".3f", 1e6)] if wire else []
+        row += [_num(r.val_loss, ".4f"), _num(r.peak_rss_mb, ".0f"), _num(r.wall_time_s, ".0f"),
+                r.status or MISSING]  # fmt: skip
         rows.append(row)
     return headers, rows
 
@@ -285,7 +287,7 @@ def modelled_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
                *(f"time to target at {c:g} s compute" for c in MODELLED_COMPUTE_S), "vs AdamW"]  # fmt: skip
     rows = []
     for v in vs:
-        reached = [r for r in v.ok if r.get("steps_to_target") is not None or r.get("adamw_steps_to_final") is not None]
+        reached = [r for r in v.ok if r.steps_to_target is not None or r.adamw_steps_to_final is not None]
         if not reached:
             continue
         compute = v.stat("compute_time_s")
@@ -299,7 +301,7 @@ def modelled_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
         ref = _reference(vs, v, target_label)
         versus = MISSING
         if ref is not None and ref is not v:
-            refs = [r for r in ref.ok if r.get("steps_to_target") is not None]
+            refs = [r for r in ref.ok if r.steps_to_target is not None]
             if refs:
                 be = quality.break_even_compute_s(reached[0], refs[0])
                 if be is not None:
@@ -370,7 +372,7 @@ def why_not_reached_notes(results: Mapping[str, Any]) -> list[str]:
         c = v.stat("compute_time_s")[0]
         e = (v.stat("exposed_comm_time_s") or v.stat("comm_time_s") or (0.0,))[0]
         delta = v.stat("val_loss")[0] - ref.stat("val_loss")[0]
-        steps = int(statistics.fmean(float(r.get("steps") or 0) for r in v.ok))
+        steps = int(statistics.fmean(float(r.steps or 0) for r in v.ok))
         if quality.exceeds_spread(v, ref) is False:
             why = ("within the seed spread, so it misses the target (a mean over seeds) by seed noise, not by its "
                    "loss per step")
@@ -390,13 +392,13 @@ def why_not_reached_notes(results: Mapping[str, Any]) -> list[str]:
 def _noloco_notes(results: Mapping[str, Any]) -> list[str]:
     notes = []
     for r in results["runs"]:
-        spec = METHODS.get(r["method"])
-        if spec is None or not spec.gossip or r.get("replicas") is None or r["hyperparameters"] is None:
+        spec = METHODS.get(r.method)
+        if spec is None or not spec.gossip or r.replicas is None or r.hyperparameters is None:
             continue
-        hp = r["hyperparameters"]
+        hp = r.hyperparameters
         n = int(hp["group_size"] if "group_size" in hp else hp["n"])  # "n": results written before the typed configs
-        if r["replicas"] < 2 * n:
-            notes.append(f"{r['label']}: with {r['replicas']} replicas and groups of n = {n}, NoLoCo's only group "
+        if r.replicas < 2 * n:
+            notes.append(f"{r.label}: with {r.replicas} replicas and groups of n = {n}, NoLoCo's only group "
                          "is every replica: it is DiLoCo with heavy-ball momentum (α, β) and no gossip. Compare "
                          "NoLoCo with DiLoCo at 4 or more replicas (--nodes 4 --ranks-per-node 1) for the "
                          "paper's setting.")  # fmt: skip
@@ -469,11 +471,10 @@ def quality_section(results: Mapping[str, Any]) -> list[str]:
 def _link_ops_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for r, label in zip(results["runs"], column_labels(results["runs"]), strict=True):
-        for kind, ops in (r.get("link_ops") or {}).items():
+        for kind, ops in (r.link_ops or {}).items():
             rows.append([
-                label, format_bandwidth(r["bandwidth_bps"]), kind, str(ops.get("count", 0)),
-                _num(ops.get("bytes"), ".3f", 1e6), _num(ops.get("inter_node_bytes"), ".3f", 1e6),
-                str(ops.get("largest_group", 0)),
+                label, format_bandwidth(r.bandwidth_bps), kind, str(ops.count),
+                _num(ops.bytes, ".3f", 1e6), _num(ops.inter_node_bytes, ".3f", 1e6), str(ops.largest_group),
             ])  # fmt: skip
     return ["Run", "Link", "Operation", "Count", "MB sent", "MB inter-node", "Largest group"], rows
 
@@ -525,9 +526,9 @@ def console_summary(results: Mapping[str, Any]) -> str:
         parts += ["", f"Time to target {results['target_loss']:.4f} ({results.get('target_source')}; "
                       "interpolated between validations; training clock):",
                   text_table(*time_to_target_rows(results))]  # fmt: skip
-    failed = [r for r in results["runs"] if r.get("status") != "ok"]
+    failed = [r for r in results["runs"] if r.status != "ok"]
     for r in failed:
-        parts.append(f"{r['id']} failed: {error_headline(r.get('error'))} (details in report.md)")
+        parts.append(f"{r.id} failed: {error_headline(r.error)} (details in report.md)")
     if results.get("interrupted"):
         parts.append("Interrupted: not every run was done.")
     return "\n".join(parts)
@@ -615,7 +616,7 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str] = ()) -> st
             "link (comm s is all the link's time, hidden behind computation or not). run s: wall time of the whole run, start-up and "
             "validation included. MB/step/node: bytes a node sends to other nodes per "
             "step, counted by the link (MB = 10^6 bytes)."]  # fmt: skip
-    if any(r.get("measured_wire_bytes_per_step") is not None for r in runs):
+    if any(r.measured_wire_bytes_per_step is not None for r in runs):
         out[-1] += (
             " wire MB/step/node: the node's interface counter over the whole launch divided by the steps; "
             "it includes set-up traffic (rendezvous, connection set-up, validation) and packet headers."
@@ -624,11 +625,11 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str] = ()) -> st
     headers, rows = _link_ops_rows(results)
     if rows:
         out += ["## Link operations", "", "Totals over the run and over all ranks.", "", markdown_table(headers, rows), ""]
-    failed = [r for r in runs if r.get("status") != "ok"]
+    failed = [r for r in runs if r.status != "ok"]
     if failed:
         out += ["## Failed runs", ""]
         for r in failed:
-            out += [f"### {r['id']}", "", "```", (r.get("error") or "no error recorded").rstrip(), "```", ""]
+            out += [f"### {r.id}", "", "```", (r.error or "no error recorded").rstrip(), "```", ""]
     return "\n".join(out)
 
 

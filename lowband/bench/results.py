@@ -1,4 +1,4 @@
-"""``results.json``: what a bench measured, in a stable, documented schema (version 1).
+"""``results.json``: what a bench measured, in a stable, documented schema (version 3).
 
 A bench's run directory holds::
 
@@ -8,15 +8,17 @@ A bench's run directory holds::
     runs/<run id>/               one directory per run: the trainer's metrics.jsonl and
                                  summary_rank<R>.json, and logs/node<i>.log
 
-Schema, version 2 (version 1 had ``val_history`` as ``[step, wall_s, val_loss]`` lists and one
-``seed``). Sizes are in bytes, times in seconds, rates in bit/s, memory in MB (10^6
-bytes); a value that does not apply or was not measured is ``null``. Every key is present in
-every record. New keys may be added within a version; a key is never renamed or removed
-without raising ``schema_version``.
+Schema, version 3 (version 2 had the same keys, read without a check: version 3's run records are
+:class:`~lowband.bench.record.RunRecord`, and a key that is not a field is refused; version 1 had
+``val_history`` as ``[step, wall_s, val_loss]`` lists and one ``seed``). A file of another version
+is refused with what to do: re-run the bench (there is no conversion). Sizes are in bytes, times in
+seconds, rates in bit/s, memory in MB (10^6 bytes); a value that does not apply or was not measured
+is ``null``. Every key is present in every record. New keys may be added within a version; a key is
+never renamed or removed without raising ``schema_version``.
 
 Top level::
 
-    schema_version  2
+    schema_version  3
     created         ISO 8601 local time with offset, when the bench started
     finished        ISO 8601, when it ended (null while running)
     interrupted     true when stopped by Ctrl-C / SIGTERM before every run was done
@@ -41,86 +43,15 @@ Top level::
                                     namespaces (lowband.cluster.measure_throughput); null in
                                     shaped mode,
                                 "note": how the rate is enforced / why it was not measured}]}
-    runs            list of run records, in the order they ran
+    runs            list of run records (below), in the order they ran
 
-A run record::
-
-    id              unique name, also its directory under runs/
-    label           table label, e.g. "FlexDeMo Top8"
-    method          adamw | deto-full | demo | flexdemo | diloco | noloco (FlexDeMo with
-                    shards=1 is recorded as demo)
-    spec            the method spec it came from, e.g. "flexdemo:topk=8"
-    params          every hyper-parameter passed to the trainer, e.g. {"topk": 8, "chunk": 128,
-                    "shards": 2}
-    hyperparameters all of the method's hyper-parameters as the trainer used them (its defaults
-                    included; from the trainer's summary, null if it did not say)
-    batch_size      examples per rank per step (from the trainer)
-    topk, chunk     FlexDeMo/DeMo's top-k and DCT chunk; null for other methods
-    shards          ranks of a node sharding one model copy (S)
-    nodes           emulated nodes; ranks_per_node; replicas (model copies R = W / S)
-    model, steps, seed, data    (seed: of this run: model init, data order, dropout)
-    num_params      model parameters (from the trainer)
-    bandwidth_bps   the link rate of the run; latency_s: in-process latency applied
-    emulation       "netns" | "shaped"
-    status          "ok" | "failed"
-    error           why it failed: the launcher's account with the tail of each failing
-                    node's log, or what was missing from its output; null when ok
-    wall_time_s     wall time of the whole launch (start-up, training, validation, exit)
-    step_time_s     median seconds per training step (warm-up excluded), mean over ranks
-    compute_time_s  its compute part (forward, backward, optimizer math): step time minus the
-                    exposed communication, mean over ranks
-    comm_time_s     median seconds of the inter-node operations started in a step (start to
-                    result, the part hidden behind compute included), mean over ranks
-    exposed_comm_time_s
-                    median seconds per step that a rank was blocked in the link (blocking
-                    calls, starts and waits of overlapped operations): the communication on the
-                    critical path; equals comm_time_s without overlap; mean over ranks; null
-                    for runs recorded before the field existed
-    sync_time_s     diloco/noloco: median exposed seconds of the steps that start or finish an
-                    outer synchronisation (the outer step's time on the critical path); else null
-    outer_steps     diloco/noloco: outer steps taken; else null
-    inter_node_bytes_per_step
-                    bytes a node sends to other nodes per step (the link's count: a model of
-                    the collective, ring order), summed over the node's ranks, mean over nodes
-    inter_node_bytes_per_step_by_node   the same, one entry per node
-    measured_wire_bytes_per_step
-                    netns mode only: the node's veth tx_bytes over the whole launch divided by
-                    the steps, mean over nodes. It INCLUDES set-up traffic (rendezvous, gloo
-                    connection set-up, validation, shutdown) and Ethernet/IP/TCP headers, so it
-                    exceeds inter_node_bytes_per_step, most for short runs; null in shaped mode
-    measured_wire_bytes_per_step_by_node   the same, one entry per node
-    link_effective_bps
-                    inter_node_bytes_per_step · 8 / comm_time_s: the rate the run's
-                    communication achieved (includes waiting for peers); null when not defined
-    val_loss        final validation loss (rank 0's model copy)
-    best_val_loss   the lowest validation loss of the run
-    train_time_s    the training clock at the end: time in training steps only (start-up,
-                    validation and checkpoints excluded), rank 0
-    tokens          non-padding tokens trained on, summed over all ranks
-    steps_to_target, tokens_to_target, time_to_target_s
-                    where the validation loss first reached target_loss, linearly interpolated
-                    between the two validations around it (time: the training clock); null
-                    when not reached
-    adamw_steps_to_final, adamw_time_to_final_s
-                    the steps and training time the target's AdamW variant (at this run's link,
-                    mean over its seeds) needed to reach this run's final validation loss: time
-                    to quality at the quality this run reached; null for AdamW's own runs
-    train_loss      final training loss (rank 0)
-    peak_rss_mb     peak resident memory of the largest rank; peak_rss_mb_by_rank: every rank
-    link_ops        per operation kind ("all_reduce", "all_gather", "exchange", ...):
-                    {"count": operations, "bytes": bytes sent (ring model, intra-node hops
-                    included), "inter_node_bytes": the part that crossed nodes,
-                    "largest_group": the largest group size}; count and bytes are totals over
-                    the run and over all ranks
-    val_history     [{"step", "epoch", "tokens" (summed over ranks), "train_time_s" (training
-                    clock), "wall_s" (since the loop started), "val_loss"}, ...] of rank 0
-    run_dir         the run's directory, relative to the bench directory
-    logs            node log files, relative to the bench directory
-    command         the arguments after the entry module (["train", "--method", ...])
+A run record is :class:`lowband.bench.record.RunRecord` (its fields are documented there): a JSON
+object with one key per field, in field order; in memory ``results["runs"]`` is a list of
+RunRecord objects (:func:`load_results` reads them, :func:`write_results` writes them).
 
 The trainer's per-rank ``summary_rank<R>.json`` files (:class:`lowband.train.summary.RunSummary`,
 one schema for the writer and this reader) are the source of every training field;
-:func:`aggregate_run` turns them into the fields above.
+:func:`aggregate_run` turns them into a run record's training fields.
 """
 
 from __future__ import annotations
@@ -138,6 +69,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from lowband.bench.record import RunRecord
+from lowband.traffic import OpTally, merge_tallies
 from lowband.train.methods import family_of
 from lowband.train.summary import RunSummary, summary_path
 from lowband.util import atomic_path
@@ -145,10 +78,10 @@ from lowband.util import atomic_path
 __all__ = [
     "RESULTS_FILE",
     "SCHEMA_VERSION",
+    "RunRecord",
     "aggregate_run",
     "host_info",
     "load_results",
-    "new_run_record",
     "now_iso",
     "read_summaries",
     "write_results",
@@ -156,22 +89,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 RESULTS_FILE = "results.json"
 _MAX_ERROR_CHARS = 6000
-
-#: Keys of a run record, in the order they are written.
-RUN_KEYS: tuple[str, ...] = (
-    "id", "label", "method", "spec", "params", "hyperparameters", "batch_size", "topk", "chunk", "shards", "nodes", "ranks_per_node",
-    "replicas", "model", "steps", "seed", "data", "num_params", "bandwidth_bps", "latency_s", "emulation",
-    "status", "error", "wall_time_s", "step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_time_s",
-    "sync_time_s", "outer_steps", "inter_node_bytes_per_step", "inter_node_bytes_per_step_by_node",
-    "measured_wire_bytes_per_step", "measured_wire_bytes_per_step_by_node", "link_effective_bps",
-    "val_loss", "best_val_loss", "train_time_s", "tokens", "steps_to_target", "tokens_to_target",
-    "time_to_target_s", "adamw_steps_to_final", "adamw_time_to_final_s", "train_loss", "peak_rss_mb", "peak_rss_mb_by_rank", "link_ops", "val_history", "run_dir",
-    "logs", "command", "fault_tolerance",
-)  # fmt: skip
-
 
 def now_iso() -> str:
     """The local time as ISO 8601 with its UTC offset, to the second."""
@@ -192,14 +112,6 @@ def host_info() -> dict[str, Any]:
         "lowband": lowband.__version__,
         "cpu_count": os.cpu_count(),
     }
-
-
-def new_run_record(**fields: Any) -> dict[str, Any]:
-    """A run record with every schema key (``null`` unless given). Unknown keys raise KeyError."""
-    unknown = set(fields) - set(RUN_KEYS)
-    if unknown:
-        raise KeyError(f"not run-record keys: {sorted(unknown)}")
-    return {key: fields.get(key) for key in RUN_KEYS}
 
 
 def _finite(value: Any) -> float | None:
@@ -243,15 +155,10 @@ def read_summaries(run_dir: Path, world_size: int) -> list[RunSummary]:
     return summaries
 
 
-def _merge_link_ops(summaries: Sequence[RunSummary]) -> dict[str, dict[str, int]]:
-    merged: dict[str, dict[str, int]] = {}
+def _merge_link_ops(summaries: Sequence[RunSummary]) -> dict[str, OpTally]:
+    merged: dict[str, OpTally] = {}
     for s in summaries:
-        for kind, ops in s.link_ops.items():
-            d = merged.setdefault(kind, {"count": 0, "bytes": 0, "inter_node_bytes": 0, "largest_group": 0})
-            d["count"] += int(ops["count"])
-            d["bytes"] += int(ops["bytes"])
-            d["inter_node_bytes"] += int(ops["inter_node_bytes"])
-            d["largest_group"] = max(d["largest_group"], int(ops["largest_group"]))
+        merge_tallies(merged, s.link_ops)
     return dict(sorted(merged.items()))
 
 
@@ -263,20 +170,20 @@ _MEAN_OVER_RANKS = ("step_time_s", "compute_time_s", "comm_time_s", "exposed_com
 
 
 def aggregate_run(
-    record: dict[str, Any],
+    record: RunRecord,
     summaries: Sequence[RunSummary],
     *,
     wire_bytes_by_node: Sequence[int] | None = None,
-) -> dict[str, Any]:
+) -> RunRecord:
     """Fill a run record's training fields from the per-rank summaries (in rank order).
 
     Args:
-        record: a record from :func:`new_run_record` with ``nodes`` and ``ranks_per_node`` set;
-            updated in place and returned.
+        record: a record with ``method``, ``nodes`` and ``ranks_per_node`` set; updated in place and
+            returned.
         summaries: one :class:`~lowband.train.summary.RunSummary` per rank, rank 0 first.
         wire_bytes_by_node: netns mode: bytes each node's interface sent during the launch.
     """
-    nodes, per_node = int(record["nodes"]), int(record["ranks_per_node"])
+    nodes, per_node = int(record.nodes), int(record.ranks_per_node)
     if len(summaries) != nodes * per_node:
         raise ValueError(f"expected {nodes * per_node} rank summaries ({nodes} nodes × {per_node}), got {len(summaries)}")
     first = summaries[0]
@@ -285,38 +192,38 @@ def aggregate_run(
         if not 0 <= s.node < nodes:
             raise ValueError(f"summary of rank {rank} names node {s.node}, but there are {nodes} nodes")
         by_node[s.node] += float(_finite(s.inter_node_bytes_per_step) or 0.0)
-    record["inter_node_bytes_per_step_by_node"] = by_node
-    record["inter_node_bytes_per_step"] = statistics.fmean(by_node)
+    record.inter_node_bytes_per_step_by_node = by_node
+    record.inter_node_bytes_per_step = statistics.fmean(by_node)
     for key in _MEAN_OVER_RANKS:
-        record[key] = _mean([getattr(s, key) for s in summaries])
+        setattr(record, key, _mean([getattr(s, key) for s in summaries]))
     for key in _FROM_RANK0:
-        record[key] = getattr(first, key)
-    record["hyperparameters"] = dict(first.hp)
-    demo = family_of(record["method"]) == "demo"
-    record["topk"], record["chunk"] = (first.topk, first.chunk) if demo else (None, None)
-    record["val_loss"] = _finite(first.val_loss)
-    record["train_loss"] = _finite(first.train_loss)
+        setattr(record, key, getattr(first, key))
+    record.hyperparameters = dict(first.hp)
+    demo = family_of(record.method) == "demo"
+    record.topk, record.chunk = (first.topk, first.chunk) if demo else (None, None)
+    record.val_loss = _finite(first.val_loss)
+    record.train_loss = _finite(first.train_loss)
     rss = [_finite(s.peak_rss_mb) for s in summaries]
-    record["peak_rss_mb_by_rank"] = rss
-    record["peak_rss_mb"] = max((r for r in rss if r is not None), default=None)
-    record["link_ops"] = _merge_link_ops(summaries)
+    record.peak_rss_mb_by_rank = rss
+    record.peak_rss_mb = max((r for r in rss if r is not None), default=None)
+    record.link_ops = _merge_link_ops(summaries)
     history = [{k: h[k] for k in _POINT_KEYS} for h in first.val_history]
     # Tokens: every rank trained on its own slice of the global batch; sum them over the ranks.
     per_rank = [s.val_history for s in summaries]
     if all(len(h) == len(history) for h in per_rank):
         for i, point in enumerate(history):
             point["tokens"] = sum(h[i]["tokens"] for h in per_rank)
-    record["val_history"] = history
-    record["tokens"] = sum(s.tokens for s in summaries)
+    record.val_history = history
+    record.tokens = sum(s.tokens for s in summaries)
     if wire_bytes_by_node is not None and first.steps > 0:
         wire = [b / first.steps for b in wire_bytes_by_node]
-        record["measured_wire_bytes_per_step_by_node"] = wire
-        record["measured_wire_bytes_per_step"] = statistics.fmean(wire)
-    comm = record["comm_time_s"]
-    if comm and comm > 0 and record["inter_node_bytes_per_step"]:
-        record["link_effective_bps"] = record["inter_node_bytes_per_step"] * 8.0 / comm
-    record["status"] = "ok"
-    record["error"] = None
+        record.measured_wire_bytes_per_step_by_node = wire
+        record.measured_wire_bytes_per_step = statistics.fmean(wire)
+    comm = record.comm_time_s
+    if comm and comm > 0 and record.inter_node_bytes_per_step:
+        record.link_effective_bps = record.inter_node_bytes_per_step * 8.0 / comm
+    record.status = "ok"
+    record.error = None
     return record
 
 
@@ -328,7 +235,9 @@ def truncate_error(text: str) -> str:
 
 
 def _strict_json(value: Any) -> Any:
-    """NaN and infinities (a diverged loss) become null: results.json is strict JSON."""
+    """NaN and infinities (a diverged loss) become null: results.json is strict JSON; run records become dicts."""
+    if isinstance(value, RunRecord):
+        value = value.to_dict()
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, Mapping):
@@ -349,8 +258,12 @@ def write_results(out_dir: Path, results: Mapping[str, Any]) -> Path:
 def load_results(path: Path) -> dict[str, Any]:
     """Read a bench's ``results.json`` (or the directory holding it) and check its schema version.
 
+    Returns the top level as a dict whose ``runs`` are :class:`~lowband.bench.record.RunRecord` objects.
+
     Raises:
-        ValueError: no such file, not JSON, or a schema version this lowband cannot read.
+        ValueError: no such file, not JSON, a schema version other than :data:`SCHEMA_VERSION` (the
+            message says to re-run the bench: there is no conversion), or a run that is not a run
+            record of this version (the message names the run and the keys).
     """
     path = Path(path)
     if path.is_dir():
@@ -363,7 +276,15 @@ def load_results(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
     version = results.get("schema_version") if isinstance(results, dict) else None
     if version != SCHEMA_VERSION:
-        raise ValueError(f"{path} has schema_version {version!r}; this lowband reads version {SCHEMA_VERSION}")
+        raise ValueError(
+            f"{path} has schema_version {version!r}, but this lowband reads only schema_version {SCHEMA_VERSION}: "
+            "it was written by another lowband version, and there is no conversion. Re-run the bench with this "
+            "lowband (lowband bench ... --out NEW_DIR) to get results it can report on."
+        )
     if not isinstance(results.get("runs"), list):
         raise ValueError(f"{path} has no list of runs")
+    results["runs"] = [
+        RunRecord.from_dict(run, source=f"{path}: run {i} ({run.get('id') if isinstance(run, dict) else '?'})")
+        for i, run in enumerate(results["runs"])
+    ]
     return results

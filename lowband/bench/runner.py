@@ -27,19 +27,19 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from lowband.bench.config import BenchConfig, RunPlan, plan_runs
 from lowband.bench.quality import annotate_time_to_target
+from lowband.bench.record import RunRecord
 from lowband.bench.report import error_headline
 from lowband.bench.results import (
     SCHEMA_VERSION,
     aggregate_run,
     host_info,
-    new_run_record,
     now_iso,
     read_summaries,
     truncate_error,
@@ -186,10 +186,10 @@ def _shaping_args(plan: RunPlan, mode: str) -> list[str]:
     return [*args, "--link-latency", f"{plan.latency_s:g}"]
 
 
-def _new_record(plan: RunPlan, config: BenchConfig, *, out_dir: Path, mode: str) -> dict[str, Any]:
+def _new_record(plan: RunPlan, config: BenchConfig, *, out_dir: Path, mode: str) -> RunRecord:
     """The run's record before it runs: failed, until :func:`_run_one` says otherwise."""
     run_dir = out_dir / "runs" / plan.id
-    return new_run_record(
+    return RunRecord(
         id=plan.id, label=plan.label, method=plan.method, spec=plan.spec, params=dict(plan.params),
         topk=plan.topk, chunk=plan.chunk, shards=plan.shards, nodes=plan.nodes, ranks_per_node=plan.ranks_per_node,
         replicas=plan.world_size // plan.shards, model=config.model, steps=config.steps, seed=plan.seed,
@@ -221,19 +221,19 @@ def _command(plan: RunPlan, config: BenchConfig, run_dir: Path, mode: str) -> li
 def _run_one(
     plan: RunPlan,
     config: BenchConfig,
-    record: dict[str, Any],
+    record: RunRecord,
     *,
     out_dir: Path,
     mode: str,
     net: EmulatedNetwork | None,
     launcher: Callable[..., Any],
-) -> dict[str, Any]:
+) -> RunRecord:
     """Launch one run on every node and fill its record (from :func:`_new_record`) from its output."""
     if plan.ft:
         return _run_ft(plan, config, record, out_dir=out_dir, net=net)
     run_dir = out_dir / "runs" / plan.id
     run_dir.mkdir(parents=True, exist_ok=True)
-    argv = record["command"]
+    argv = record.command
     env: dict[str, str] = {}
     tx_before = [net.tx_bytes(i) for i in range(plan.nodes)] if net is not None else None
     try:
@@ -245,11 +245,11 @@ def _run_one(
         raise
     except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the bench
         log.exception("run %s could not be launched", plan.id)
-        record["error"] = f"the launch failed: {type(exc).__name__}: {exc}"
+        record.error = f"the launch failed: {type(exc).__name__}: {exc}"
         return record
-    record["wall_time_s"] = launch.wall_time_s
+    record.wall_time_s = launch.wall_time_s
     if not launch.ok:
-        record["error"] = truncate_error(failure_text(launch))
+        record.error = truncate_error(failure_text(launch))
         return record
     wire = None
     if net is not None and tx_before is not None:
@@ -258,8 +258,8 @@ def _run_one(
         summaries = read_summaries(run_dir, plan.world_size)
         aggregate_run(record, summaries, wire_bytes_by_node=wire)
     except (ValueError, KeyError, TypeError) as exc:
-        record["status"] = "failed"
-        record["error"] = f"the run's output is unusable: {exc}"
+        record.status = "failed"
+        record.error = f"the run's output is unusable: {exc}"
     return record
 
 
@@ -269,8 +269,8 @@ def _steady_node(plan: RunPlan) -> int:
     return next(n for n in range(plan.nodes) if n not in killed)
 
 
-def _run_ft(plan: RunPlan, config: BenchConfig, record: dict[str, Any], *, out_dir: Path,
-            net: EmulatedNetwork | None) -> dict[str, Any]:
+def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: Path,
+            net: EmulatedNetwork | None) -> RunRecord:
     """A run under fault tolerance: one torchrun per node and a Lighthouse, with the plan's faults carried out.
 
     Node i writes ``run_dir/node{i}``; the run's record is aggregated over the nodes alive at the end
@@ -282,7 +282,7 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: dict[str, Any], *, out_d
 
     run_dir = out_dir / "runs" / plan.id
     run_dir.mkdir(parents=True, exist_ok=True)
-    args = list(record["command"][1:])  # after "train"
+    args = list(record.command[1:])  # after "train"
     i = args.index("--out")
     del args[i:i + 2]
     tx_before = [net.tx_bytes(n) for n in range(plan.nodes)] if net is not None else None
@@ -296,16 +296,16 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: dict[str, Any], *, out_d
         raise
     except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the bench
         log.exception("run %s could not be launched", plan.id)
-        record["error"] = f"the launch failed: {type(exc).__name__}: {exc}"
+        record.error = f"the launch failed: {type(exc).__name__}: {exc}"
         return record
-    record["wall_time_s"] = time.monotonic() - t0
+    record.wall_time_s = time.monotonic() - t0
     last = {e.node: e.action for e in plan.faults}
     expected = {n: (-9 if last.get(n) == "kill" else 0) for n in range(plan.nodes)}
     bad = {n: c for n, c in codes.items() if c != expected[n]}
     if bad:
         tails = "\n".join(f"node {n}: exit {c} (expected {expected[n]}); log {run_dir / 'logs' / f'node{n}.log'}:\n"
                           f"{log_excerpt(run_dir / 'logs' / f'node{n}.log')}" for n, c in bad.items())
-        record["error"] = truncate_error(f"under fault tolerance, node(s) {sorted(bad)} ended badly:\n{tails}")
+        record.error = truncate_error(f"under fault tolerance, node(s) {sorted(bad)} ended badly:\n{tails}")
         return record
     notes = []
     alive = [n for n in range(plan.nodes) if expected[n] == 0]
@@ -329,14 +329,14 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: dict[str, Any], *, out_d
         wire = None
         if net is not None and tx_before is not None:
             wire = [net.tx_bytes(n) - tx_before[n] for n in alive]
-        record["nodes"] = len(alive)
+        record.nodes = len(alive)
         aggregate_run(record, summaries, wire_bytes_by_node=wire)
     except (ValueError, KeyError, TypeError, OSError) as exc:
-        record["status"] = "failed"
-        record["error"] = f"the run's output is unusable: {exc}"
+        record.status = "failed"
+        record.error = f"the run's output is unusable: {exc}"
     finally:
-        record["nodes"] = plan.nodes
-    record["fault_tolerance"] = {**_ft_record(plan, run_dir, events), "notes": notes}
+        record.nodes = plan.nodes
+    record.fault_tolerance = {**_ft_record(plan, run_dir, events), "notes": notes}
     return record
 
 
@@ -385,7 +385,7 @@ def run_bench(
     command: list[str] | None = None,
     progress: bool = True,
     launcher: Callable[..., Any] | None = None,
-    on_run: Callable[[Mapping[str, Any]], None] | None = None,
+    on_run: Callable[[RunRecord], None] | None = None,
 ) -> dict[str, Any]:
     """Run every planned run of ``config``; write and return the results (see lowband.bench.results).
 
@@ -440,7 +440,7 @@ def run_bench(
                         log.error("could not build the emulated network at %s: %s", format_bandwidth(bw), exc)
                         for plan in group:
                             record = _new_record(plan, config, out_dir=out_dir, mode=mode)
-                            record["error"] = f"could not build the emulated network: {exc}"
+                            record.error = f"could not build the emulated network: {exc}"
                             results["runs"].append(record)
                             if bar is not None:
                                 bar.update(config.steps)
@@ -461,14 +461,14 @@ def run_bench(
                         with _StepProgress(bar, metrics, done_before):
                             _run_one(plan, config, record, out_dir=out_dir, mode=mode, net=net, launcher=launcher)
                     except (KeyboardInterrupt, SystemExit):
-                        record["error"] = INTERRUPTED
+                        record.error = INTERRUPTED
                         raise
                     annotate_time_to_target(results)
                     write_results(out_dir, results)
-                    if record["status"] == "ok":
-                        log.info("run %s: %.3f s/step", plan.id, record["step_time_s"] or float("nan"))
+                    if record.status == "ok":
+                        log.info("run %s: %.3f s/step", plan.id, record.step_time_s or float("nan"))
                     else:
-                        log.warning("run %s failed: %s", plan.id, error_headline(record["error"]))
+                        log.warning("run %s failed: %s", plan.id, error_headline(record.error))
                     if on_run is not None:
                         on_run(record)
                     if bar is not None:

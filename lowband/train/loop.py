@@ -46,6 +46,7 @@ import torch.distributed as dist
 from lowband.link import Link
 from lowband.memory import PhaseMemory
 from lowband.topology import Topology
+from lowband.traffic import OpTally, merge_tallies
 from lowband.train.jobfile import option
 from lowband.train.methods import METHODS, MethodConfig, method_config, method_shards
 from lowband.train.schedule import warmup_cosine_factor
@@ -318,17 +319,12 @@ class _Tally:
     sent: list[int] = field(default_factory=list)  # every step (these two)
     node_sent: list[int] = field(default_factory=list)
     sync_times: list[float] = field(default_factory=list)  # DiLoCo/NoLoCo: steps with an outer step
-    link_ops: dict[str, dict[str, int]] = field(default_factory=dict)
+    link_ops: dict[str, OpTally] = field(default_factory=dict)
     val_history: list[dict[str, float]] = field(default_factory=list)
     train_loss: float = float("nan")
 
-    def add_ops(self, by_kind: dict[str, dict[str, int]]) -> None:
-        for kind, d in by_kind.items():
-            acc = self.link_ops.setdefault(kind, {"count": 0, "bytes": 0, "inter_node_bytes": 0, "largest_group": 0})
-            acc["count"] += d["count"]
-            acc["bytes"] += d["bytes"]
-            acc["inter_node_bytes"] += d["inter_node_bytes"]
-            acc["largest_group"] = max(acc["largest_group"], d["largest_group"])
+    def add_ops(self, by_kind: dict[str, OpTally]) -> None:
+        merge_tallies(self.link_ops, by_kind)
 
 
 class Trainer:

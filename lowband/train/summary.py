@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lowband.traffic import OpTally
+
 __all__ = ["RunSummary", "summary_path"]
 
 
@@ -47,7 +49,8 @@ class RunSummary:
         outer_steps: DiLoCo/NoLoCo: outer steps taken; else null.
         inter_node_bytes_per_step: bytes this rank sent to other nodes per step (mean).
         node_inter_node_bytes_per_step: the same summed over this rank's node.
-        link_ops: per operation kind, {"count", "bytes", "inter_node_bytes", "largest_group"}.
+        link_ops: per operation kind, this rank's :class:`~lowband.traffic.OpTally` over the run
+            (written as ``{"count", "bytes", "inter_node_bytes", "largest_group"}``).
         peak_rss_mb: this rank's peak memory (CUDA: allocated; CPU: resident).
         val_loss: the final validation loss; val_history: every validation, {"step", "epoch",
             "tokens", "train_time_s", "wall_s", "val_loss"}.
@@ -87,7 +90,7 @@ class RunSummary:
     outer_steps: int | None
     inter_node_bytes_per_step: float
     node_inter_node_bytes_per_step: float
-    link_ops: dict[str, dict[str, int]]
+    link_ops: dict[str, OpTally]
     peak_rss_mb: float
     val_loss: float
     val_history: list[dict[str, Any]]
@@ -99,7 +102,7 @@ class RunSummary:
     config: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self)  # the OpTally values of link_ops become dicts too
 
     def write(self, out: Path | str) -> Path:
         """Write ``summary_rank{rank}.json`` in ``out``; return its path."""
@@ -120,7 +123,11 @@ class RunSummary:
                                         f"unknown {', '.join(unknown)}" if unknown else "") if x)
                 + ". Was it written by another lowband version? Re-run the training with this one."
             )
-        return cls(**data)
+        try:
+            link_ops = {kind: OpTally.from_dict(ops) for kind, ops in data["link_ops"].items()}
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: link_ops is not a tally per operation kind: {exc}") from exc
+        return cls(**{**data, "link_ops": link_ops})
 
     @classmethod
     def read(cls, path: Path | str) -> RunSummary:
