@@ -47,6 +47,7 @@ from lowband.link import Link
 from lowband.memory import PhaseMemory
 from lowband.topology import Topology
 from lowband.traffic import OpTally, merge_tallies
+from lowband.train.data.config import DataConfig
 from lowband.train.jobfile import option
 from lowband.train.methods import METHODS, MethodConfig, method_config, method_shards
 from lowband.train.schedule import warmup_cosine_factor
@@ -115,13 +116,14 @@ class TrainConfig:
     val_data: str | None = option(None, "separate validation file (same format as --data)")
     tokenizer: str | None = option(None, "a tokenizer.json or its directory (default: train one on the data, "
                                    "cached)")
-    source_column: str = option("source", "seq2seq data: the input column")
-    target_column: str = option("target", "seq2seq data: the output column")
-    text_column: str = option("text", "causal LM data: the text column")
-    max_source_len: int = option(128, "tokens per source, truncated (paper: 512)")
-    max_target_len: int = option(32, "tokens per target, truncated (paper: 150)")
-    max_len: int = option(128, "causal LM sequence length")
-    vocab_size: int = option(8192, "size of the tokenizer trained on the data")
+    source_column: str = option(DataConfig.source_column, "seq2seq data: the input column")
+    target_column: str = option(DataConfig.target_column, "seq2seq data: the output column")
+    text_column: str = option(DataConfig.text_column, "causal LM data: the text column")
+    max_source_len: int = option(DataConfig.max_source_len, "tokens per source, truncated (paper: 512)")
+    max_target_len: int = option(DataConfig.max_target_len, "tokens per target, truncated (paper: 150)")
+    max_len: int = option(DataConfig.max_len, "causal LM sequence length")
+    vocab_size: int = option(DataConfig.vocab_size, "size of the tokenizer trained on the data")
+    # Not DataConfig's None (5 % of the examples, capped at 500): every bench and golden is measured on 256.
     val_size: float | int = option(256, "validation examples (>= 1) or share (< 1)", type=float)
     max_examples: int | None = option(None, "use at most this many examples")
     steps: int = option(100, "optimizer steps")

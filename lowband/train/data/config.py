@@ -52,9 +52,9 @@ class DataConfig:
     text_column: str = "text"
     val_path: str | None = None
     val_size: float | int | None = None
-    max_source_len: int = 512
-    max_target_len: int = 150
-    max_len: int = 512
+    max_source_len: int = 128
+    max_target_len: int = 32
+    max_len: int = 128
     vocab_size: int = 8192
     tokenizer: str | None = None
     tokenizer_kind: str = "bpe"
