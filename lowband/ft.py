@@ -130,6 +130,13 @@ class FaultToleranceConfig:
         if self.window_quorum and not self.async_quorum:
             raise ValueError("window_quorum needs async_quorum (the window's quorum forms in the background)")
 
+    @property
+    def poll_rounds(self) -> int:
+        """Quorums a node asks for, ``start_poll_s`` apart, before it gives up waiting (for the others to
+        start, or for a foreign node to leave). Counted, not timed, so that every rank of a node stops
+        at the same quorum."""
+        return max(1, math.ceil(self.quorum_timeout_s / self.start_poll_s))
+
 
 def start_lighthouse(*, bind: str = "[::]:0", min_nodes: int = 1, join_timeout_s: float = 10.0,
                      heartbeat_timeout_s: float = 3.0, quorum_tick_s: float = 0.05):
@@ -311,7 +318,7 @@ class FaultTolerance:
         (it joins a running job: that quorum is its first, and heals it) and after ``quorum_timeout_s``
         (counted in attempts, so that every rank of the node stops at the same quorum). Returns the
         members of the last quorum."""
-        attempts = max(1, math.ceil(self.cfg.quorum_timeout_s / self.cfg.start_poll_s))
+        attempts = self.cfg.poll_rounds
         mine = quorum_step(step, self.committed_steps)
         for attempt in range(attempts):
             self.finish_quorum()
@@ -493,9 +500,8 @@ class _QuorumRecorder:
 
     def _quorum(self, *args, **kwargs):
         cfg = self._ft.cfg
-        mine = member_of(replica_id(cfg.fingerprint, cfg.node))[0]
-        # Rounds are counted, not timed, so that every rank of the node gives up at the same quorum.
-        max_rounds = max(1, math.ceil(cfg.quorum_timeout_s / cfg.start_poll_s))
+        mine = member_of(replica_id(cfg.fingerprint, cfg.node))[0]  # the fingerprint as the others see it
+        max_rounds = cfg.poll_rounds
         rounds = 0
         while True:
             result = self._client._quorum(*args, **kwargs)

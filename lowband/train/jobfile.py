@@ -79,13 +79,9 @@ KEYS: dict[str, tuple[str, str]] = {f: (s, _RENAMED.get(f, f)) for s, fields in 
 _NOT_WRITTEN = ("out", "resume")
 
 
+@functools.cache
 def field_types() -> dict[str, Any]:
     """TrainConfig's field types (resolved annotations)."""
-    return dict(_hints())
-
-
-@functools.cache
-def _hints() -> dict[str, Any]:
     from lowband.train.loop import TrainConfig
 
     return typing.get_type_hints(TrainConfig)
@@ -94,7 +90,7 @@ def _hints() -> dict[str, Any]:
 def check_value(field: str, value: Any, *, where: str = "") -> Any:
     """``value`` for TrainConfig field ``field`` if its type fits (an int where a float goes becomes a
     float); else a ValueError that names the key, the type wanted and the type given."""
-    hint = _hints()[field]
+    hint = field_types()[field]
     allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     for a in allowed:
         if a is type(None):
