@@ -52,7 +52,7 @@ FAKE_TRAINER = textwrap.dedent(
     def main(args, env):
         assert args[0] == "train", args
         cfg = parse_train_args(args[1:])  # the run's config file, --out beside it
-        method, out, steps = cfg.method, Path(cfg.out), cfg.steps
+        method, out, steps = cfg.method.name, Path(cfg.run.out), cfg.schedule.steps
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         per_node = int(env["LOCAL_WORLD_SIZE"])
         if method in env.get("FAKE_FAIL_METHODS", "").split(","):
@@ -62,9 +62,9 @@ FAKE_TRAINER = textwrap.dedent(
             out.mkdir(parents=True, exist_ok=True)
             (out / f"started-{rank}").touch()
             __import__("time").sleep(300)
-        shards = cfg.shards
-        topk, chunk = cfg.hp.get("topk"), cfg.hp.get("chunk")
-        bw = cfg.link_bandwidth_bps or 1e8  # shaping is in the run's configuration
+        shards = cfg.model.shards
+        topk, chunk = getattr(cfg.method.hp, "topk", None), getattr(cfg.method.hp, "chunk", None)
+        bw = cfg.link.bandwidth_bps or 1e8  # shaping is in the run's configuration
         per_rank = {"adamw": 1e6, "deto-full": 1e6}.get(method, 3.0 * (topk or 1) * 1e6 / 128)
         per_rank = per_rank * 2 / shards  # smaller shards: more of them cross per node
         comm = per_rank * per_node * 8 / bw
@@ -76,7 +76,7 @@ FAKE_TRAINER = textwrap.dedent(
         summary = {
             "rank": rank, "node": node, "method": method, "topk": topk, "chunk": chunk, "shards": shards,
             "nodes": world // per_node, "ranks_per_node": per_node, "replicas": world // shards,
-            "steps": steps, "model": cfg.model, "num_params": 1234, "status": "ok", "batch_size": 8,
+            "steps": steps, "model": cfg.model.name, "num_params": 1234, "status": "ok", "batch_size": 8,
             "hp": {"lr": 0.001, "topk": topk, "chunk": chunk},
             "step_time_s": 0.1 + comm, "compute_time_s": 0.1, "comm_time_s": comm,
             "inter_node_bytes_per_step": per_rank, "node_inter_node_bytes_per_step": per_rank * per_node,
@@ -153,17 +153,20 @@ def _bench_args(*argv: str) -> argparse.Namespace:
 
 
 def test_method_spec_parsing() -> None:
+    from lowband.train.methods import method_config
+
     spec = parse_method_spec("flexdemo:topk=8,chunk=64")
-    assert spec.name == "flexdemo" and dict(spec.params) == {"topk": 8, "chunk": 64}
+    assert spec.name == "flexdemo" and spec.given_values() == {"topk": 8, "chunk": 64}
+    assert spec.hp == method_config("flexdemo", {"topk": 8, "chunk": 64})  # typed, checked: the trainer's config
     assert str(spec) == "flexdemo:topk=8,chunk=64"
     assert parse_method_spec(" AdamW ").name == "adamw"
     noloco = parse_method_spec("noloco:H=10,n=2,alpha=0.5")
     # Aliases resolve to the config's field names; the spec prints with the aliases.
-    assert dict(noloco.params) == {"sync_every": 10, "group_size": 2, "alpha": 0.5}
+    assert noloco.given_values() == {"sync_every": 10, "group_size": 2, "alpha": 0.5}
     assert str(noloco) == "noloco:H=10,n=2,alpha=0.5"
-    assert dict(parse_method_spec("diloco:sync_every=10,clip=none").params) == {"sync_every": 10,
+    assert parse_method_spec("diloco:sync_every=10,clip=none").given_values() == {"sync_every": 10,
                                                                                "max_grad_norm": None}
-    assert dict(parse_method_spec("deto-full:sign=false").params) == {"sign": False}
+    assert parse_method_spec("deto-full:sign=false").given_values() == {"sign": False}
     # Commas separate specs and a spec's keys alike: key=value pieces belong to the spec before them.
     specs = parse_method_list("adamw,flexdemo:topk=8,chunk=64,demo")
     assert [str(s) for s in specs] == ["adamw", "flexdemo:topk=8,chunk=64", "demo"]

@@ -46,8 +46,9 @@ def _session_cache(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def wiki() -> data_mod.Data:
-    """The default corpus, seq2seq, cut to 128/32 tokens (tokenizer trained once per session)."""
-    return load_data(DataConfig(max_source_len=SRC_LEN, max_target_len=TGT_LEN, vocab_size=2048))
+    """The default corpus, seq2seq, cut to 128/32 tokens (tokenizer trained once per session), its
+    validation split the share rule's (val_size=None; the default is 256 examples)."""
+    return load_data(DataConfig(max_source_len=SRC_LEN, max_target_len=TGT_LEN, vocab_size=2048, val_size=None))
 
 
 @pytest.fixture()
@@ -322,11 +323,11 @@ def test_default_data_loads_and_splits_deterministically(wiki: data_mod.Data) ->
     n = len(wiki.train) + len(wiki.val)
     assert 9_500 < n <= 10_033
     assert n == len(default_examples("seq2seq")[0])
-    assert len(wiki.val) == 493  # default: 5 % capped at 500
+    assert len(wiki.val) == 493  # val_size=None: 5 % capped at 500
     assert not set(wiki.train.source_text) & set(wiki.val.source_text)
     assert wiki.vocab_size == 2048
     again = load_data(
-        DataConfig(max_source_len=SRC_LEN, max_target_len=TGT_LEN, vocab_size=2048), use_cache=False
+        DataConfig(max_source_len=SRC_LEN, max_target_len=TGT_LEN, vocab_size=2048, val_size=None), use_cache=False
     )
     assert again.val.source_text == wiki.val.source_text
     assert [a.tolist() for a in again.train.input_ids] == [a.tolist() for a in wiki.train.input_ids]

@@ -17,7 +17,7 @@ from lowband.ft import (
     quorum_step,
     replica_id,
 )
-from lowband.train.loop import TrainConfig
+from lowband.train.config import TrainConfig
 from lowband.train.methods import method_config
 
 
@@ -38,7 +38,8 @@ def test_bad_fault_tolerance_configuration_is_named(kwargs, needle):
     ("noloco", {"overlap": True, "sync_every": 10}, "overlapped outer step"),
 ])
 def test_methods_that_cannot_run_under_fault_tolerance_refuse_before_any_process(method, hp, needle):
-    cfg = TrainConfig(method=method, hp=hp, ft_lighthouse="http://127.0.0.1:1", ft_max_nodes=2, steps=20)
+    cfg = TrainConfig.from_tables({"method": {"name": method, **hp}, "schedule": {"steps": 20},
+                                   "fault_tolerance": {"lighthouse": "http://127.0.0.1:1", "max_nodes": 2}})
     with pytest.raises(ValueError, match=needle):
         cfg.validate()
 

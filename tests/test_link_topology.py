@@ -109,6 +109,6 @@ def test_shaping_comes_from_arguments_never_from_the_environment(monkeypatch):
     assert not link.shaping and link.bandwidth_bps is None and link.latency_s == 0.0
     cfg = config_from_args(build_parser("train").parse_args(["train", "--link-bandwidth", "100mbit",
                                                               "--link-latency", "20ms"]))
-    assert cfg.link_bandwidth_bps == 1e8 and cfg.link_latency_s == pytest.approx(0.02)
+    assert cfg.link.bandwidth_bps == 1e8 and cfg.link.latency_s == pytest.approx(0.02)
     cfg = config_from_args(build_parser("train").parse_args(["train"]))
-    assert cfg.link_bandwidth_bps is None and cfg.link_latency_s == 0.0
+    assert cfg.link.bandwidth_bps is None and cfg.link.latency_s == 0.0

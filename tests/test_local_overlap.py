@@ -240,8 +240,8 @@ def test_overlap_and_delay_from_specs_and_hyperparameters():
             outer_delay(method, sync_every=10, delay=2.5)  # e.g. from --hp JSON
     for spec in ("diloco:H=10,overlap=true", "noloco:H=10,overlap=true", "diloco:H=10,delay=3",
                  "noloco:H=10,n=2,overlap=true,delay=2"):
-        assert parse_method_spec(spec).get("sync_every") == 10
-    assert parse_method_spec("diloco:H=10,overlap=true").get("overlap") is True
+        assert parse_method_spec(spec).hp.sync_every == 10
+    assert parse_method_spec("diloco:H=10,overlap=true").hp.overlap is True
     for spec, needle in (("diloco:H=3,delay=3", "below sync_every H=3"), ("noloco:H=1,overlap=true", "H=1"),
                          ("diloco:H=10,delay=-1", "delay must be >= 0"), ("diloco:delay=50", "H=50"),
                          ("diloco:H=10,delay=1.5", "integer"), ("flexdemo:delay=1", "no hyper-parameter")):

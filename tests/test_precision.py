@@ -88,7 +88,8 @@ def _train_all(rank: int, out: str, cache: str) -> dict:
 
     os.environ["LOWBAND_CACHE"] = cache
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    from lowband.train.loop import TrainConfig, Trainer
+    from lowband.train.config import TrainConfig
+    from lowband.train.loop import Trainer
 
     results = {}
     for method in METHODS:
@@ -97,10 +98,12 @@ def _train_all(rank: int, out: str, cache: str) -> dict:
             hp.update(H=2)
         if method in ("flexdemo", "demo", "deto-full"):
             hp = {"lr": 1e-2}
-        s = Trainer(TrainConfig(
-            method=method, model="t5-tiny", max_examples=300, val_size=16, val_batches=2, batch_size=4,
-            max_source_len=32, max_target_len=8, vocab_size=512, progress=False, steps=6, precision="bf16",
-            hp=hp, out=f"{out}/{method}")).run().to_dict()
+        s = Trainer(TrainConfig.from_tables({
+            "method": {"name": method, **hp}, "model": {"name": "t5-tiny", "precision": "bf16"},
+            "schedule": {"steps": 6, "batch_size": 4},
+            "data": {"max_examples": 300, "val_size": 16, "max_source_len": 32, "max_target_len": 8, "vocab_size": 512},
+            "run": {"val_batches": 2, "progress": False, "out": f"{out}/{method}"},
+        })).run().to_dict()  # fmt: skip
         results[method] = {k: s[k] for k in ("val_history", "train_loss", "precision", "memory", "status")}
     return results
 
@@ -123,9 +126,9 @@ def test_every_method_trains_in_bf16_with_finite_falling_losses(tmp_path, tmp_pa
 
 
 def test_unknown_precision_is_refused_with_the_choices():
-    from lowband.train.loop import TrainConfig
+    from lowband.train.config import TrainConfig
 
     with pytest.raises(ValueError, match="--precision must be one of fp32, bf16"):
-        TrainConfig(precision="fp16").validate()
+        TrainConfig.from_tables({"model": {"precision": "fp16"}}).validate()
     with pytest.raises(ValueError, match="--grad-accum must be >= 1"):
-        TrainConfig(grad_accum=0).validate()
+        TrainConfig.from_tables({"schedule": {"grad_accum": 0}}).validate()

@@ -161,7 +161,7 @@ def test_meaningless_benches_are_refused_with_the_fix() -> None:
 
 
 def test_a_run_that_ends_between_outer_steps_is_warned_about_with_the_fix(caplog) -> None:
-    from lowband.train.loop import TrainConfig
+    from lowband.train.config import TrainConfig
 
     with caplog.at_level("WARNING"):
         make_config(methods="diloco:H=20,noloco:H=10", steps=150, model="t5-tiny")
@@ -172,10 +172,10 @@ def test_a_run_that_ends_between_outer_steps_is_warned_about_with_the_fix(caplog
     caplog.clear()
     with caplog.at_level("WARNING"):
         make_config(methods="diloco:H=20", steps=140, model="t5-tiny")
-        TrainConfig(method="diloco", hp={"sync_every": 20}, steps=140).validate()
+        TrainConfig.from_tables({"method": {"name": "diloco", "sync_every": 20}, "schedule": {"steps": 140}}).validate()
     assert not caplog.records
     with caplog.at_level("WARNING"):
-        TrainConfig(method="noloco", hp={"sync_every": 20}, steps=50).validate()
+        TrainConfig.from_tables({"method": {"name": "noloco", "sync_every": 20}, "schedule": {"steps": 50}}).validate()
     assert ["--steps 40 or 60" in r.getMessage() for r in caplog.records] == [True]
 
 

@@ -254,11 +254,14 @@ def _loop(rank: int, out: str, cache: str, steps: int, resume: str | None) -> di
     import os
 
     os.environ["LOWBAND_CACHE"] = cache
-    from lowband.train.loop import TrainConfig, run_training
+    from lowband.train.config import TrainConfig
+    from lowband.train.loop import run_training
 
-    return run_training(TrainConfig(method="flexdemo", model="t5-tiny", max_examples=300, val_size=16, val_batches=2,
-                                    batch_size=2, max_source_len=32, max_target_len=8, vocab_size=512,
-                                    progress=False, steps=steps, ckpt_every=3, out=out, resume=resume))
+    return run_training(TrainConfig.from_tables({
+        "method": {"name": "flexdemo"}, "model": {"name": "t5-tiny"}, "schedule": {"steps": steps, "batch_size": 2},
+        "data": {"max_examples": 300, "val_size": 16, "max_source_len": 32, "max_target_len": 8, "vocab_size": 512},
+        "run": {"val_batches": 2, "progress": False, "out": out}, "checkpoint": {"every": 3, "resume": resume},
+    }))  # fmt: skip
 
 
 @pytest.mark.multiprocess

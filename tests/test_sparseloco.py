@@ -280,13 +280,13 @@ def test_sparseloco_2x2_equals_the_mean_of_the_decoded_messages():
 
 
 def test_bench_spec_label_and_train_flags():
-    from lowband.bench.methods import method_label, parse_method_spec, run_params
+    from lowband.bench.methods import method_label, parse_method_spec, shown_params
     from lowband.train.cli import add_arguments, config_from_args
     from lowband.train.methods import build_optimizer
 
     spec = parse_method_spec("sparseloco:H=30,topk=2,values=2bit")
-    assert dict(spec.params) == {"sync_every": 30, "topk": 2, "values": "2bit"}
-    assert method_label(spec.name, run_params(spec.name, dict(spec.params), 1)) == "SparseLoCo Top2 H=30 values=2bit"
+    assert spec.given_values() == {"sync_every": 30, "topk": 2, "values": "2bit"}
+    assert method_label(spec.name, shown_params(spec.hp, spec.given)) == "SparseLoCo Top2 H=30 values=2bit"
     with pytest.raises(ValueError, match="topk"):
         parse_method_spec("sparseloco:topk=9,chunk=8")
     import argparse
@@ -296,6 +296,6 @@ def test_bench_spec_label_and_train_flags():
     cfg = config_from_args(p.parse_args(["--method", "sparseloco", "--sync-every", "30", "--topk", "2",
                                          "--transform", "dct"]))
     model = tiny_model()
-    opt = build_optimizer("sparseloco", model.named_parameters(), link=None, hp=cfg.hp)
+    opt = build_optimizer("sparseloco", model.named_parameters(), link=None, hp=cfg.method.hp)
     assert isinstance(opt, SparseLoCo) and opt.sync_every == 30 and opt.wire.topk == 2 and opt.transform == "dct"
     assert opt.max_grad_norm == 1.0 and opt.param_groups[0]["decay"] == 0.95

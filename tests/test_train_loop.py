@@ -14,14 +14,20 @@ def _train(rank: int, out: str, cache: str, method: str) -> dict:
 
     os.environ["LOWBAND_CACHE"] = cache
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    from lowband.train.loop import TrainConfig, Trainer
+    from lowband.train.config import TrainConfig
+    from lowband.train.loop import Trainer
 
-    common = dict(method=method, model="t5-tiny", max_examples=300, val_size=16, val_batches=2, batch_size=2,
-                  max_source_len=32, max_target_len=8, vocab_size=512, progress=False, val_every=2,
-                  hp={"H": 2} if method in ("diloco", "noloco") else {})
-    straight = Trainer(TrainConfig(steps=5, out=f"{out}/straight", **common)).run()
-    Trainer(TrainConfig(steps=3, out=f"{out}/resumed", ckpt_every=3, **common)).run()
-    resumed = Trainer(TrainConfig(steps=5, out=f"{out}/resumed", resume="auto", **common)).run()
+    def cfg(steps: int, out: str, checkpoint: dict) -> TrainConfig:
+        return TrainConfig.from_tables({
+            "method": {"name": method, **({"H": 2} if method in ("diloco", "noloco") else {})},
+            "model": {"name": "t5-tiny"}, "schedule": {"steps": steps, "batch_size": 2},
+            "data": {"max_examples": 300, "val_size": 16, "max_source_len": 32, "max_target_len": 8, "vocab_size": 512},
+            "run": {"val_batches": 2, "val_every": 2, "progress": False, "out": out}, "checkpoint": checkpoint,
+        })  # fmt: skip
+
+    straight = Trainer(cfg(5, f"{out}/straight", {})).run()
+    Trainer(cfg(3, f"{out}/resumed", {"every": 3})).run()
+    resumed = Trainer(cfg(5, f"{out}/resumed", {"resume": "auto"})).run()
     return {"straight": straight.to_dict(), "resumed": resumed.to_dict()}
 
 
@@ -60,20 +66,21 @@ def test_training_writes_its_outputs_and_resumes_exactly(tmp_path, tmp_path_fact
 
 
 def test_bad_configuration_is_refused_before_anything_starts(tmp_path):
-    from lowband.train.loop import TrainConfig
+    from lowband.train.config import TrainConfig
 
     cases = [
-        (dict(method="sgd"), "unknown method 'sgd'; choose one of: adamw"),
-        (dict(method="adamw", hp={"topk": 1}), "method 'adamw' has no hyper-parameter 'topk'; accepted: lr"),
-        (dict(model="t5-huge"), "unknown model 't5-huge'; named sizes: t5-tiny"),
-        (dict(data=str(tmp_path / "missing.jsonl")), "does not exist"),
-        (dict(steps=0), "--steps must be >= 1"),
-        (dict(schedule="linear"), "--schedule must be 'constant' or 'cosine'"),
+        ({"method": {"name": "sgd"}}, "unknown method 'sgd'; choose one of: adamw"),
+        ({"method": {"name": "adamw", "topk": 1}}, "method 'adamw' has no hyper-parameter 'topk'; accepted: lr"),
+        ({"model": {"name": "t5-huge"}}, "unknown model 't5-huge'; named sizes: t5-tiny"),
+        ({"data": {"path": str(tmp_path / "missing.jsonl")}}, "does not exist"),
+        ({"schedule": {"steps": 0}}, "--steps must be >= 1"),
+        ({"schedule": {"lr_schedule": "linear"}}, "--schedule must be 'constant' or 'cosine'"),
+        ({"schedule": {"step": 10}}, "[schedule] has no key step; its keys are: steps"),
     ]
-    for kwargs, needle in cases:
+    for tables, needle in cases:
         with pytest.raises((ValueError, FileNotFoundError)) as e:
-            TrainConfig(**kwargs).validate()
-        assert needle in str(e.value), (kwargs, str(e.value))
+            TrainConfig.from_tables(tables).validate()
+        assert needle in str(e.value), (tables, str(e.value))
 
 
 def _train_then_again(rank: int, out: str, cache: str) -> dict:

@@ -13,7 +13,7 @@ import math
 import re
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +22,13 @@ from lowband.bench.methods import (
     SHARD_SWEEP,
     BenchMethod,
     canonical_method,
-    format_value,
     method_label,
     parse_method_list,
-    run_params,
+    shown_params,
     train_hp_args,
 )
 from lowband.optim.outer import unmerged_tail_note
+from lowband.train.methods import MethodConfig
 from lowband.units import format_bandwidth, parse_bandwidth, parse_duration, parse_int_list, split_list
 
 __all__ = [
@@ -168,9 +168,9 @@ def sequence_lengths(model: str, train_args: Sequence[str]) -> str:
     from lowband.train.cli import parse_train_args
     from lowband.train.models import MODEL_SIZES
 
-    cfg = parse_train_args(train_args, known_only=True)
-    causal = f"{cfg.max_len} tokens per text"
-    seq2seq = f"{cfg.max_source_len} source / {cfg.max_target_len} target tokens"
+    data = parse_train_args(train_args, known_only=True).data
+    causal = f"{data.max_len} tokens per text"
+    seq2seq = f"{data.max_source_len} source / {data.max_target_len} target tokens"
     size = MODEL_SIZES.get(model)
     if size is None:
         return f"{seq2seq} if seq2seq, {causal} if causal"
@@ -343,13 +343,11 @@ def _check_data(data: str, model: str) -> None:
 def _check_group_sizes(specs: Sequence[BenchMethod], *, nodes: int, ranks_per_node: int,
                        shards: Sequence[int] | None) -> None:
     """NoLoCo's group size n must not exceed the replicas R = nodes × ranks per node / shards."""
-    from lowband.train.methods import method_config
-
     for spec in specs:
         if not METHODS[spec.name].gossip:
             continue
-        n = spec.get("group_size", method_config(spec.name).group_size)
-        for s in [spec.get("shards")] if spec.get("shards") is not None else (shards or [ranks_per_node]):
+        n = spec.hp.group_size
+        for s in [spec.shards] if spec.shards is not None else (shards or [ranks_per_node]):
             replicas = nodes * ranks_per_node // s
             if replicas > 1 and n > replicas:
                 raise ValueError(f"{spec}: NoLoCo's group size n={n} exceeds the {replicas} replicas of {nodes} "
@@ -370,10 +368,10 @@ def _check_data_columns(data: str, model: str, cfg) -> None:
     if size is None or ext not in (".jsonl", ".csv", ".tsv"):
         return
     if size.kind == "seq2seq":
-        wanted = {"source": cfg.source_column, "target": cfg.target_column}
+        wanted = {"source": cfg.data.source_column, "target": cfg.data.target_column}
         fix = "--train-args='--source-column NAME --target-column NAME'"
     else:
-        wanted = {"text": cfg.text_column}
+        wanted = {"text": cfg.data.text_column}
         fix = "--train-args='--text-column NAME'"
     try:
         with path.open(encoding="utf-8") as f:
@@ -403,9 +401,8 @@ def _parse_seeds(seeds: int | str | Sequence[int | str]) -> tuple[int, ...]:
 def _check_meaningful(specs: Sequence[BenchMethod], steps: int) -> None:
     """Refuse a configuration whose runs could not show what they claim (no outer step at all)."""
     for spec in specs:
-        hp = METHODS[spec.name].hyperparameters
-        if "sync_every" in hp:
-            h = int(spec.get("sync_every", hp["sync_every"]))
+        if hasattr(spec.hp, "sync_every"):
+            h = spec.hp.sync_every
             if h > steps:
                 raise ValueError(
                     f"{spec}: H={h} inner steps per outer step with --steps {steps} means no outer step "
@@ -466,7 +463,7 @@ def make_config(
     if shards is not None:
         shard_values = tuple(dict.fromkeys(parse_int_list(shards, what="--shards", example="1,2")))
     divisors = [d for d in range(1, ranks_per_node + 1) if ranks_per_node % d == 0]
-    for s in [*(shard_values or ()), *(spec.get("shards") for spec in specs if spec.get("shards") is not None)]:
+    for s in [*(shard_values or ()), *(spec.shards for spec in specs if spec.shards is not None)]:
         try:
             Topology(num_nodes=nodes, ranks_per_node=ranks_per_node, shards=s)
         except ValueError as exc:
@@ -480,8 +477,8 @@ def make_config(
     latency_s = parse_duration(latency)
     seed_values = _parse_seeds(seeds)
     for spec in specs:
-        if spec.get("nseeds", 1) > len(seed_values):
-            raise ValueError(f"{spec}: nseeds={spec.get('nseeds')} exceeds the {len(seed_values)} seed(s) of the bench "
+        if (spec.nseeds or 1) > len(seed_values):
+            raise ValueError(f"{spec}: nseeds={spec.nseeds} exceeds the {len(seed_values)} seed(s) of the bench "
                              f"(--seeds {','.join(map(str, seed_values))}); lower nseeds or add seeds")
     if target_loss is not None and not (math.isfinite(target_loss) and target_loss > 0):
         raise ValueError(f"--target-loss {target_loss}: give a positive validation loss, e.g. --target-loss 6.5")
@@ -495,12 +492,22 @@ def make_config(
         raise ValueError(f"entry script {entry} does not exist; give a module name or an existing .py file")
     _check_group_sizes(specs, nodes=nodes, ranks_per_node=ranks_per_node, shards=shard_values)
     if entry == DEFAULT_ENTRY:  # lowband's own flags, checked now (another entry may take flags of its own)
-        from lowband.train.cli import parse_train_args
+        from lowband.train.cli import train_overrides
+        from lowband.train.config import TrainConfig
 
+        user = shlex.join(entry_args[len(DEFAULT_TRAIN_ARGS):])
         try:
-            train_config = parse_train_args(entry_args)
+            given = train_overrides(entry_args)
         except ValueError as e:
-            raise ValueError(f"--train-args {shlex.join(entry_args[len(DEFAULT_TRAIN_ARGS):])!r}: {e}") from None
+            raise ValueError(f"--train-args {user!r}: {e}") from None
+        user_hp = {k: v for k, v in given.get("method", {}).items() if k != "name"}
+        for spec in specs:  # the user's hyper-parameters go to every method: each must have them
+            try:
+                train_config = TrainConfig.from_tables(
+                    {**given, "method": {"name": spec.name, **spec.given_values(), **user_hp}})
+            except ValueError as e:
+                raise ValueError(f"--train-args {user!r} with method {spec}: {e}. A hyper-parameter that only some "
+                                 f"methods have goes in their specs (e.g. diloco:H=10), not in --train-args") from None
         if data is not None:
             _check_data_columns(data, model, train_config)
     fault_events = _check_fault_tolerance(specs, ft=ft, faults=faults, nodes=nodes, steps=steps, entry=entry,
@@ -534,8 +541,6 @@ def _check_fault_tolerance(specs: Sequence[BenchMethod], *, ft: str, faults: str
                            entry: str, ranks_per_node: int) -> tuple:
     """Check ``--ft`` and ``--faults`` before anything starts; return the parsed fault plan."""
     from lowband.bench.faults import parse_faults
-    from lowband.bench.methods import BENCH_KEYS
-    from lowband.train.methods import canonical_names, method_config
 
     if ft not in FT_MODES:
         raise ValueError(f"--ft {ft!r}: accepted: {', '.join(FT_MODES)} (both: every method with and without "
@@ -551,11 +556,10 @@ def _check_fault_tolerance(specs: Sequence[BenchMethod], *, ft: str, faults: str
                          "supported with them")
     for spec in specs:
         try:
-            hp = canonical_names(spec.name, {k: v for k, v in dict(spec.params).items() if k not in BENCH_KEYS})
-            method_config(spec.name, hp).check_fault_tolerance()
+            spec.hp.check_fault_tolerance()
         except ValueError as exc:
             raise ValueError(f"{spec}: {exc}") from None
-        one_copy_per_node = spec.get("shards") in (None, ranks_per_node) and METHODS[spec.name].shards_per_node != 1
+        one_copy_per_node = spec.shards in (None, ranks_per_node) and METHODS[spec.name].shards_per_node != 1
         if not one_copy_per_node and ranks_per_node > 1:
             raise ValueError(f"{spec}: under fault tolerance every node holds one model copy sharded over all its "
                              f"ranks; this runs {ranks_per_node} copies per node. Use --ranks-per-node 1 for DeMo "
@@ -567,8 +571,9 @@ def _check_fault_tolerance(specs: Sequence[BenchMethod], *, ft: str, faults: str
 class RunPlan:
     """One training run of the bench: a method with its hyper-parameters at one bandwidth.
 
-    ``params`` holds every hyper-parameter passed to the trainer: the spec's, the method's
-    run-defining defaults (FlexDeMo's topk and chunk, from the trainer's registry) and ``shards``.
+    ``hp`` is the method's typed config (the spec's; the trainer gets it as it is, with the user's
+    ``--train-args`` on top); ``shown`` the hyper-parameters its label and record name (the spec's
+    and the method's run-defining ones, FlexDeMo's topk and chunk).
     """
 
     index: int
@@ -576,7 +581,9 @@ class RunPlan:
     method: str
     spec: str
     label: str
-    params: dict[str, Any] = field(default_factory=dict)
+    hp: MethodConfig
+    shown: tuple[str, ...] = ()
+    shards: int
     bandwidth_bps: float
     latency_s: float
     nodes: int
@@ -586,16 +593,17 @@ class RunPlan:
     faults: tuple = ()  # the fault plan this run carries out (its twin runs without)
 
     @property
-    def shards(self) -> int:
-        return int(self.params["shards"])
+    def params(self) -> dict[str, Any]:
+        """What the run's record names (``RunRecord.params``): the ``shown`` hyper-parameters and shards."""
+        return {**{k: getattr(self.hp, k) for k in self.shown}, "shards": self.shards}
 
     @property
     def topk(self) -> int | None:
-        return self.params.get("topk")
+        return getattr(self.hp, "topk", None)
 
     @property
     def chunk(self) -> int | None:
-        return self.params.get("chunk")
+        return getattr(self.hp, "chunk", None)
 
     @property
     def world_size(self) -> int:
@@ -604,19 +612,24 @@ class RunPlan:
     def train_config(self, config: BenchConfig, out_dir: Path, *, shaped: bool):
         """The run's TrainConfig: the bench's settings and this run's, then ``config.train_args`` (the
         user's, which win), then the link (bandwidth when shaped in-process, latency always)."""
-        from lowband.train.cli import train_overrides
-        from lowband.train.loop import TrainConfig
+        import dataclasses
 
-        hp = {k: v for k, v in self.params.items() if k != "shards"}
-        fields: dict[str, Any] = dict(method=self.method, shards=self.shards, model=config.model, steps=config.steps,
-                                      seed=self.seed, data=config.data, out=str(out_dir))
-        user = train_overrides(config.train_args)
-        fields.update({k: v for k, v in user.items() if k != "hp"})
-        fields["hp"] = {**hp, **user.get("hp", {})}
-        fields["link_latency_s"] = self.latency_s
+        from lowband.train.cli import train_overrides
+        from lowband.train.config import RunMethod, TrainConfig
+        from lowband.train.methods import canonical_names
+
+        tables: dict[str, dict[str, Any]] = {
+            "model": {"name": config.model, "shards": self.shards}, "schedule": {"steps": config.steps},
+            "run": {"seed": self.seed, "out": str(out_dir)}, "data": {"path": config.data},
+        }
+        for table, body in train_overrides(config.train_args).items():
+            tables.setdefault(table, {}).update(body)
+        user_hp = canonical_names(self.method, {k: v for k, v in tables.pop("method").items() if k != "name"})
+        tables["link"] = {**tables.get("link", {}), "latency_s": self.latency_s}
         if shaped:
-            fields["link_bandwidth_bps"] = self.bandwidth_bps
-        return TrainConfig(**fields)
+            tables["link"]["bandwidth_bps"] = self.bandwidth_bps
+        method = RunMethod(name=self.method, hp=dataclasses.replace(self.hp, **user_hp))
+        return dataclasses.replace(TrainConfig.from_tables(tables), method=method)
 
     def train_args(self, config: BenchConfig, out_dir: Path) -> list[str]:
         """Arguments after the entry module: ``train --method M ... --out OUT_DIR``."""
@@ -645,11 +658,10 @@ def plan_runs(config: BenchConfig) -> list[RunPlan]:
     # Seed-major within a bandwidth: an interrupted bench still holds every method at the first seeds.
     runs = ((bw, seed, spec) for bw in config.bandwidths_bps for seed in config.seeds for spec in config.methods)
     for bw, seed, spec in runs:
-        given = dict(spec.params)
-        if seed not in config.seeds[:given.pop("nseeds", len(config.seeds))]:
+        if seed not in config.seeds[:spec.nseeds or len(config.seeds)]:
             continue
-        if "shards" in given:
-            shard_values: Sequence[int] = [given.pop("shards")]
+        if spec.shards is not None:
+            shard_values: Sequence[int] = [spec.shards]
         elif config.shards is not None and spec.name in SHARD_SWEEP:
             shard_values = config.shards
         elif METHODS[spec.name].shards_per_node == 1:
@@ -658,12 +670,12 @@ def plan_runs(config: BenchConfig) -> list[RunPlan]:
             shard_values = [config.ranks_per_node]
         for s in shard_values:
             name = canonical_method(spec.name, s)
-            params = run_params(name, given, s)
-            key = (name, tuple(sorted((k, format_value(v)) for k, v in params.items())), bw, seed)
+            shown = shown_params(spec.hp, spec.given)
+            key = (name, spec.hp, s, bw, seed)
             if key in seen:
                 continue
             seen.add(key)
-            base = method_label(name, params)
+            base = method_label(name, shown)
             variants = [(False, ())] if config.ft in ("off", "both") and not config.faults else []
             if config.ft == "both" and config.faults:
                 variants.append((False, ()))
@@ -677,7 +689,8 @@ def plan_runs(config: BenchConfig) -> list[RunPlan]:
                 run_id = f"{index:02d}-{_slug(label)}-s{s}-{_bandwidth_slug(bw)}-seed{seed}"
                 plans.append(
                     RunPlan(
-                        index=index, id=run_id, method=name, spec=str(spec), label=label, params=params,
+                        index=index, id=run_id, method=name, spec=str(spec), label=label, hp=spec.hp,
+                        shown=tuple(shown), shards=s,
                         bandwidth_bps=bw, latency_s=config.latency_s, nodes=config.nodes,
                         ranks_per_node=config.ranks_per_node, seed=seed, ft=ft, faults=faults,
                     )  # fmt: skip

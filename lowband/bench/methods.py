@@ -15,8 +15,10 @@ some of its hyper-parameters::
 The methods, their hyper-parameters, types, defaults and checks come from the method configs
 (:mod:`lowband.train.methods`, one per optimizer, for ``lowband train`` and ``lowband bench``
 alike). Keys are the configs' field names or their short aliases (``H`` = ``sync_every``, ``n`` =
-``group_size``, ``clip`` = ``max_grad_norm``); a parsed spec holds field names, and prints and
-labels with the aliases. ``shards`` is accepted too (ranks of a node that shard one model copy),
+``group_size``, ``clip`` = ``max_grad_norm``). A parsed spec holds the method's typed config
+(:class:`BenchMethod`, ``hp``), which is what the trainer gets (``TrainConfig.method.hp``) and builds
+the optimizer from: a hyper-parameter goes spec -> typed config -> the optimizer's keyword. It
+prints and labels with the aliases. ``shards`` is accepted too (ranks of a node that shard one model copy),
 except by ``demo``, which is defined with one. Values are checked here, by building the config,
 before any process starts.
 
@@ -34,6 +36,7 @@ from lowband.bench.record import RunRecord
 from lowband.train.methods import (
     ALIASES,
     METHODS,
+    MethodConfig,
     canonical_names,
     demo_method,
     display_name,
@@ -58,7 +61,7 @@ __all__ = [
     "method_label",
     "parse_method_list",
     "parse_method_spec",
-    "run_params",
+    "shown_params",
     "train_hp_args",
 ]
 
@@ -96,18 +99,25 @@ def accepted_params(method: str) -> dict[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class BenchMethod:
-    """A parsed method spec: the method's name and the hyper-parameters the user set, in order."""
+    """A parsed method spec: the method's name, its typed hyper-parameters (the spec's values on the
+    method's defaults, checked), which of them the spec set (field names, in its order: labels name
+    them), and the bench's own keys (:data:`BENCH_KEYS`)."""
 
     name: str
-    params: tuple[tuple[str, Any], ...] = ()
+    hp: MethodConfig
+    given: tuple[str, ...] = ()
+    shards: int | None = None
+    nseeds: int | None = None
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return dict(self.params).get(key, default)
+    def given_values(self) -> dict[str, Any]:
+        """The hyper-parameters the spec set, by field name."""
+        return {k: getattr(self.hp, k) for k in self.given}
 
     def __str__(self) -> str:
-        if not self.params:
+        items = [*self.given_values().items(), *((k, getattr(self, k)) for k in BENCH_KEYS if getattr(self, k))]
+        if not items:
             return self.name
-        return self.name + ":" + ",".join(f"{_SHORT.get(k, k)}={format_value(v)}" for k, v in self.params)
+        return self.name + ":" + ",".join(f"{_SHORT.get(k, k)}={format_value(v)}" for k, v in items)
 
 
 def _listing() -> str:
@@ -158,11 +168,12 @@ def parse_method_spec(text: str) -> BenchMethod:
                     values[field_name] = parse_hp_value(name, field_name, value)
             except ValueError as e:
                 raise ValueError(f"{name}:{key}={value}: {e}") from None
+    hp = {k: v for k, v in values.items() if k not in BENCH_KEYS}
     try:
-        method_config(name, {k: v for k, v in values.items() if k not in BENCH_KEYS})
+        config = method_config(name, hp)
     except ValueError as e:
         raise ValueError(f"spec {text!r}: {e}") from None
-    return BenchMethod(name, tuple(values.items()))
+    return BenchMethod(name, config, tuple(hp), shards=values.get("shards"), nseeds=values.get("nseeds"))
 
 
 def _parse_count(key: str, text: str) -> int:
@@ -205,13 +216,11 @@ def canonical_method(name: str, shards: int) -> str:
     return demo_method(shards) if family_of(name) == "demo" else name
 
 
-def run_params(method: str, given: Mapping[str, Any], shards: int) -> dict[str, Any]:
-    """Everything passed to the trainer: the run-defining defaults, the spec's values, ``shards``."""
-    defaults = METHODS[method].hyperparameters
-    params = {k: defaults[k] for k in RUN_DEFINING if k in defaults}
-    params.update(given)
-    params["shards"] = shards
-    return params
+def shown_params(hp: MethodConfig, given: Sequence[str]) -> dict[str, Any]:
+    """The hyper-parameters a run's label and record name: the run-defining ones the method has
+    (FlexDeMo's topk and chunk, always) and those its spec set, by field name."""
+    names = [k for k in RUN_DEFINING if hasattr(hp, k)] + [k for k in given if k not in RUN_DEFINING]
+    return {k: getattr(hp, k) for k in names}
 
 
 def method_label(name: str, params: Mapping[str, Any]) -> str:

@@ -215,7 +215,8 @@ def _command(plan: RunPlan, config: BenchConfig, run_dir: Path, mode: str) -> li
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir.resolve() / "config.toml"
     path.write_text(jobfile.dumps(cfg))
-    return ["train", "--config", str(path), "--out", cfg.out, *(["--resume", cfg.resume] if cfg.resume else [])]
+    resume = cfg.checkpoint.resume
+    return ["train", "--config", str(path), "--out", cfg.run.out, *(["--resume", resume] if resume else [])]
 
 
 def _run_one(

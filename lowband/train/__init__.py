@@ -10,6 +10,8 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
+    # the job configuration
+    "TrainConfig": "lowband.train.config",
     # data
     "DataConfig": "lowband.train.data",
     "Data": "lowband.train.data",

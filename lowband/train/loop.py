@@ -25,6 +25,7 @@ trained on (source and target); the bench sums it over ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -36,9 +37,8 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,192 +47,17 @@ from lowband.link import Link
 from lowband.memory import PhaseMemory
 from lowband.topology import Topology
 from lowband.traffic import OpTally, merge_tallies
-from lowband.train.data.config import DataConfig
-from lowband.train.jobfile import option
-from lowband.train.methods import METHODS, MethodConfig, method_config, method_shards
+from lowband.train.config import ScheduleConfig, TrainConfig
+from lowband.train.methods import METHODS, method_shards
 from lowband.train.schedule import warmup_cosine_factor
 from lowband.train.summary import RunSummary
-from lowband.units import parse_bandwidth, parse_duration
 
-__all__ = ["TrainConfig", "Trainer", "run_training", "WARMUP_STEPS_EXCLUDED"]
+__all__ = ["Trainer", "run_training", "WARMUP_STEPS_EXCLUDED"]
 
 log = logging.getLogger(__name__)
 
 # Step timings of the first steps (allocator warm-up, first collectives) are left out of medians.
 WARMUP_STEPS_EXCLUDED = 2
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """One training run.
-
-    Args:
-        method: a key of :data:`lowband.train.methods.METHODS`.
-        hp: hyper-parameter overrides for the method: field names of its config (or their aliases
-            H, n, clip), e.g. ``{"sync_every": 10}``; or the config itself
-            (:mod:`lowband.train.methods`).
-        model: a named size (:data:`lowband.train.models.MODEL_SIZES`) or a local model directory.
-        data: a local data file, or None for the embedded default (Wikipedia vital articles).
-        val_data: a separate validation file (then all of ``data`` is for training).
-        tokenizer: a tokenizer.json (or a directory holding one); None trains one on the data.
-        source_column, target_column, text_column: columns of a user's jsonl/csv.
-        max_source_len, max_target_len, max_len: truncation (paper: 512 in, 150 out).
-        vocab_size: size of the tokenizer lowband trains on the data.
-        val_size: validation examples (count) or share (fraction).
-        max_examples: use at most this many examples (quick runs).
-        steps: optimizer steps.
-        batch_size: examples per rank per micro-batch (a step takes ``batch_size × grad_accum``).
-        grad_accum: micro-batches per optimizer step; FSDP2 reduce-scatters inside the node only
-            on the last, and the step equals one step on the ``grad_accum``-times larger batch.
-        precision: "fp32", or "bf16": FSDP2 mixed precision (bf16 parameters and compute, fp32
-            gradient reduction; the optimizer and its state stay fp32 on the fp32 shard).
-        activation_checkpointing: recompute each transformer block's activations in backward
-            (less memory for activations, about one more forward of compute).
-        memory_profile: on CPU, make glibc return freed memory at once so that the per-phase peaks
-            in the summary follow live memory (about 25 % more CPU time); GPUs always measure
-            ``torch.cuda.max_memory_allocated``.
-        seed: model init, data order and everything random.
-        shards: ranks that shard one model copy (None: all ranks of a node; DeMo: 1).
-        schedule: "constant" or "cosine" (linear warm-up then cosine to min_lr_ratio × lr).
-        warmup_steps, min_lr_ratio: of the schedule.
-        val_every: validate every this many steps (0: only per epoch and at the end).
-        val_batches: validation batches per evaluation.
-        ckpt_every: checkpoint every this many steps (0: only at the end when ckpt_at_end).
-        ckpt_at_end: write a checkpoint after the last step.
-        resume: a checkpoint directory, "auto" for the newest under OUT/checkpoints, or "if-any": the
-            newest if there is one, else start afresh (one command line for a node's first start and
-            its restarts, as a fault-tolerant or preemptible job wants).
-        out: run directory.
-        tensorboard: also write TensorBoard scalars (needs the tensorboard package).
-        progress: show a progress bar on rank 0.
-    """
-
-    method: str = "flexdemo"
-    hp: dict[str, Any] | MethodConfig = field(default_factory=dict)
-    model: str = option("t5-mini", "named size (t5-tiny, t5-mini, t5-small, gpt-mini, ...) or a local model "
-                        "directory (config.json, optional weights)")
-    data: str | None = option(None, "local .jsonl/.csv/.txt file (default: embedded Wikipedia lead paragraph -> "
-                              "description pairs)")
-    val_data: str | None = option(None, "separate validation file (same format as --data)")
-    tokenizer: str | None = option(None, "a tokenizer.json or its directory (default: train one on the data, "
-                                   "cached)")
-    source_column: str = option(DataConfig.source_column, "seq2seq data: the input column")
-    target_column: str = option(DataConfig.target_column, "seq2seq data: the output column")
-    text_column: str = option(DataConfig.text_column, "causal LM data: the text column")
-    max_source_len: int = option(DataConfig.max_source_len, "tokens per source, truncated (paper: 512)")
-    max_target_len: int = option(DataConfig.max_target_len, "tokens per target, truncated (paper: 150)")
-    max_len: int = option(DataConfig.max_len, "causal LM sequence length")
-    vocab_size: int = option(DataConfig.vocab_size, "size of the tokenizer trained on the data")
-    # Not DataConfig's None (5 % of the examples, capped at 500): every bench and golden is measured on 256.
-    val_size: float | int = option(256, "validation examples (>= 1) or share (< 1)", type=float)
-    max_examples: int | None = option(None, "use at most this many examples")
-    steps: int = option(100, "optimizer steps")
-    batch_size: int = option(8, "examples per rank per micro-batch")
-    grad_accum: int = option(1, "micro-batches per optimizer step (the step equals one on a grad-accum-times "
-                             "larger batch; one intra-node reduce-scatter)")
-    precision: str = option("fp32", "bf16: FSDP2 mixed precision (bf16 parameters and compute, fp32 gradient "
-                            "reduction, fp32 optimizer state)", choices=("fp32", "bf16"))
-    activation_checkpointing: bool = option(False, "recompute each transformer block's activations in backward "
-                                            "(less memory, about one more forward)")
-    memory_profile: bool = option(False, "CPU: make glibc return freed memory so the summary's per-phase peaks "
-                                  "follow live memory (~25% more CPU time)")
-    seed: int = option(0, "model init, data order and everything random")
-    shards: int | None = option(None, "ranks sharding one model copy (default: all ranks of a node; demo: 1)")
-    schedule: str = option("constant", "learning-rate schedule (cosine: linear warm-up, then cosine to "
-                           "--min-lr-ratio × lr)", choices=("constant", "cosine"))
-    warmup_steps: int = option(0, "of the schedule")
-    min_lr_ratio: float = option(0.1, "of the cosine schedule")
-    val_every: int = option(0, "validate every N steps (0: per epoch)")
-    val_batches: int = option(8, "validation batches per evaluation")
-    ckpt_every: int = option(0, "DCP checkpoint every N steps (0: off)")
-    ckpt_at_end: bool = option(False, "write a checkpoint after the last step")
-    resume: str | None = option(None, "checkpoint directory, 'auto' for the newest in OUT, or 'if-any': the "
-                                "newest if there is one, else start afresh (a node's first start and restarts)")
-    out: str = option("runs/train", "run directory")
-    tensorboard: bool = option(False, "also write TensorBoard scalars (needs the tensorboard package)")
-    progress: bool = option(True, "no progress bar", flag="--no-progress")
-    link_bandwidth_bps: float | None = option(
-        None, "shape traffic between nodes in-process to this uplink rate per node, e.g. 100mbit (default: no "
-        "shaping)", flag="--link-bandwidth", type=parse_bandwidth, metavar="RATE")
-    link_latency_s: float = option(0.0, "add this latency per message between nodes, e.g. 20ms",
-                                   flag="--link-latency", type=parse_duration, metavar="DURATION")
-    ft_lighthouse: str | None = option(None, "the Lighthouse's address (http://HOST:PORT, printed by `lowband "
-                                       "lighthouse`); turns fault tolerance on", metavar="URL")
-    ft_node: int = option(0, "this node's slot, 0 <= N < --ft-max-nodes (a restarted node takes its old slot)")
-    ft_max_nodes: int = option(1, "the most nodes at once; each step's global batch is laid out for this many "
-                               "(a dead node's slice is skipped)")
-    ft_timeout_s: float = option(10.0, "a collective between nodes, a commit vote or a state transfer that takes "
-                                 "longer fails (the step is dropped), e.g. 10s", flag="--ft-timeout",
-                                 type=parse_duration, metavar="DURATION")
-    ft_quorum: str = option(
-        "async", "async: form each step's quorum while the step's forward and backward run, as torchft does; "
-        "NoLoCo forms one per outer window while its inner steps run, so a slow node outside a node's group holds "
-        "it up only once it is a whole window behind; DiLoCo and SparseLoCo always form theirs before the outer "
-        "step. sync: before each step that communicates, waited for", choices=("async", "sync"))
-    ft_start_nodes: int | None = option(
-        None, "a new job trains its first step once N nodes are live (default: --ft-max-nodes), so its nodes start "
-        "together; after 120 s it starts with those there are. A node that joins a running job does not wait",
-        metavar="N")
-
-    def ft_config(self):
-        """The node's fault-tolerance configuration, or None (no ``ft_lighthouse``)."""
-        if self.ft_lighthouse is None:
-            return None
-        from lowband.ft import FaultToleranceConfig, fingerprint
-
-        method = method_config(self.method, self.hp)
-        return FaultToleranceConfig(
-            lighthouse=self.ft_lighthouse, node=self.ft_node, max_nodes=self.ft_max_nodes, timeout_s=self.ft_timeout_s,
-            async_quorum=self.ft_quorum == "async" and METHODS[self.method].ft_quorum != "outer",
-            window_quorum=self.ft_quorum == "async" and METHODS[self.method].ft_quorum == "window",
-            start_nodes=self.ft_max_nodes if self.ft_start_nodes is None else self.ft_start_nodes,
-            fingerprint=fingerprint(self.method, sorted(method.as_dict().items()), self.model, self.data,
-                                    self.max_examples, self.seed, self.batch_size, self.grad_accum, self.precision,
-                                    self.steps, self.ft_max_nodes, self.ft_quorum),
-        )
-
-    def validate(self) -> None:
-        """Check everything that can be checked before any process group exists."""
-        method = method_config(self.method, self.hp)
-        note = method.tail_note(self.steps)
-        if note is not None:
-            log.warning("%s: %s", self.method, note)
-        for name in ("steps", "batch_size", "val_batches", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("val_every", "ckpt_every", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        from lowband.sharding import PRECISIONS
-
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.schedule not in ("constant", "cosine"):
-            raise ValueError(f"--schedule must be 'constant' or 'cosine', got {self.schedule!r}")
-        if self.link_bandwidth_bps is not None and not self.link_bandwidth_bps > 0:
-            raise ValueError(f"--link-bandwidth must be > 0 bit/s, got {self.link_bandwidth_bps}")
-        if not self.link_latency_s >= 0:
-            raise ValueError(f"--link-latency must be >= 0 s, got {self.link_latency_s}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.ft_lighthouse is not None:
-            from lowband.ft import require_torchft
-
-            if self.ft_quorum not in ("async", "sync"):
-                raise ValueError(f"--ft-quorum must be 'async' or 'sync', got {self.ft_quorum!r}")
-            self.ft_config()
-            method.check_fault_tolerance()
-            require_torchft()
-        for flag, path in (("--data", self.data), ("--val-data", self.val_data), ("--tokenizer", self.tokenizer)):
-            if path is not None and not Path(path).exists():
-                raise FileNotFoundError(f"{flag} {path!r} does not exist; pass a local file (data: .jsonl, .csv, "
-                                        ".tsv, .txt; tokenizer: tokenizer.json or its directory), or leave "
-                                        f"{flag} out for the default")
-        from lowband.train.models import MODEL_SIZES
-
-        if self.model not in MODEL_SIZES and not (Path(self.model) / "config.json").exists():
-            raise ValueError(f"unknown model {self.model!r}; named sizes: {', '.join(MODEL_SIZES)}, "
-                             "or a local model directory with a config.json")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -252,10 +77,10 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
-def lr_lambda(cfg: TrainConfig):
+def lr_lambda(s: ScheduleConfig):
     """Multiplier of the base lr at each step: constant, or linear warm-up then cosine decay."""
-    min_ratio = 1.0 if cfg.schedule == "constant" else cfg.min_lr_ratio  # 1: no decay
-    return functools.partial(warmup_cosine_factor, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
+    min_ratio = 1.0 if s.lr_schedule == "constant" else s.min_lr_ratio  # 1: no decay
+    return functools.partial(warmup_cosine_factor, warmup_steps=s.warmup_steps, total_steps=s.steps,
                              min_ratio=min_ratio)
 
 
@@ -351,8 +176,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.method = method_config(cfg.method, cfg.hp)
-        self.local = METHODS[cfg.method].family == "local"
+        self.method = cfg.method.hp
+        self.local = METHODS[cfg.method.name].family == "local"
         self.tally = _Tally()
         self.start_step = 0
         self.ft = None  # lowband.ft.FaultTolerance under --ft-lighthouse
@@ -369,21 +194,21 @@ class Trainer:
         self._start_processes()
         self._build_model()
         self._build_optimizer()
-        if self.cfg.resume:
+        if self.cfg.checkpoint.resume:
             self._resume()
         self._open_outputs()
 
     def _start_processes(self) -> None:
         cfg = self.cfg
         _init_distributed()
-        if cfg.precision != "fp32" and not dist.is_initialized():
+        if cfg.model.precision != "fp32" and not dist.is_initialized():
             # FSDP2 applies the precision policy; a single process gets a one-rank group (no ports).
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(),
                                     rank=0, world_size=1)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        self.topology = Topology.from_env(shards=method_shards(cfg.method, local_world, cfg.shards))
+        self.topology = Topology.from_env(shards=method_shards(cfg.method.name, local_world, cfg.model.shards))
         self.topology.check_launch()
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
@@ -398,7 +223,7 @@ class Trainer:
                                  f"with its own --ft-node), but this job spans {self.topology.num_nodes} nodes")
             self.data_rank, self.data_world = data_slot(self.ft_cfg, local_rank=self.rank,
                                                         ranks_per_node=self.topology.ranks_per_node)
-        self.out = Path(cfg.out)
+        self.out = Path(cfg.run.out)
         self.out.mkdir(parents=True, exist_ok=True)
         # T5 blocks return views; FSDP2 warns that an in-place op on them would skip its hook. Neither
         # model does one: tests/test_sharding.py checks sharded T5 gradients against unsharded ones.
@@ -407,20 +232,17 @@ class Trainer:
 
     def _build_model(self) -> None:
         from lowband.sharding import shard_model
-        from lowband.train.data import DataConfig, load_data
+        from lowband.train.data import load_data
         from lowband.train.models import build_model, model_kind, transformer_blocks
 
         cfg = self.cfg
-        self.data = load_data(DataConfig(
-            path=cfg.data, kind=model_kind(cfg.model), val_path=cfg.val_data, tokenizer=cfg.tokenizer,
-            source_column=cfg.source_column, target_column=cfg.target_column, text_column=cfg.text_column,
-            val_size=cfg.val_size, max_source_len=cfg.max_source_len, max_target_len=cfg.max_target_len,
-            max_len=cfg.max_len, vocab_size=cfg.vocab_size, seed=cfg.seed, max_examples=cfg.max_examples,
-        ))  # fmt: skip
-        self.spec = build_model(cfg.model, vocab_size=self.data.vocab_size, seed=cfg.seed)
+        # The data's kind follows the model, its split the run's seed.
+        self.data = load_data(dataclasses.replace(cfg.data, kind=model_kind(cfg.model.name), seed=cfg.run.seed))
+        self.spec = build_model(cfg.model.name, vocab_size=self.data.vocab_size, seed=cfg.run.seed)
         model = self.spec.model.to(self.device)
-        self.model = shard_model(model, self.topology, blocks=transformer_blocks(model), precision=cfg.precision,
-                                 activation_checkpointing=cfg.activation_checkpointing)
+        self.model = shard_model(model, self.topology, blocks=transformer_blocks(model),
+                                 precision=cfg.model.precision,
+                                 activation_checkpointing=cfg.model.activation_checkpointing)
         # The sharded parameters, held apart: FSDP2 swaps a module's attributes for the unsharded ones
         # during forward and backward, and a peer may copy this node's state then (async quorum).
         self._shards = dict(self.model.named_parameters())
@@ -432,10 +254,10 @@ class Trainer:
 
             self.ft = FaultTolerance(self.ft_cfg, rank=self.rank, world_size=self.world,
                                      state_dict=self._ft_state, load_state_dict=self._ft_load)
-        self.link = Link(self.topology, bandwidth_bps=cfg.link_bandwidth_bps, latency_s=cfg.link_latency_s,
+        self.link = Link(self.topology, bandwidth_bps=cfg.link.bandwidth_bps, latency_s=cfg.link.latency_s,
                          ft=self.ft)
         self.optimizer = self.method.build(list(self.model.named_parameters()), link=self.link, model=self.model)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.schedule))
         # The training clock and token count (see the module docstring); a resumed run goes on from
         # the checkpoint's, so its curves continue the interrupted run's.
         self.clock: dict[str, float] = {"train_time_s": 0.0, "tokens": 0}
@@ -445,14 +267,15 @@ class Trainer:
                                                        self.scheduler, self.link)
         from lowband.checkpoint import latest_checkpoint, load_checkpoint
 
-        path = latest_checkpoint(out / "checkpoints") if cfg.resume in ("auto", "if-any") else Path(cfg.resume)
-        if path is None and cfg.resume == "if-any":
+        resume = cfg.checkpoint.resume
+        path = latest_checkpoint(out / "checkpoints") if resume in ("auto", "if-any") else Path(resume)
+        if path is None and resume == "if-any":
             log.info("--resume if-any: no checkpoint under %s yet: starting afresh", out / "checkpoints")
             return
         if path is None:
             raise FileNotFoundError(f"--resume auto: no checkpoint under {out / 'checkpoints'}; "
                                     "drop --resume to start afresh")
-        extra = load_checkpoint(path, model=model, optimizer=optimizer, method=cfg.method)
+        extra = load_checkpoint(path, model=model, optimizer=optimizer, method=cfg.method.name)
         start_step = int(extra["step"])
         _log_topology_change(extra, self.topology, cfg=cfg)
         resumed = extra
@@ -467,8 +290,8 @@ class Trainer:
         from lowband.train.data import steps_per_epoch
 
         cfg = self.cfg
-        self.step_batch = cfg.batch_size * cfg.grad_accum  # examples per rank per optimizer step
-        self.profile = PhaseMemory(self.device, return_freed=cfg.memory_profile)
+        self.step_batch = cfg.schedule.batch_size * cfg.schedule.grad_accum  # examples per rank per optimizer step
+        self.profile = PhaseMemory(self.device, return_freed=cfg.run.memory_profile)
         # A node that rejoins a fault-tolerant job appends to the record of its earlier life.
         # Rank 0 looks before it creates the file, and tells the node's other ranks: each looking for
         # itself would race with rank 0 creating it, and the ranks of a node must decide alike (a new
@@ -477,7 +300,7 @@ class Trainer:
         if self.ft is not None and dist.is_initialized() and self.world > 1:
             dist.broadcast_object_list(earlier, src=0)
         self._earlier_life = bool(earlier[0])
-        self.metrics = _Metrics(self.out, enabled=self.rank == 0, tensorboard=cfg.tensorboard,
+        self.metrics = _Metrics(self.out, enabled=self.rank == 0, tensorboard=cfg.run.tensorboard,
                                 append=self.start_step > 0 or self.ft is not None)
         if self.rank == 0:  # the complete job: `lowband train --config OUT/config.toml` runs it again
             from lowband.train import jobfile
@@ -486,10 +309,10 @@ class Trainer:
             (self.out / "config.toml").write_text(jobfile.dumps(cfg))
         self.steps_per_epoch = steps_per_epoch(self.data, world_size=self.data_world, batch_size=self.step_batch)
         self.bar = None
-        if self.rank == 0 and cfg.progress:
+        if self.rank == 0 and cfg.run.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"{cfg.method}", file=sys.stderr,
+            self.bar = tqdm(total=cfg.schedule.steps, initial=self.start_step, desc=cfg.method.name, file=sys.stderr,
                             dynamic_ncols=True, mininterval=1.0)
         self.wall0 = time.perf_counter()
 
@@ -503,13 +326,13 @@ class Trainer:
         t_batch = time.perf_counter()
         batch = {k: v.to(self.device) for k, v in
                  train_batch(self.data, step=step, rank=self.data_rank, world_size=self.data_world,
-                             batch_size=self.step_batch, seed=cfg.seed).items()}
+                             batch_size=self.step_batch, seed=cfg.run.seed).items()}
         # Dropout masks as a function of (seed, step, rank): a resumed run repeats them exactly.
-        torch.manual_seed((cfg.seed * 1_000_003 + step) * self.world + self.rank)
+        torch.manual_seed((cfg.run.seed * 1_000_003 + step) * self.world + self.rank)
         t0 = time.perf_counter()
         self.clock["tokens"] += _batch_tokens(batch, seq2seq=kind == "seq2seq")
         dropped0 = self._dropped()
-        loss = train_step(self.model, self.optimizer, split_batch(batch, cfg.grad_accum, kind=kind), kind=kind,
+        loss = train_step(self.model, self.optimizer, split_batch(batch, cfg.schedule.grad_accum, kind=kind), kind=kind,
                           profile=self.profile)
         self.scheduler.step()
         if self.device.type == "cuda":
@@ -554,7 +377,7 @@ class Trainer:
         from lowband.train.data import epoch_of
 
         cfg = self.cfg
-        v = evaluate(self.model, self.data, batch_size=cfg.batch_size, max_batches=cfg.val_batches,
+        v = evaluate(self.model, self.data, batch_size=cfg.schedule.batch_size, max_batches=cfg.run.val_batches,
                      device=self.device)
         point = {"step": step, "epoch": epoch_of(max(step - 1, 0), data=self.data, world_size=self.data_world,
                                                  batch_size=self.step_batch),
@@ -571,8 +394,9 @@ class Trainer:
         cfg, topo = self.cfg, self.topology
         save_checkpoint(self.out / "checkpoints" / f"step_{step:06d}", model=self.model, optimizer=self.optimizer,
                         extra={"step": step, "scheduler": self.scheduler.state_dict(), **self.clock,
-                               "method": cfg.method, "model": cfg.model, "topology": topology_record(topo),
-                               "global_batch": topo.world_size * cfg.batch_size * cfg.grad_accum})
+                               "method": cfg.method.name, "model": cfg.model.name,
+                               "topology": topology_record(topo),
+                               "global_batch": topo.world_size * self.step_batch})
 
     def summarize(self) -> RunSummary:
         """This rank's summary of the run, written to ``summary_rank{R}.json``."""
@@ -583,11 +407,12 @@ class Trainer:
             return statistics.median(values) if values else None
 
         summary = RunSummary(
-            rank=self.rank, node=topo.node_of(self.rank), method=cfg.method, hp=hp, topk=hp.get("topk"),
+            rank=self.rank, node=topo.node_of(self.rank), method=cfg.method.name, hp=hp, topk=hp.get("topk"),
             chunk=hp.get("chunk"), shards=topo.shards, nodes=topo.num_nodes, ranks_per_node=topo.ranks_per_node,
-            replicas=topo.replicas, steps=cfg.steps, start_step=self.start_step, model=cfg.model,
-            num_params=self.spec.num_params, data=self.data.name, batch_size=cfg.batch_size,
-            grad_accum=cfg.grad_accum, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
+            replicas=topo.replicas, steps=cfg.schedule.steps, start_step=self.start_step, model=cfg.model.name,
+            num_params=self.spec.num_params, data=self.data.name, batch_size=cfg.schedule.batch_size,
+            grad_accum=cfg.schedule.grad_accum, precision=cfg.model.precision,
+            activation_checkpointing=cfg.model.activation_checkpointing,
             memory=self.profile.summary(), status="ok", step_time_s=med(t.step_times),
             compute_time_s=med(t.compute_times), comm_time_s=med(t.comm_times),
             exposed_comm_time_s=med(t.exposed_times),
@@ -600,14 +425,14 @@ class Trainer:
             train_time_s=self.clock["train_time_s"], tokens=self.clock["tokens"],
             shaping=({"bandwidth_bps": self.link.bandwidth_bps, "latency_s": self.link.latency_s}
                      if self.link.shaping else None),
-            wall_time_s=time.perf_counter() - self.t_start, config=asdict(cfg),
+            wall_time_s=time.perf_counter() - self.t_start, config=cfg.tables(),
         )  # fmt: skip
         summary.write(self.out)
         return summary
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> RunSummary:
-        """Build, train ``cfg.steps`` steps (validating and checkpointing where due), summarize."""
+        """Build, train ``cfg.schedule.steps`` steps (validating and checkpointing where due), summarize."""
         cfg = self.cfg
         self.build()
         if self.start_step == 0:
@@ -618,9 +443,9 @@ class Trainer:
             else:
                 self._run_steps()
             self.optimizer.flush()  # an overlapped exchange still in flight: apply it
-            self.evaluate(cfg.steps)
-            if cfg.ckpt_at_end or cfg.ckpt_every:
-                self.checkpoint(cfg.steps)
+            self.evaluate(cfg.schedule.steps)
+            if cfg.checkpoint.at_end or cfg.checkpoint.every:
+                self.checkpoint(cfg.schedule.steps)
         finally:
             if self.bar is not None:
                 self.bar.close()
@@ -638,11 +463,11 @@ class Trainer:
         """The loop: a quorum before each step that communicates, under fault tolerance (or none)."""
         cfg = self.cfg
         step, first = self.start_step, True
-        while step < cfg.steps:
+        while step < cfg.schedule.steps:
             quorum = self.ft is not None and (first or self.optimizer.communicates_next())
             if quorum:
                 step = self._membership(step)  # a joining node may jump ahead to the live step
-                if step >= cfg.steps:
+                if step >= cfg.schedule.steps:
                     break
             first = False
             self.train_step(step)
@@ -655,9 +480,9 @@ class Trainer:
         """Validate and checkpoint where due once ``done`` steps are trained."""
         cfg = self.cfg
         end_of_epoch = done % self.steps_per_epoch == 0
-        if done < cfg.steps and ((cfg.val_every and done % cfg.val_every == 0) or end_of_epoch):
+        if done < cfg.schedule.steps and ((cfg.run.val_every and done % cfg.run.val_every == 0) or end_of_epoch):
             self.evaluate(done)
-        if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < cfg.steps:
+        if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.schedule.steps:
             self.checkpoint(done)
 
     def _run_windows(self) -> None:
@@ -673,7 +498,7 @@ class Trainer:
         """
         cfg = self.cfg
         step, start, first = self.start_step, True, True
-        while step < cfg.steps:
+        while step < cfg.schedule.steps:
             if start:
                 self.next_step = step
                 self._membership(step)
@@ -807,7 +632,7 @@ class Trainer:
         record = {"rank": self.rank, "node": self.ft_cfg.node, "replicas": self.ft.last_members,
                   "committed_steps": self.ft.committed_steps, "dropped_steps": self._dropped(),
                   "healed": self.ft.healed_at, "quorum_s": self.ft.quorum_s, "commit_s": self.ft.commit_s,
-                  "param_sha256": h.hexdigest(), "steps": self.cfg.steps}
+                  "param_sha256": h.hexdigest(), "steps": self.cfg.schedule.steps}
         (self.out / f"ft_rank{self.rank}.json").write_text(json.dumps(record, indent=1))
 
 
@@ -888,11 +713,11 @@ def _log_topology_change(extra: dict, topology: Topology, *, cfg: TrainConfig) -
     log.warning("resuming a checkpoint of %d replica(s) × %d shard(s) on %d × %d: the model is resharded, "
                 "per-replica state %s", r0, old["shards"], r1, new["shards"],
                 "averaged" if r1 < r0 else "copied" if r1 > r0 else "kept")
-    per_rank = cfg.batch_size * cfg.grad_accum
-    old_batch, batch = extra.get("global_batch"), topology.world_size * per_rank
+    accum = cfg.schedule.grad_accum
+    old_batch, batch = extra.get("global_batch"), topology.world_size * cfg.schedule.batch_size * accum
     if old_batch is not None and old_batch != batch:
-        same = (f"--batch-size {old_batch // (topology.world_size * cfg.grad_accum)}"
-                if old_batch % (topology.world_size * cfg.grad_accum) == 0
+        same = (f"--batch-size {old_batch // (topology.world_size * accum)}"
+                if old_batch % (topology.world_size * accum) == 0
                 else f"ranks × --batch-size × --grad-accum = {old_batch}")
         log.warning("the global batch changes from %d to %d examples per step: step k reads positions "
                     "[k·%d, (k+1)·%d) of its epoch's permutation, so part of this epoch is read again (smaller "

@@ -58,7 +58,7 @@ class RunSummary:
         train_time_s: the training clock (time in training steps); tokens: this rank's tokens.
         shaping: {"bandwidth_bps", "latency_s"} of the in-process link shaping, or null.
         wall_time_s: this process's time from the start of the run to its summary.
-        config: the run's :class:`lowband.train.loop.TrainConfig` as a dict.
+        config: the run's :class:`lowband.train.config.TrainConfig` as its tables (:meth:`~lowband.train.config.TrainConfig.tables`).
     """
 
     rank: int

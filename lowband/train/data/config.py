@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from lowband.train.jobfile import option
 from lowband.train.tokenizer import SpecialIds
 
 __all__ = ["KINDS", "LABEL_PAD", "Data", "DataConfig", "Split", "describe"]
@@ -19,7 +20,7 @@ LABEL_PAD = -100
 
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
-    """What data to train on and how to cut it.
+    """What data to train on and how to cut it (a job's ``[data]`` table; :mod:`lowband.train.config`).
 
     Args:
         path: a local data file (see :data:`~lowband.train.data.sources.ACCEPTED_EXTENSIONS`), or None for the embedded default
@@ -31,8 +32,8 @@ class DataConfig:
             example per non-empty line.
         val_path: optional separate validation file (same format); when given, ``val_size`` is
             ignored and all of ``path`` is training data.
-        val_size: validation share: a fraction in (0, 1), a count of examples (int >= 1), or
-            None for 5 % of the examples capped at 500 (493 of the default corpus's 9,862).
+        val_size: validation share: a fraction in (0, 1), a count of examples (int >= 1, default 256),
+            or None for 5 % of the examples capped at 500 (493 of the default corpus's 9,862).
         max_source_len: source tokens per example, ``</s>`` included (paper: 512).
         max_target_len: target tokens per example, ``</s>`` included (paper: 150).
         max_len: tokens per causal example, ``</s>`` included.
@@ -45,21 +46,24 @@ class DataConfig:
             split); None keeps all. Handy for quick runs.
     """
 
-    path: str | None = None
-    kind: str = "seq2seq"
-    source_column: str = "source"
-    target_column: str = "target"
-    text_column: str = "text"
-    val_path: str | None = None
-    val_size: float | int | None = None
-    max_source_len: int = 128
-    max_target_len: int = 32
-    max_len: int = 128
-    vocab_size: int = 8192
-    tokenizer: str | None = None
-    tokenizer_kind: str = "bpe"
-    seed: int = 0
-    max_examples: int | None = None
+    path: str | None = option(None, "local .jsonl/.csv/.txt file (default: embedded Wikipedia lead paragraph -> "
+                              "description pairs)", flag="--data")
+    kind: str = "seq2seq"  # not a job key: the trainer sets it from the model
+    source_column: str = option("source", "seq2seq data: the input column")
+    target_column: str = option("target", "seq2seq data: the output column")
+    text_column: str = option("text", "causal LM data: the text column")
+    val_path: str | None = option(None, "separate validation file (same format as --data)", flag="--val-data")
+    # 256, not a share: every bench and golden is measured on the same 256 examples.
+    val_size: float | int | None = option(256, "validation examples (>= 1) or share (< 1)", type=float)
+    max_source_len: int = option(128, "tokens per source, truncated (paper: 512)")
+    max_target_len: int = option(32, "tokens per target, truncated (paper: 150)")
+    max_len: int = option(128, "causal LM sequence length")
+    vocab_size: int = option(8192, "size of the tokenizer trained on the data")
+    tokenizer: str | None = option(None, "a tokenizer.json or its directory (default: train one on the data, "
+                                   "cached)")
+    tokenizer_kind: str = option("bpe", "the kind of tokenizer trained on the data", choices=("bpe", "unigram"))
+    seed: int = 0  # not a job key: the trainer sets it from the run's seed
+    max_examples: int | None = option(None, "use at most this many examples")
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -1,0 +1,269 @@
+"""The job configuration: one typed, nested :class:`TrainConfig`, a table per concern.
+
+::
+
+    TrainConfig
+      method           RunMethod: name, hp (the method's typed MethodConfig, lowband.train.methods)
+      model            ModelConfig: name, precision, activation_checkpointing, shards
+      data             DataConfig (lowband.train.data): files, columns, token lengths, vocabulary, split
+      schedule         ScheduleConfig: steps, batch_size, grad_accum, lr_schedule, warmup_steps, min_lr_ratio
+      link             LinkConfig: bandwidth_bps, latency_s
+      checkpoint       CheckpointConfig: every, at_end, resume
+      run              RunConfig: seed, val_every, val_batches, out, tensorboard, progress, memory_profile
+      fault_tolerance  FaultToleranceJob: lighthouse, node, max_nodes, timeout_s, quorum, start_nodes
+
+Every field of a table is declared once, with :func:`lowband.train.jobfile.option`: its default, its
+help and its ``lowband train`` flag; the job file's tables and keys (:mod:`lowband.train.jobfile`),
+the flags and ``--help`` (:mod:`lowband.train.cli`) are derived from these classes. A table's
+fields without help (DataConfig's ``kind`` and ``seed``) are not part of the job: the trainer sets
+them from the model and the run's seed.
+
+Build one in code from its tables, as a job file has them::
+
+    TrainConfig.from_tables({"method": {"name": "diloco", "H": 10}, "schedule": {"steps": 500}})
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowband.train.data.config import DataConfig
+from lowband.train.jobfile import option
+from lowband.train.methods import METHODS, MethodConfig, method_config
+from lowband.units import parse_bandwidth, parse_duration
+
+__all__ = ["CheckpointConfig", "DataConfig", "FaultToleranceJob", "LinkConfig", "ModelConfig", "RunConfig",
+           "RunMethod", "ScheduleConfig", "TrainConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class RunMethod:
+    """The method a run trains with: its name (a key of :data:`~lowband.train.methods.METHODS`) and its
+    hyper-parameters, typed (a Mapping of field names or aliases is accepted and checked into the config)."""
+
+    name: str = option("flexdemo", "; ".join(f"{m.name}: {m.description}" for m in METHODS.values()),
+                       flag="--method", choices=tuple(METHODS))
+    hp: MethodConfig = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.hp = method_config(self.name, self.hp)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The model and how a copy of it is laid out and computed."""
+
+    name: str = option("t5-mini", "named size (t5-tiny, t5-mini, t5-small, gpt-mini, ...) or a local model "
+                       "directory (config.json, optional weights)", flag="--model")
+    precision: str = option("fp32", "bf16: FSDP2 mixed precision (bf16 parameters and compute, fp32 gradient "
+                            "reduction, fp32 optimizer state)", choices=("fp32", "bf16"))
+    activation_checkpointing: bool = option(False, "recompute each transformer block's activations in backward "
+                                            "(less memory, about one more forward)")
+    shards: int | None = option(None, "ranks sharding one model copy (default: all ranks of a node; demo: 1)")
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """How long, on how much data per step, at which learning rate over the steps."""
+
+    steps: int = option(100, "optimizer steps")
+    batch_size: int = option(8, "examples per rank per micro-batch")
+    grad_accum: int = option(1, "micro-batches per optimizer step (the step equals one on a grad-accum-times "
+                             "larger batch; one intra-node reduce-scatter)")
+    lr_schedule: str = option("constant", "learning-rate schedule (cosine: linear warm-up, then cosine to "
+                              "--min-lr-ratio × lr)", flag="--schedule", choices=("constant", "cosine"))
+    warmup_steps: int = option(0, "of the schedule")
+    min_lr_ratio: float = option(0.1, "of the cosine schedule")
+
+
+@dataclass(kw_only=True)
+class LinkConfig:
+    """Emulated slow links between nodes, shaped in-process (real links need none)."""
+
+    bandwidth_bps: float | None = option(
+        None, "shape traffic between nodes in-process to this uplink rate per node, e.g. 100mbit (default: no "
+        "shaping)", flag="--link-bandwidth", type=parse_bandwidth, metavar="RATE")
+    latency_s: float = option(0.0, "add this latency per message between nodes, e.g. 20ms", flag="--link-latency",
+                              type=parse_duration, metavar="DURATION")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """DCP checkpoints under ``OUT/checkpoints``, and what a run resumes from."""
+
+    every: int = option(0, "DCP checkpoint every N steps (0: off)", flag="--ckpt-every")
+    at_end: bool = option(False, "write a checkpoint after the last step", flag="--ckpt-at-end")
+    resume: str | None = option(None, "checkpoint directory, 'auto' for the newest in OUT, or 'if-any': the "
+                                "newest if there is one, else start afresh (a node's first start and restarts)")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """The run's seed, evaluation, outputs and progress."""
+
+    seed: int = option(0, "model init, data order and everything random")
+    val_every: int = option(0, "validate every N steps (0: per epoch)")
+    val_batches: int = option(8, "validation batches per evaluation")
+    out: str = option("runs/train", "run directory")
+    tensorboard: bool = option(False, "also write TensorBoard scalars (needs the tensorboard package)")
+    progress: bool = option(True, "no progress bar", flag="--no-progress")
+    memory_profile: bool = option(False, "CPU: make glibc return freed memory so the summary's per-phase peaks "
+                                  "follow live memory (~25% more CPU time)")
+
+
+@dataclass(kw_only=True)
+class FaultToleranceJob:
+    """torchft: one torchrun per node, nodes may die and join (docs/fault-tolerance.md). The node's
+    runtime configuration is :meth:`TrainConfig.ft_config` (a :class:`lowband.ft.FaultToleranceConfig`)."""
+
+    lighthouse: str | None = option(None, "the Lighthouse's address (http://HOST:PORT, printed by `lowband "
+                                    "lighthouse`); turns fault tolerance on", flag="--ft-lighthouse", metavar="URL")
+    node: int = option(0, "this node's slot, 0 <= N < --ft-max-nodes (a restarted node takes its old slot)",
+                       flag="--ft-node")
+    max_nodes: int = option(1, "the most nodes at once; each step's global batch is laid out for this many "
+                            "(a dead node's slice is skipped)", flag="--ft-max-nodes")
+    timeout_s: float = option(10.0, "a collective between nodes, a commit vote or a state transfer that takes "
+                              "longer fails (the step is dropped), e.g. 10s", flag="--ft-timeout",
+                              type=parse_duration, metavar="DURATION")
+    quorum: str = option(
+        "async", "async: form each step's quorum while the step's forward and backward run, as torchft does; "
+        "NoLoCo forms one per outer window while its inner steps run, so a slow node outside a node's group holds "
+        "it up only once it is a whole window behind; DiLoCo and SparseLoCo always form theirs before the outer "
+        "step. sync: before each step that communicates, waited for", flag="--ft-quorum", choices=("async", "sync"))
+    start_nodes: int | None = option(
+        None, "a new job trains its first step once N nodes are live (default: --ft-max-nodes), so its nodes start "
+        "together; after 120 s it starts with those there are. A node that joins a running job does not wait",
+        flag="--ft-start-nodes", metavar="N")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One training run: a table per concern (see the module's docstring)."""
+
+    method: RunMethod = field(default_factory=RunMethod)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    fault_tolerance: FaultToleranceJob = field(default_factory=FaultToleranceJob)
+
+    @classmethod
+    def from_tables(cls, tables: Mapping[str, Mapping[str, Any]]) -> TrainConfig:
+        """The config from its tables by field name, as :func:`lowband.train.jobfile.loads` gives them
+        (``method``: ``name`` and the hyper-parameters by field name or alias); tables and keys not given
+        keep their defaults. A bad value is a ValueError that names it."""
+        from lowband.train import jobfile
+
+        unknown = set(tables) - set(jobfile.sections())
+        if unknown:
+            raise ValueError(f"unknown table(s) {', '.join(sorted(unknown))}; the tables are: {', '.join(jobfile.sections())}")
+        kwargs: dict[str, Any] = {}
+        for table, cls_ in jobfile.sections().items():
+            body = dict(tables.get(table, {}))
+            if table == "method":
+                name = body.pop("name", RunMethod.name)
+                kwargs[table] = RunMethod(name=name, hp=body)
+                continue
+            keys = jobfile.job_fields(cls_)
+            bad = set(body) - set(keys)
+            if bad:
+                raise ValueError(f"[{table}] has no key {', '.join(sorted(bad))}; its keys are: {', '.join(keys)}")
+            if table == "data" and isinstance(body.get("val_size"), float) and body["val_size"] >= 1:
+                body["val_size"] = int(body["val_size"])  # a count given as a float (a flag's text)
+            kwargs[table] = cls_(**body)
+        return cls(**kwargs)
+
+    def tables(self) -> dict[str, dict[str, Any]]:
+        """Every table by field name: the inverse of :meth:`from_tables` (``method``: name and every
+        hyper-parameter, defaults included)."""
+        from lowband.train import jobfile
+
+        out: dict[str, dict[str, Any]] = {"method": {"name": self.method.name, **self.method.hp.as_dict()}}
+        for table, cls_ in jobfile.sections().items():
+            if table != "method":
+                section = getattr(self, table)
+                out[table] = {k: getattr(section, k) for k in jobfile.job_fields(cls_)}
+        return out
+
+    def ft_config(self):
+        """The node's fault-tolerance configuration, or None (no ``fault_tolerance.lighthouse``)."""
+        ft = self.fault_tolerance
+        if ft.lighthouse is None:
+            return None
+        from lowband.ft import FaultToleranceConfig, fingerprint
+
+        spec, s, d = METHODS[self.method.name], self.schedule, self.data
+        return FaultToleranceConfig(
+            lighthouse=ft.lighthouse, node=ft.node, max_nodes=ft.max_nodes, timeout_s=ft.timeout_s,
+            async_quorum=ft.quorum == "async" and spec.ft_quorum != "outer",
+            window_quorum=ft.quorum == "async" and spec.ft_quorum == "window",
+            start_nodes=ft.max_nodes if ft.start_nodes is None else ft.start_nodes,
+            fingerprint=fingerprint(self.method.name, sorted(self.method.hp.as_dict().items()), self.model.name,
+                                    d.path, d.max_examples, self.run.seed, s.batch_size, s.grad_accum,
+                                    self.model.precision, s.steps, ft.max_nodes, ft.quorum),
+        )
+
+    def validate(self) -> None:
+        """Check everything that can be checked before any process group exists."""
+        method, s, r = self.method.hp, self.schedule, self.run
+        note = method.tail_note(s.steps)
+        if note is not None:
+            log.warning("%s: %s", self.method.name, note)
+        for value, flag in ((s.steps, "--steps"), (s.batch_size, "--batch-size"), (r.val_batches, "--val-batches"),
+                            (s.grad_accum, "--grad-accum")):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        for value, flag in ((r.val_every, "--val-every"), (self.checkpoint.every, "--ckpt-every"),
+                            (s.warmup_steps, "--warmup-steps")):
+            if value < 0:
+                raise ValueError(f"{flag} must be >= 0, got {value}")
+        from lowband.sharding import PRECISIONS
+
+        if self.model.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.model.precision!r}")
+        if s.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"--schedule must be 'constant' or 'cosine', got {s.lr_schedule!r}")
+        if self.link.bandwidth_bps is not None and not self.link.bandwidth_bps > 0:
+            raise ValueError(f"--link-bandwidth must be > 0 bit/s, got {self.link.bandwidth_bps}")
+        if not self.link.latency_s >= 0:
+            raise ValueError(f"--link-latency must be >= 0 s, got {self.link.latency_s}")
+        if not 0.0 <= s.min_lr_ratio <= 1.0:
+            raise ValueError(f"--min-lr-ratio must be in [0, 1], got {s.min_lr_ratio}")
+        if self.fault_tolerance.lighthouse is not None:
+            from lowband.ft import require_torchft
+
+            if self.fault_tolerance.quorum not in ("async", "sync"):
+                raise ValueError(f"--ft-quorum must be 'async' or 'sync', got {self.fault_tolerance.quorum!r}")
+            self.ft_config()
+            method.check_fault_tolerance()
+            require_torchft()
+        for flag, path in (("--data", self.data.path), ("--val-data", self.data.val_path),
+                           ("--tokenizer", self.data.tokenizer)):
+            if path is not None and not Path(path).exists():
+                raise FileNotFoundError(f"{flag} {path!r} does not exist; pass a local file (data: .jsonl, .csv, "
+                                        ".tsv, .txt; tokenizer: tokenizer.json or its directory), or leave "
+                                        f"{flag} out for the default")
+        from lowband.train.models import MODEL_SIZES
+
+        if self.model.name not in MODEL_SIZES and not (Path(self.model.name) / "config.json").exists():
+            raise ValueError(f"unknown model {self.model.name!r}; named sizes: {', '.join(MODEL_SIZES)}, "
+                             "or a local model directory with a config.json")
+
+
+def replace(cfg: TrainConfig, **tables: Mapping[str, Any]) -> TrainConfig:
+    """``cfg`` with some keys of some tables changed: ``replace(cfg, schedule={"steps": 10})``."""
+    merged = cfg.tables()
+    for table, body in tables.items():
+        if table == "method" and "name" in body and body["name"] != cfg.method.name:
+            merged["method"] = {}  # another method: the old one's hyper-parameters do not apply
+        merged.setdefault(table, {}).update(body)
+    return TrainConfig.from_tables(merged)
+
