@@ -101,11 +101,11 @@ def from_tiles(tiles: torch.Tensor, shape: tuple[int, int], *, out: torch.Tensor
     tile = math.isqrt(tiles.shape[-1])
     rt, ct = -(-rows // tile), -(-cols // tile)
     grid = tiles.reshape(rt, ct, tile, tile).transpose(1, 2)  # (rt, t, ct, t): the padded matrix
-    out = tiles.new_empty(rows, cols) if out is None else out.view(rows, cols)
+    out = tiles.new_empty(rows, cols) if out is None else out
     if rows == rt * tile and cols == ct * tile:
         out.view(rt, tile, ct, tile).copy_(grid)
     else:
-        out.copy_(grid.reshape(rt * tile, ct * tile)[:rows, :cols])
+        out.view(rows, cols).copy_(grid.reshape(rt * tile, ct * tile)[:rows, :cols])
     return out
 
 
