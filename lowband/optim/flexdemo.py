@@ -219,6 +219,16 @@ def _num_rows(x: torch.Tensor, group: dict) -> int:
     return -(-x.numel() // _width(group))
 
 
+def _add_untiled(mat: torch.Tensor, tiles: torch.Tensor, tile: int, alpha: float) -> None:
+    """mat ← mat + alpha·(``tiles`` untiled): one strided pass, or (a ragged edge) through an untiled copy."""
+    rows, cols = mat.shape
+    rt, ct = -(-rows // tile), -(-cols // tile)
+    if rows == rt * tile and cols == ct * tile:
+        mat.view(rt, tile, ct, tile).add_(tiles.view(rt, ct, tile, tile).transpose(1, 2), alpha=alpha)
+    else:
+        mat.add_(from_tiles(tiles, mat.shape), alpha=alpha)
+
+
 def _basis(w: _Work, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The transform of a work's chunk rows: B_t ⊗ B_t for tiles, the 1-D DCT-II of c otherwise."""
     if w.tile:
@@ -729,9 +739,9 @@ class FlexDeMo(Optimizer):
             chunk = w.plan.wire.chunk
             basis = _basis(w, sent_vals.dtype, sent_vals.device)
             deltas = self._flats(w.params)
-            if w.tile:  # δ is written in tiles (every element of each: whole tiles), then untiled into δ
-                tiled = [torch.empty_like(g, dtype=d.dtype) for g, d in zip(gflats, deltas, strict=True)]
-                deltas, untiled = tiled, deltas
+            if w.tile:  # δ is written in tiles over the tiled scratch (block by block, each read before it is
+                # written; whole tiles, so every element), then untiled into δ
+                deltas, untiled = gflats, deltas
             ws = _Workspace(w.plan)
             for seg in w.plan.segs:
                 m = self._block_committed(seg, gflats, chunk, ws)
@@ -806,7 +816,7 @@ class FlexDeMo(Optimizer):
                         continue
                     mat = _matrix(x)
                     if into is None:
-                        mat.add_(from_tiles(buf.view(-1, chunk), mat.shape), alpha=-lr)
+                        _add_untiled(mat, buf.view(-1, chunk), w.tile, -lr)
                     else:
                         from_tiles(buf.view(-1, chunk), mat.shape, out=mat)
             if into is None and group["weight_decay"] > 0:
