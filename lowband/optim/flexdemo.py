@@ -289,8 +289,8 @@ class FlexDeMo(Optimizer):
     padding is dropped. A shard with no rows has no tiles.
 
     All parameters' payloads (each tensor's :class:`lowband.compress.WireFormat` payload, in the
-    order of the param groups and their parameters; with tiles, see below) travel as one flat uint8 message per step
-    through the link (one all-gather over the replicate group: one round trip between nodes).
+    order of the param groups and their parameters; with tiles, see above) travel as one flat uint8
+    message per step through the link (one all-gather over the replicate group: one round trip between nodes).
     R = 1: nothing is exchanged (plain sign-SGD on shards).
 
     The non-finite check rides in the same message. Phase 1 computes the payload from β·δ + lr·g
@@ -308,8 +308,9 @@ class FlexDeMo(Optimizer):
     (flat, local) gradient, and the commit reads it from there, exactly what was compressed, so the
     momentum is computed once and δ needs no copy to stay as it was when the step is refused. After
     ``step()`` (accepted or refused, also for a non-finite gradient) ``p.grad`` holds that
-    momentum, not the gradient (tiled matrices excepted, see below): read or clip gradients before ``step()`` and zero them before the
-    next backward, as training loops do (DeMo's reference optimizer also overwrites its gradients).
+    momentum, not the gradient (tiled matrices excepted, see above): read or clip gradients before
+    ``step()`` and zero them before the next backward, as training loops do (DeMo's reference
+    optimizer also overwrites its gradients).
     Bytes per rank and step: :meth:`payload_bytes` + 1 (the flag), all-gathered.
 
     With ``overlap=True`` the exchange of step t runs while step t+1 computes (Psyche's and
@@ -622,7 +623,7 @@ class FlexDeMo(Optimizer):
         # One check covers the gradients too (no pass over them of its own): a NaN or Inf anywhere in a
         # chunk of β·δ + lr·g makes the chunk's DCT coefficients non-finite (every coefficient sums all
         # the chunk's elements times basis entries; NaN or Inf times any entry, 0 included, is not
-        # finite; and the first basis row is a non-zero constant, so even a BLAS that skips zero
+        # finite; and the first basis row, of B_t ⊗ B_t too, is a non-zero constant, so even a BLAS that skips zero
         # entries leaves at least that coefficient non-finite), and the top-k picks non-finite
         # magnitudes first: the values to send are finite exactly when the gradients, δ and the
         # transform are. One host sync for every parameter.
