@@ -216,6 +216,27 @@ def test_checkpoint_resumes_bit_for_bit(overlap):
     assert all(torch.equal(opt.state[a]["delta"], opt2.state[b]["delta"]) for a, b in zip(params, resumed, strict=True))
 
 
+def test_a_nonfinite_gradient_anywhere_in_a_tile_refuses_the_step():
+    # FlexDeMo checks only the values it sends: a NaN/Inf in a tiled matrix (first, middle, last
+    # element; the ragged ones' edge tiles included) must reach them through the 2-D DCT and the pick.
+    params = _params()
+    opt = FlexDeMo(params, lr=LR, tile=4, topk=1, nonfinite="skip")
+    _grads(params, 0)
+    opt.step()  # a good step first: δ is non-zero
+    cases = 0
+    for t, p in enumerate(params):
+        for pos in sorted({0, p.numel() // 2, p.numel() - 1} if p.numel() else set()):
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                before = [q.detach().clone() for q in params] + [opt.state[q]["delta"].clone() for q in params]
+                _grads(params, 1)
+                p.grad.view(-1)[pos] = bad
+                opt.step()
+                after = [q.detach() for q in params] + [opt.state[q]["delta"] for q in params]
+                assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), (t, pos, bad)
+                cases += 1
+    assert opt.skipped_steps == cases
+
+
 @pytest.mark.parametrize(("kwargs", "needle"), [
     (dict(tile=4, topk=17), "tile²=16"),
     (dict(tile=-1), "tile"),
@@ -239,7 +260,8 @@ def test_tile_is_a_method_hyperparameter():
 
 
 # ----------------------------------------------------------------------------- FSDP2 shards on 2 × 2
-def _tiles_on_2x2(rank: int) -> dict:
+def _tiles_on_2x2(rank: int, ckpt_dir: str) -> dict:
+    from lowband.checkpoint import load_checkpoint, save_checkpoint
     from lowband.link import Link
     from lowband.topology import Topology
 
@@ -274,15 +296,49 @@ def _tiles_on_2x2(rank: int) -> dict:
         sent.append(link.end_step().ops[0].payload_bytes)
     out["payload"] = (opt.payload_bytes(), sent)
     out["params"] = [p.detach().tolist() for p in full_params(model)]
+
+    # A DCP checkpoint with overlap in the middle: resumed == uninterrupted, bit for bit.
+    def run(model, opt, link, steps):
+        for step in steps:
+            opt.zero_grad()
+            tiny_loss(model, rank, step).backward()
+            opt.step()
+            link.end_step()
+        opt.flush()
+
+    def make(model, link):
+        return FlexDeMo(model.parameters(), lr=LR, tile=4, topk=3, decay=0.9, link=link, overlap=True)
+
+    model = tiny_sharded(topo)
+    link = Link(topo)
+    run(model, make(model, link), link, range(5))
+    straight = full_params(model)
+    model = tiny_sharded(topo)
+    link = Link(topo)
+    opt = make(model, link)
+    for step in range(3):
+        opt.zero_grad()
+        tiny_loss(model, rank, step).backward()
+        opt.step()
+        link.end_step()
+    save_checkpoint(f"{ckpt_dir}/tiles", model=model, optimizer=opt, extra={"step": 3})
+    model2 = tiny_sharded(topo, seed=123)  # everything must come from the checkpoint
+    link2 = Link(topo)
+    opt2 = make(model2, link2)
+    load_checkpoint(f"{ckpt_dir}/tiles", model=model2, optimizer=opt2)
+    run(model2, opt2, link2, range(3, 5))
+    out["resume_maxdiff"] = max((a - b).abs().max().item()
+                                for a, b in zip(straight, full_params(model2), strict=True))
     return out
 
 
 @pytest.mark.multiprocess
-def test_tiles_on_fsdp2_shards_of_a_2x2_mesh():
-    results = run_ranks(_tiles_on_2x2, world_size=4, ranks_per_node=2, timeout_s=180)
+def test_tiles_on_fsdp2_shards_of_a_2x2_mesh(tmp_path):
+    results = run_ranks(_tiles_on_2x2, world_size=4, ranks_per_node=2, args=(str(tmp_path),), timeout_s=180)
     assert {r["local_shapes"][0] for r in results} == {(19, 13), (18, 13)}  # uneven row shards
     for r in results:
         assert r["vs_sgd"] < 1e-5, r["vs_sgd"]
         payload, sent = r["payload"]
         assert all(s == payload + 1 for s in sent), (payload, sent)
+        assert r["resume_maxdiff"] == 0.0, r["resume_maxdiff"]
     assert all(r["params"] == results[0]["params"] for r in results[1:])  # every rank: the same full model
