@@ -237,6 +237,19 @@ def test_a_nonfinite_gradient_anywhere_in_a_tile_refuses_the_step():
     assert opt.skipped_steps == cases
 
 
+def test_a_checkpoint_from_before_tiles_loads_as_1d_chunks():
+    params = _params()
+    opt = FlexDeMo(params, lr=LR, topk=2, chunk=16)
+    _grads(params, 0)
+    opt.step()
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:
+        del group["tile"]  # the layout of checkpoints written before the option existed
+    opt2 = FlexDeMo(_params(), lr=LR, topk=2, chunk=16)
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[0]["tile"] == 0
+
+
 @pytest.mark.parametrize(("kwargs", "needle"), [
     (dict(tile=4, topk=17), "tile²=16"),
     (dict(tile=-1), "tile"),
