@@ -3,12 +3,16 @@
 from lowband.compress.dct import (
     dct,
     dct_basis,
+    dct_basis_2d,
     from_chunks,
+    from_tiles,
     idct,
     idct_sparse,
     num_chunks,
+    num_tiles,
     scatter_chunks,
     to_chunks,
+    to_tiles,
     topk_per_chunk,
 )
 from lowband.compress.wire import VALUE_FORMATS, WireFormat
@@ -18,11 +22,15 @@ __all__ = [
     "WireFormat",
     "dct",
     "dct_basis",
+    "dct_basis_2d",
     "from_chunks",
+    "from_tiles",
     "idct",
     "idct_sparse",
     "num_chunks",
+    "num_tiles",
     "scatter_chunks",
     "to_chunks",
+    "to_tiles",
     "topk_per_chunk",
 ]

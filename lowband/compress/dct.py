@@ -6,6 +6,12 @@ basis vectors): X = x·Bᵀ, x = X·B. B is computed once per (c, dtype, device)
 
 Padding (never the "largest divisor ≤ c" rule of DeToNATION): every tensor gets the chunk size
 asked for, so top-k of a chunk always keeps k of c coefficients.
+
+2-D tiles: a (rows, cols) matrix is zero-padded to multiples of t in both dimensions and cut into
+t × t tiles (:func:`to_tiles`), each flattened row-major into a row of t² elements. The separable
+2-D DCT of a tile, X = B_t·x·B_tᵀ, is the 1-D transform of that row with the Kronecker basis
+B_t ⊗ B_t (:func:`dct_basis_2d`, t² × t², orthonormal), so tiles are chunks of c = t² with another
+basis, and everything above (top-k per row, :func:`idct_sparse`, the wire format) applies to them.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "dct_basis", "num_chunks", "to_chunks", "from_chunks", "dct", "idct", "idct_sparse", "topk_per_chunk",
-    "scatter_chunks",
+    "scatter_chunks", "dct_basis_2d", "num_tiles", "to_tiles", "from_tiles",
 ]
 
 # idct_sparse sums the basis rows that a chunk's coefficients select (torch's embedding_bag with
@@ -45,6 +51,62 @@ def dct_basis(chunk: int, dtype: torch.dtype = torch.float32, device: torch.devi
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     return _basis_cached(int(chunk), dtype, torch.device(device))
+
+
+@lru_cache(maxsize=16)
+def _basis_2d_cached(tile: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    b = _basis_cached(tile, torch.float64, torch.device("cpu"))
+    return torch.kron(b, b).to(dtype=dtype, device=device).contiguous()
+
+
+def dct_basis_2d(tile: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """The orthonormal 2-D DCT-II of a t × t tile as a (t², t²) matrix: B_t ⊗ B_t.
+
+    Row i·t + j is frequency (i, j), column r·t + s the tile's element (r, s) (row-major), so for a
+    tile x flattened row-major, ``basis_2d @ x.flatten()`` is ``(B_t @ x @ B_t.T).flatten()``.
+    """
+    if tile < 1:
+        raise ValueError(f"tile must be >= 1, got {tile}")
+    return _basis_2d_cached(int(tile), dtype, torch.device(device))
+
+
+def num_tiles(rows: int, cols: int, tile: int) -> int:
+    """t × t tiles of a (rows, cols) matrix zero-padded to multiples of t in both dimensions."""
+    return -(-rows // tile) * -(-cols // tile)
+
+
+def to_tiles(mat: torch.Tensor, tile: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A (rows, cols) matrix as (n_tiles, tile²) rows: zero-padded to multiples of ``tile`` in both
+    dimensions, the tiles in row-major order of the tile grid, each tile's elements row-major.
+
+    One strided copy; a ragged matrix (rows or cols not multiples of ``tile``) costs a padded copy
+    first. ``out``: a contiguous tensor of :func:`num_tiles` · tile² elements to write into.
+    """
+    rows, cols = mat.shape
+    rt, ct = -(-rows // tile), -(-cols // tile)
+    out = mat.new_empty(rt * ct, tile * tile) if out is None else out.view(rt * ct, tile * tile)
+    if rows != rt * tile or cols != ct * tile:
+        mat = F.pad(mat, (0, ct * tile - cols, 0, rt * tile - rows))
+    out.view(rt, ct, tile, tile).copy_(mat.reshape(rt, tile, ct, tile).transpose(1, 2))
+    return out
+
+
+def from_tiles(tiles: torch.Tensor, shape: tuple[int, int], *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`to_tiles`: the (rows, cols) matrix of ``shape``, the padding dropped.
+
+    ``out``: a contiguous (rows, cols) tensor to write into (else a new one).
+    """
+    rows, cols = shape
+    tile = math.isqrt(tiles.shape[-1])
+    rt, ct = -(-rows // tile), -(-cols // tile)
+    grid = tiles.reshape(rt, ct, tile, tile).transpose(1, 2)  # (rt, t, ct, t): the padded matrix
+    out = tiles.new_empty(rows, cols) if out is None else out
+    if rows == rt * tile and cols == ct * tile:
+        out.view(rt, tile, ct, tile).copy_(grid)
+    else:
+        out.view(rows, cols).copy_(grid.reshape(rt * tile, ct * tile)[:rows, :cols])
+    return out
 
 
 def num_chunks(numel: int, chunk: int) -> int:
@@ -130,7 +192,8 @@ def scatter_chunks(idx: torch.Tensor, vals: torch.Tensor, chunk: int) -> torch.T
     return out.scatter_add_(-1, idx.long(), vals)
 
 
-def idct_sparse(idx: torch.Tensor, vals: torch.Tensor, chunk: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def idct_sparse(idx: torch.Tensor, vals: torch.Tensor, chunk: int, *, out: torch.Tensor | None = None,
+                basis: torch.Tensor | None = None) -> torch.Tensor:
     r"""``idct(scatter_chunks(idx, vals, chunk))`` without the dense product, up to float rounding.
 
     A chunk with coefficients (i_j, v_j), j = 1..k, decodes to x = Σ_j v_j·B[i_j] (B's rows are the
@@ -149,6 +212,9 @@ def idct_sparse(idx: torch.Tensor, vals: torch.Tensor, chunk: int, *, out: torch
 
     ``out``: a (n_chunks, chunk) tensor of ``vals``' dtype that the result is written into where the
     kernel allows it (one term, the dense product); the result is returned either way.
+
+    ``basis``: the (chunk, chunk) matrix whose rows are summed, of ``vals``' dtype and device
+    (default: :func:`dct_basis`; :func:`dct_basis_2d` for t × t tiles, chunk = t²).
     """
     if idx.dim() == 3:
         n_chunks = idx.shape[1]
@@ -157,12 +223,10 @@ def idct_sparse(idx: torch.Tensor, vals: torch.Tensor, chunk: int, *, out: torch
     elif idx.dim() != 2:
         raise ValueError(f"indices must be (n_chunks, k) or (R, n_chunks, k), got {tuple(idx.shape)}")
     terms = idx.shape[-1]
+    b = dct_basis(chunk, vals.dtype, vals.device) if basis is None else basis
     if terms > SPARSE_TERMS_MAX:
         dense = scatter_chunks(idx, vals, chunk)
-        if out is None:
-            return idct(dense)
-        return torch.matmul(dense, dct_basis(chunk, dense.dtype, dense.device), out=out)
-    b = dct_basis(chunk, vals.dtype, vals.device)
+        return torch.matmul(dense, b) if out is None else torch.matmul(dense, b, out=out)
     if terms == 1:
         rows = b.index_select(0, idx[:, 0]) if out is None else torch.index_select(b, 0, idx[:, 0], out=out)
         return rows.mul_(vals)

@@ -7,6 +7,7 @@ Paper: "FlexDeMo: Decoupled Momentum Optimization for Hybrid Sharded Data Parall
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -14,7 +15,16 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lowband.compress import WireFormat, dct_basis, idct_sparse, topk_per_chunk
+from lowband.compress import (
+    WireFormat,
+    dct_basis,
+    dct_basis_2d,
+    from_tiles,
+    idct_sparse,
+    num_tiles,
+    to_tiles,
+    topk_per_chunk,
+)
 from lowband.link import Link
 from lowband.optim._common import (
     NONFINITE_POLICIES,
@@ -168,11 +178,62 @@ class _Workspace:
 
 
 class _Work(NamedTuple):
-    """One param group's share of a step: the parameters with a gradient, and their layout."""
+    """A param group's share of a step: parameters with a gradient, their layout, and their transform.
+
+    ``tile`` 0: each shard's flat elements in 1-D chunks; t > 0: each shard's matrix in t × t tiles,
+    transformed with the 2-D DCT (a group with ``tile`` set gives two: its matrices, then the rest).
+    """
 
     group: dict
     params: list
     plan: _Plan
+    tile: int
+
+
+def _width(group: dict) -> int:
+    """Elements per chunk row of a param group: t² for t × t tiles, else the chunk size."""
+    return group["tile"] ** 2 if group["tile"] else group["chunk"]
+
+
+def _width_name(tile: int, width: int) -> str:
+    return f"tile²={width}" if tile else f"chunk={width}"
+
+
+def _matrix(x: torch.Tensor) -> torch.Tensor:
+    """A shard (ndim >= 2) as the matrix its tiles cut: dim 0 (FSDP2's row split) by the other dims
+    flattened (a conv weight's (out, in·kh·kw)); a view."""
+    return x.view(x.shape[0], math.prod(x.shape[1:]))
+
+
+def _tiled(x: torch.Tensor) -> bool:
+    """Whether a group with ``tile`` set cuts this shard in tiles: matrices (and higher dims) do,
+    1-D and 0-D tensors (biases, norms' gains) go in 1-D chunks of t² elements."""
+    return x.dim() >= 2
+
+
+def _num_rows(x: torch.Tensor, group: dict) -> int:
+    """Chunk rows (chunks or tiles) of a local shard in a param group."""
+    tile = group["tile"]
+    if tile and _tiled(x):
+        return num_tiles(x.shape[0], math.prod(x.shape[1:]), tile)
+    return -(-x.numel() // _width(group))
+
+
+def _add_untiled(mat: torch.Tensor, tiles: torch.Tensor, tile: int, alpha: float) -> None:
+    """mat ← mat + alpha·(``tiles`` untiled): one strided pass, or (a ragged edge) through an untiled copy."""
+    rows, cols = mat.shape
+    rt, ct = -(-rows // tile), -(-cols // tile)
+    if rows == rt * tile and cols == ct * tile:
+        mat.view(rt, tile, ct, tile).add_(tiles.view(rt, ct, tile, tile).transpose(1, 2), alpha=alpha)
+    else:
+        mat.add_(from_tiles(tiles, mat.shape), alpha=alpha)
+
+
+def _basis(w: _Work, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The transform of a work's chunk rows: B_t ⊗ B_t for tiles, the 1-D DCT-II of c otherwise."""
+    if w.tile:
+        return dct_basis_2d(w.tile, dtype, device)
+    return dct_basis(w.plan.wire.chunk, dtype, device)
 
 
 class FlexDeMo(Optimizer):
@@ -210,9 +271,26 @@ class FlexDeMo(Optimizer):
     picks compare magnitudes as integers (:func:`lowband.compress.topk_per_chunk`). What step()
     costs against AdamW's (``benchmarks/step_cost.py``) is in docs/algorithms.md.
 
+    **2-D tiles** (``tile=t > 0``; Psyche's DisTrO transforms 64 × 64 tiles): each local shard of a
+    parameter with two or more dimensions is read as a matrix (dim 0, FSDP2's row split, by the
+    other dimensions flattened), zero-padded to multiples of t in both dimensions and cut into t × t
+    tiles; each tile gets the separable 2-D DCT-II and keeps its ``topk`` largest coefficients, so
+    ``chunk`` is not used and the density is k/t². A tile is a chunk row of t² elements under the
+    basis B_t ⊗ B_t (:func:`lowband.compress.dct_basis_2d`), so the machinery above runs unchanged on
+    a tiled copy of each matrix (tiles are not views of the row-major storage): the gradient is
+    copied in tiles (that copy is the step's scratch; ``p.grad`` keeps the gradient), δ is read in
+    tiles and written back from them, and the update is decoded in tiles and added back. 1-D and 0-D
+    parameters (biases, norms' gains) go in 1-D chunks of t² elements with the 1-D DCT, so every
+    row has t² elements and ``topk`` means the same density; a group's payloads are its matrices',
+    then its other parameters'. Padding: a ragged edge (a shard's rows or columns not a multiple of
+    t, an uneven FSDP2 split included) pads zeros that the transform mixes into its tile's
+    coefficients; they cost nothing on the wire beyond the edge tiles themselves (each tile sends
+    k coefficients, however much of it is padding), and what the decoded update puts into the
+    padding is dropped. A shard with no rows has no tiles.
+
     All parameters' payloads (each tensor's :class:`lowband.compress.WireFormat` payload, in the
-    order of the param groups and their parameters) travel as one flat uint8 message per step
-    through the link (one all-gather over the replicate group: one round trip between nodes).
+    order of the param groups and their parameters; with tiles, see above) travel as one flat uint8
+    message per step through the link (one all-gather over the replicate group: one round trip between nodes).
     R = 1: nothing is exchanged (plain sign-SGD on shards).
 
     The non-finite check rides in the same message. Phase 1 computes the payload from β·δ + lr·g
@@ -230,8 +308,9 @@ class FlexDeMo(Optimizer):
     (flat, local) gradient, and the commit reads it from there, exactly what was compressed, so the
     momentum is computed once and δ needs no copy to stay as it was when the step is refused. After
     ``step()`` (accepted or refused, also for a non-finite gradient) ``p.grad`` holds that
-    momentum, not the gradient: read or clip gradients before ``step()`` and zero them before the
-    next backward, as training loops do (DeMo's reference optimizer also overwrites its gradients).
+    momentum, not the gradient (tiled matrices excepted, see above): read or clip gradients before
+    ``step()`` and zero them before the next backward, as training loops do (DeMo's reference
+    optimizer also overwrites its gradients).
     Bytes per rank and step: :meth:`payload_bytes` + 1 (the flag), all-gathered.
 
     With ``overlap=True`` the exchange of step t runs while step t+1 computes (Psyche's and
@@ -267,6 +346,8 @@ class FlexDeMo(Optimizer):
         link: the inter-node link; None for a single process (R = 1).
         nonfinite: "raise" (default) or "skip" when a gradient holds NaN/Inf.
         overlap: apply each exchange one step later so that it overlaps the next step's compute.
+        tile: 0 (default): 1-D chunks of ``chunk`` elements; t > 0: a 2-D DCT over t × t tiles of each
+            matrix shard, ``topk`` per tile (1 ≤ topk ≤ t²; indices fit uint8 for t ≤ 16).
     """
 
     def __init__(
@@ -283,21 +364,25 @@ class FlexDeMo(Optimizer):
         link: Link | None = None,
         nonfinite: str = "raise",
         overlap: bool = False,
+        tile: int = 0,
     ) -> None:
         check_lr(lr)
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
-        if not isinstance(topk, int) or not 1 <= topk <= chunk:
-            raise ValueError(f"topk must be an integer in [1, chunk={chunk}], got {topk!r}")
+        if not isinstance(tile, int) or isinstance(tile, bool) or tile < 0:
+            raise ValueError(f"tile must be an integer >= 0 (0: 1-D chunks), got {tile!r}")
+        width = tile * tile if tile else chunk
+        if not isinstance(topk, int) or not 1 <= topk <= width:
+            raise ValueError(f"topk must be an integer in [1, {_width_name(tile, width)}], got {topk!r}")
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
         if not weight_decay >= 0.0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
-        WireFormat(chunk, topk, values)  # validates values
+        WireFormat(width, topk, values)  # validates values
         defaults = dict(lr=lr, topk=topk, chunk=chunk, decay=decay, sign=sign, weight_decay=weight_decay,
-                        values=values)
+                        values=values, tile=tile)
         super().__init__(params, defaults)
         self.link = link
         self.nonfinite = nonfinite
@@ -310,8 +395,11 @@ class FlexDeMo(Optimizer):
         self._topology = link.topology if link is not None else None
         check_sharded(self.param_groups, self._topology)
         for group in self.param_groups:
-            if not 1 <= group["topk"] <= group["chunk"]:
-                raise ValueError(f"topk must be in [1, chunk={group['chunk']}], got {group['topk']}")
+            if not isinstance(group["tile"], int) or group["tile"] < 0:
+                raise ValueError(f"tile must be an integer >= 0 (0: 1-D chunks), got {group['tile']!r}")
+            if not 1 <= group["topk"] <= _width(group):
+                raise ValueError(f"topk must be in [1, {_width_name(group['tile'], _width(group))}], "
+                                 f"got {group['topk']}")
             if not 0.0 <= group["decay"] < 1.0:
                 raise ValueError(f"decay must be in [0, 1), got {group['decay']}")
 
@@ -321,6 +409,7 @@ class FlexDeMo(Optimizer):
             group.setdefault("sign", True)
             group.setdefault("weight_decay", 0.0)
             group.setdefault("values", "bf16")
+            group.setdefault("tile", 0)
         self.__dict__.setdefault("_plans", {})
 
     # ------------------------------------------------------------------ helpers
@@ -330,32 +419,41 @@ class FlexDeMo(Optimizer):
             return None
         return topo.shard_group()
 
-    def _plan(self, group: dict, params: list) -> _Plan:
-        wire = WireFormat(group["chunk"], group["topk"], group["values"])
+    def _plan(self, group: dict, params: list, tile: int) -> _Plan:
+        """The layout of ``params`` (tile > 0: their tiled copies, whole tiles, so no padding rows)."""
+        wire = WireFormat(_width(group), group["topk"], group["values"])
         shards = [local(p) for p in params]
-        key = (id(group), wire, _BLOCK_ELEMENTS, _VIEW_MIN_ELEMENTS,
-               tuple((id(p), x.numel(), x.dtype) for p, x in zip(params, shards, strict=True)))
+        numels = [_num_rows(x, group) * wire.chunk if tile else x.numel() for x in shards]
+        key = (id(group), wire, tile, _BLOCK_ELEMENTS, _VIEW_MIN_ELEMENTS,
+               tuple((id(p), n, x.dtype) for p, n, x in zip(params, numels, shards, strict=True)))
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 64:
                 self._plans.clear()
-            plan = self._plans[key] = _make_plan(wire, [x.numel() for x in shards], [x.dtype for x in shards])
+            plan = self._plans[key] = _make_plan(wire, numels, [x.dtype for x in shards])
         return plan
+
+    def _works(self, group: dict) -> list[_Work]:
+        """A group's parameters with a gradient: one work, or with ``tile`` set its matrices (tiles),
+        then its other parameters (1-D chunks of t²), each with its own transform."""
+        params = [p for p in group["params"] if p.grad is not None]
+        tile = group["tile"]
+        parts = [(params, 0)] if not tile else [([p for p in params if _tiled(local(p))], tile),
+                                                 ([p for p in params if not _tiled(local(p))], 0)]
+        return [_Work(group, ps, self._plan(group, ps, t), t) for ps, t in parts if ps]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         loss = run_closure(closure)
 
-        work = []  # per param group: the parameters with a gradient and their layout
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                work.append(_Work(group, params, self._plan(group, params)))
+        work = [w for group in self.param_groups for w in self._works(group)]
         if not work and self.link is None:
             return loss
 
-        # Flat gradients, per param group; phase 1 writes the momentum over them (the step's scratch).
-        grads = [[local(p.grad).reshape(-1) for p in w.params] for w in work]
+        # Flat gradients, per work; phase 1 writes the momentum over them (the step's scratch). Tiles:
+        # a tiled copy of each gradient (tiles are not views of the row-major storage) is the scratch.
+        grads = [[to_tiles(_matrix(local(p.grad)), w.tile).view(-1) if w.tile else local(p.grad).reshape(-1)
+                  for p in w.params] for w in work]
         if self.overlap:
             self._settle()
         picks = self._compress(work, grads)
@@ -525,7 +623,7 @@ class FlexDeMo(Optimizer):
         # One check covers the gradients too (no pass over them of its own): a NaN or Inf anywhere in a
         # chunk of β·δ + lr·g makes the chunk's DCT coefficients non-finite (every coefficient sums all
         # the chunk's elements times basis entries; NaN or Inf times any entry, 0 included, is not
-        # finite; and the first basis row is a non-zero constant, so even a BLAS that skips zero
+        # finite; and the first basis row, of B_t ⊗ B_t too, is a non-zero constant, so even a BLAS that skips zero
         # entries leaves at least that coefficient non-finite), and the top-k picks non-finite
         # magnitudes first: the values to send are finite exactly when the gradients, δ and the
         # transform are. One host sync for every parameter.
@@ -538,12 +636,17 @@ class FlexDeMo(Optimizer):
             bad = bool(flag.item())
         return None if bad else picks
 
-    def _flats(self, params: list) -> list[torch.Tensor | None]:
-        """This replica's δ of each parameter, flat (a view: writes go through); None before its first step."""
+    def _flats(self, params: list, tile: int = 0) -> list[torch.Tensor | None]:
+        """This replica's δ of each parameter, flat (a view: writes go through); None before its first step.
+
+        ``tile`` > 0: a tiled copy of δ (for reading; writes do not go through)."""
         out = []
         for p in params:
             state = self.state.get(p)
-            out.append(state_view(state["delta"]).view(-1) if state else None)
+            delta = state_view(state["delta"]) if state else None
+            if delta is not None and tile:
+                delta = to_tiles(_matrix(delta), tile)
+            out.append(delta.view(-1) if delta is not None else None)
         return out
 
     def _block_momentum(self, seg: _Seg, deltas: list, gflats: list, group: dict, chunk: int,
@@ -581,12 +684,12 @@ class FlexDeMo(Optimizer):
         """Top-k DCT coefficients of β·δ + lr·g over the group's chunk rows, block by block (the momentum
         written over the flat gradients ``gflats``, δ unchanged)."""
         group, chunk = w.group, w.plan.wire.chunk
-        deltas = self._flats(w.params)
+        deltas = self._flats(w.params, w.tile)
         picks = []
         ws = _Workspace(w.plan)
         for seg in w.plan.segs:
             m = self._block_momentum(seg, deltas, gflats, group, chunk, ws).float()
-            basis_t = dct_basis(chunk, m.dtype, m.device).T
+            basis_t = _basis(w, m.dtype, m.device).T
             coeffs = torch.mm(m, basis_t, out=ws("X", seg.rows, chunk, m.dtype, m.device))  # the DCT
             picks.append(topk_per_chunk(coeffs, group["topk"], workspace=ws("A", seg.rows, chunk, m.dtype, m.device)))
         if not picks:  # only empty shards (FSDP2 gives the last ranks nothing of a tiny parameter)
@@ -635,18 +738,26 @@ class FlexDeMo(Optimizer):
         self._count_step(work)
         for w, gflats, (idx, sent_vals, _) in zip(work, grads, picks, strict=True):
             chunk = w.plan.wire.chunk
+            basis = _basis(w, sent_vals.dtype, sent_vals.device)
             deltas = self._flats(w.params)
+            if w.tile:  # δ is written in tiles over the tiled scratch (block by block, each read before it is
+                # written; whole tiles, so every element), then untiled into δ
+                deltas, untiled = gflats, deltas
             ws = _Workspace(w.plan)
             for seg in w.plan.segs:
                 m = self._block_committed(seg, gflats, chunk, ws)
                 rows = slice(seg.row0, seg.row0 + seg.rows)
-                q = idct_sparse(idx[rows], sent_vals[rows], chunk,
+                q = idct_sparse(idx[rows], sent_vals[rows], chunk, basis=basis,
                                 out=ws("q", seg.rows, chunk, sent_vals.dtype, sent_vals.device))
                 if seg.view:
                     torch.sub(m, q.to(m.dtype), out=_view_block(seg, deltas, chunk))
                 else:  # a packed copy: write its pieces back
                     m.sub_(q.to(m.dtype))
                     torch._foreach_copy_(*_scatter_views(seg, deltas, m))
+            if w.tile:
+                for p, t, d in zip(w.params, deltas, untiled, strict=True):
+                    shape = _matrix(local(p)).shape
+                    from_tiles(t.view(-1, chunk), shape, out=d.view(shape))
 
     def _count_step(self, work: list[_Work]) -> None:
         """Count the step in every parameter's state (created here at the first step: step 0, δ = 0)."""
@@ -670,17 +781,22 @@ class FlexDeMo(Optimizer):
             idx, vals = plan.wire.unpack_many(gathered[:, offset:offset + plan.nbytes], plan.rows)
             offset += plan.nbytes
             if into is not None:
-                sinks = [into.get(p) for p in w.params]
-                sinks = [s.view(-1) if s is not None else None for s in sinks]
+                targets = [into.get(p) for p in w.params]
             else:
-                sinks = [local(p).view(-1) for p in w.params]  # in place: x must be contiguous
-            if all(s is None for s in sinks):
+                targets = [local(p) for p in w.params]  # in place: x must be contiguous
+            if all(s is None for s in targets):
                 continue
+            if w.tile:  # decoded into tiled buffers (copied, not added), then untiled into the targets
+                sinks = [x.new_empty(r * chunk) if x is not None else None
+                         for x, r in zip(targets, plan.rows, strict=True)]
+            else:
+                sinks = [x.view(-1) if x is not None else None for x in targets]
             vals = vals.div_(replicas)  # (Σ_r v_r)/R·B[i] as (Σ_r v_r/R)·B[i]: the same floats for R = 2^j
+            basis = _basis(w, vals.dtype, vals.device)
             ws = _Workspace(plan)
             for seg in plan.segs:  # block by block, so that the temporaries stay one block's size
                 rows = slice(seg.row0, seg.row0 + seg.rows)
-                update = idct_sparse(idx[:, rows], vals[:, rows], chunk,
+                update = idct_sparse(idx[:, rows], vals[:, rows], chunk, basis=basis,
                                      out=ws("u", seg.rows, chunk, vals.dtype, vals.device)).to(seg.dtype)
                 if group["sign"]:
                     update.sign_()
@@ -691,10 +807,19 @@ class FlexDeMo(Optimizer):
                     dst, src = _scatter_views(seg, sinks, update)
                 if not dst:
                     continue
-                if into is None:
+                if into is None and not w.tile:
                     torch._foreach_add_(dst, src, alpha=-lr)
                 else:
                     torch._foreach_copy_(dst, src)
+            if w.tile:
+                for x, buf in zip(targets, sinks, strict=True):
+                    if x is None:
+                        continue
+                    mat = _matrix(x)
+                    if into is None:
+                        _add_untiled(mat, buf.view(-1, chunk), w.tile, -lr)
+                    else:
+                        from_tiles(buf.view(-1, chunk), mat.shape, out=mat)
             if into is None and group["weight_decay"] > 0:
                 torch._foreach_mul_([local(p) for p in w.params], 1.0 - lr * group["weight_decay"])
 
@@ -710,8 +835,7 @@ class FlexDeMo(Optimizer):
         """Bytes of this rank's message per step (before the all-gather multiplies it)."""
         total = 0
         for group in self.param_groups:
-            wire = WireFormat(group["chunk"], group["topk"], group["values"])
+            wire = WireFormat(_width(group), group["topk"], group["values"])
             for p in group["params"]:
-                n = local(p).numel()
-                total += wire.payload_nbytes(-(-n // group["chunk"]))
+                total += wire.payload_nbytes(_num_rows(local(p), group))
         return total

@@ -242,9 +242,15 @@ class FlexDeMoConfig(MethodConfig):
     nonfinite: str = _nonfinite(FlexDeMo)
     overlap: bool = option(_signature_default(FlexDeMo, "overlap"), "apply each exchange one step later, overlapped "
                        "with the next step's compute (true/false)")
+    tile: int = option(_signature_default(FlexDeMo, "tile"), "t > 0: 2-D DCT over t x t tiles of each matrix "
+                       "shard, topk per tile, chunk unused (1-D params: chunks of t^2); 0: 1-D chunks", minimum=0)
 
     def check(self) -> None:
-        if self.topk > self.chunk:
+        if self.tile:
+            if self.topk > self.tile ** 2:
+                raise ValueError(f"topk={self.topk} exceeds tile^2={self.tile ** 2}; with tile={self.tile} topk "
+                                 "must lie in 1..tile^2")
+        elif self.topk > self.chunk:
             raise ValueError(f"topk={self.topk} exceeds chunk={self.chunk}; topk must lie in 1..chunk")
 
     def check_fault_tolerance(self) -> None:
