@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lowband.bench.methods import method_label, parse_method_spec
+from lowband.bench.methods import method_label, parse_method_spec, shown_params
 from lowband.compress import (
     WireFormat,
     dct_basis,
@@ -262,8 +262,8 @@ def test_bad_tiles_are_refused(kwargs, needle):
 
 def test_tile_is_a_method_hyperparameter():
     spec = parse_method_spec("flexdemo:tile=16,topk=8")
-    assert dict(spec.params) == {"tile": 16, "topk": 8}
-    assert method_label("flexdemo", dict(spec.params)) == "FlexDeMo Top8 tile=16"
+    assert spec.given_values() == {"tile": 16, "topk": 8} and spec.hp.tile == 16
+    assert method_label("flexdemo", shown_params(spec.hp, spec.given)) == "FlexDeMo Top8 tile=16"
     assert hp_flag("tile") == "--tile"
     assert check_hyperparameters("flexdemo", {"tile": 16, "topk": 200})["tile"] == 16  # topk counts per tile
     with pytest.raises(ValueError, match="tile"):
