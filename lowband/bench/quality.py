@@ -26,6 +26,10 @@ Everything here is a pure function of run records (:class:`~lowband.bench.record
   those settings at the method's defaults (blocking; fp32 outer messages for DiLoCo/NoLoCo, bf16
   values for FlexDeMo). Its loss is "within the seed spread" of the plain one or worse by a
   stated amount.
+- **Quality per byte** (the frontier): each variant's final validation loss against the bits it
+  sends per parameter per step (:func:`bits_per_param_per_step`: the link's exact byte count, not
+  a model), its Pareto front, and the curves of one method swept over one knob
+  (:func:`knob_curves`); the reference is the target's AdamW variant.
 - **Modelled time** (labelled as such wherever it is shown): for a given compute time per step
   ``c``, a step costs ``c`` plus the run's *measured* bytes per step over the link rate plus the
   link latency for each of its inter-node operations per step (or ``max(c, comm)`` for variants
@@ -48,22 +52,27 @@ from lowband.train.methods import METHODS, display_name, reference_method
 
 __all__ = [
     "Crossing",
+    "FrontierPoint",
     "Variant",
     "annotate_time_to_target",
     "best_lr",
     "best_lr_labels",
+    "bits_per_param_per_step",
     "break_even_compute_s",
     "choose_target",
     "reference_runs",
     "crossing",
     "equal_loss_steps",
     "exceeds_spread",
+    "frontier",
+    "knob_curves",
     "unjudged_lr_notes",
     "modelled_comm_s",
     "modelled_speedup_at_equal_loss",
     "modelled_step_s",
     "modelled_time_to_target_s",
     "overlaps",
+    "pareto_front",
     "plain_variant",
     "target_variants",
     "variants",
@@ -446,3 +455,90 @@ def break_even_compute_s(run: Run, reference: Run) -> tuple[float, str] | None:
     if s1 > s2:  # more steps: sooner only while communication dominates, below c
         return max(c, 0.0), "below"
     return (math.inf, "below") if c <= 0 else (c, "above")
+
+
+def bits_per_param_per_step(run: Run) -> float | None:
+    """8 × the bytes a node sends to other nodes per step ÷ the model's parameters; None if either is unknown.
+
+    The bytes are ``inter_node_bytes_per_step``: counted exactly by the link (not modelled), summed
+    over the node's ranks, mean over nodes: the "MB/step/node" of the report's tables, so a ratio of
+    two variants' bits is the ratio of their bytes. Per node rather than per rank, because a node's
+    link is what is slow, and a sharded node's ranks each send a part of one model copy.
+    AdamW's fp32 all-reduce costs about 32 (two nodes) to 64 (many) bits per parameter per step.
+    """
+    if run.inter_node_bytes_per_step is None or not run.num_params:
+        return None
+    return 8.0 * float(run.inter_node_bytes_per_step) / float(run.num_params)
+
+
+@dataclass(frozen=True, slots=True)
+class FrontierPoint:
+    """One variant on the quality-per-byte plot: its bits per parameter per step and final loss over its seeds."""
+
+    variant: Variant
+    bits: float  # mean over the seeds (the link counts the same bytes at every seed)
+    loss: tuple[float, float, float]  # final validation loss: mean, min, max over the seeds
+    on_front: bool
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> set[int]:
+    """Indices of the ``(bits, loss)`` points that no other point dominates (as few bits and as low a loss,
+    one of them strictly). Equal points do not dominate each other: both are on the front."""
+    return {i for i, (bits, loss) in enumerate(points)
+            if not any(b <= bits and v <= loss and (b, v) != (bits, loss) for b, v in points)}  # fmt: skip
+
+
+def frontier(runs: Sequence[Run]) -> tuple[list[FrontierPoint], Variant | None, list[Variant]]:
+    """The quality-per-byte frontier: ``(points sorted by bits, the reference variant, variants not drawn)``.
+
+    One point per variant at the first link it ran at (neither its bytes nor its loss depend on the
+    link). The reference is the variant the target comes from (:func:`target_variants`). Faulted
+    variants are drawn but never on the front: their bytes and loss are those of a run with nodes
+    down, not the method's trade-off. Not drawn: variants without a successful run or a byte count.
+    """
+    first: dict[tuple, Variant] = {}
+    for v in variants(runs):
+        first.setdefault((v.label, v.method, v.runs[0].shards), v)
+    vs = list(first.values())
+    reference, _ = target_variants(vs)
+    drawn, left_out = [], []
+    for v in vs:
+        bits = [b for b in (bits_per_param_per_step(r) for r in v.ok) if b is not None]
+        if bits and len(bits) == len(v.ok):
+            drawn.append((v, statistics.fmean(bits), v.stat("val_loss")))
+        else:
+            left_out.append(v)
+    healthy = [i for i, (v, _, _) in enumerate(drawn) if not v.faulted]
+    front = {healthy[j] for j in pareto_front([(drawn[i][1], drawn[i][2][0]) for i in healthy])}
+    points = [FrontierPoint(v, bits, loss, i in front) for i, (v, bits, loss) in enumerate(drawn)]
+    return sorted(points, key=lambda p: p.bits), reference, left_out
+
+
+def _hyperparameters(v: Variant) -> dict[str, Any]:
+    """Every hyper-parameter of a variant as the trainer used them; NoLoCo's gossip seed, which follows the
+    run's seed, left out."""
+    run = v.ok[0]
+    return {k: val for k, val in (run.hyperparameters or run.params or {}).items() if k != "seed"}
+
+
+def knob_curves(points: Sequence[FrontierPoint]) -> list[tuple[str, list[FrontierPoint]]]:
+    """A method's own curves: ``(knob, points sorted by bits)`` for each set of points of one method that
+    differ in one hyper-parameter only (e.g. ``flexdemo:topk=1,flexdemo:topk=4,flexdemo:topk=16``).
+
+    The points of a curve also share their shards and fault tolerance. A knob that leaves the bytes
+    unchanged (``lr``, ``overlap``) traces no curve: its points stand on one vertical, and are not joined.
+    """
+    curves = []
+    hps = [_hyperparameters(p.variant) for p in points]
+    for knob in dict.fromkeys(k for hp in hps for k in hp):
+        groups: dict[tuple, list[FrontierPoint]] = {}
+        for p, hp in zip(points, hps, strict=True):
+            if knob in hp:
+                run = p.variant.ok[0]
+                rest = sorted((k, repr(v)) for k, v in hp.items() if k != knob)
+                same = (p.variant.method, run.shards, bool(run.fault_tolerance), p.variant.faulted, repr(rest))
+                groups.setdefault(same, []).append(p)
+        for members in groups.values():
+            if len({p.bits for p in members}) > 1:
+                curves.append((knob, sorted(members, key=lambda p: p.bits)))
+    return curves
