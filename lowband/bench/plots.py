@@ -13,7 +13,12 @@ min-max):
   same loss against compute time per step: at the target where the variant reached it, else at
   its own final loss (AdamW's steps to that loss), so that a variant that missed the target is
   still drawn;
-- ``step_time_vs_bandwidth.png``: seconds per step against link bandwidth.
+- ``step_time_vs_bandwidth.png``: seconds per step against link bandwidth;
+- ``frontier.png`` (quality per byte; written when at least two variants finished): final
+  validation loss against bits sent per parameter per step (log axis; the link's exact byte count,
+  :func:`~lowband.bench.quality.bits_per_param_per_step`), one point per variant at its seed mean
+  with a min-max bar, the Pareto front as a step line, a method's points that differ in one
+  hyper-parameter joined by a thin line, and the reference (AdamW) variant's seed band shaded.
 
 The loss axes are zoomed to where the curves differ (the first fifth of training, where every
 method falls fast from the same start, is above the top; a curve that ends far above the others,
@@ -33,9 +38,12 @@ from typing import Any
 
 from lowband.bench.methods import column_labels
 from lowband.bench.quality import (
+    FrontierPoint,
     Variant,
     crossing,
     equal_loss_steps,
+    frontier,
+    knob_curves,
     modelled_comm_s,
     modelled_speedup_at_equal_loss,
     modelled_step_s,
@@ -43,14 +51,16 @@ from lowband.bench.quality import (
     variants,
 )
 from lowband.bench.record import RunRecord
+from lowband.train.methods import display_name
 from lowband.units import format_bandwidth
 
-__all__ = ["PLOT_FILES", "write_plots"]
+__all__ = ["FRONTIER_PLOT_FILE", "PLOT_FILES", "has_frontier", "write_plots"]
 
 PLOT_FILES = (
     "val_loss_vs_tokens.png", "val_loss_vs_time.png", "time_to_target_modelled.png",
     "speedup_at_equal_loss_modelled.png", "step_time_vs_bandwidth.png",
 )  # fmt: skip
+FRONTIER_PLOT_FILE = "frontier.png"
 _DPI = 110
 _LINESTYLES = ("-", "--", ":", "-.")
 #: The share of training whose losses lie above the zoomed loss axis.
@@ -318,8 +328,78 @@ def _step_time_plot(runs: Sequence[RunRecord], path: Path) -> None:
     fig.savefig(path, dpi=_DPI, bbox_inches="tight")
 
 
+def has_frontier(runs: Sequence[RunRecord]) -> bool:
+    """True when at least two variants finished a run: then there is a frontier to draw and tabulate."""
+    points, _, left_out = frontier(runs)
+    return len(points) + sum(1 for v in left_out if v.ok) >= 2
+
+
+def _frontier_point(ax: Any, p: FrontierPoint, colour: Any) -> None:
+    """A variant at its seed mean with its min-max bar (hollow: one seed, no bar; ×: faulted), labelled."""
+    mean, lo, hi = p.loss
+    one_seed = len(p.variant.ok) < 2
+    ax.errorbar([p.bits], [mean], yerr=None if one_seed else [[mean - lo], [hi - mean]],
+                fmt="x" if p.variant.faulted else "o", color=colour, markerfacecolor="white" if one_seed else colour,
+                markersize=6, capsize=3, elinewidth=1.2, zorder=4)  # fmt: skip
+    ax.annotate(p.variant.label, (p.bits, mean), xytext=(5, 4), textcoords="offset points", fontsize=7)
+
+
+def _frontier_plot(runs: Sequence[RunRecord], path: Path) -> None:
+    points, reference, left_out = frontier(runs)
+    drawable = [p for p in points if p.bits > 0]  # a log axis has no place for a variant that sent nothing
+    colours = _colours([p.variant.method for p in drawable])
+    fig, ax = _figure(len(colours) + 3)
+    for method, colour in colours.items():  # the legend's marker for a method, whatever its first point is
+        ax.plot([], [], "o", color=colour, label=display_name(method))
+    for p in drawable:
+        _frontier_point(ax, p, colours[p.variant.method])
+    for i, (_, curve) in enumerate(knob_curves(drawable)):
+        ax.plot([p.bits for p in curve], [p.loss[0] for p in curve], color=colours[curve[0].variant.method],
+                linewidth=0.8, alpha=0.6, label=None if i else "one method, one knob swept")  # fmt: skip
+    front = [p for p in drawable if p.on_front]
+    if front:
+        xs, ys = [p.bits for p in front], [p.loss[0] for p in front]
+        # On to the right edge (the x axis ends at 4 × the most bits): with more bits, the front is no lower.
+        ax.step([*xs, 4 * drawable[-1].bits], [*ys, ys[-1]], where="post", color="black", linewidth=1.0,
+                linestyle="--", zorder=3)  # fmt: skip
+        ax.scatter(xs, ys, s=130, facecolors="none", edgecolors="black", linewidths=0.9, zorder=5,
+                   label="Pareto front (fewer bits, lower loss)")  # fmt: skip
+    ref = next((p for p in points if p.variant is reference), None)
+    lows, highs = [p.loss[1] for p in drawable], [p.loss[2] for p in drawable]
+    if ref is not None:
+        mean, lo, hi = ref.loss
+        n = len(ref.variant.ok)
+        if n > 1:
+            ax.axhspan(lo, hi, color="gray", alpha=0.18, linewidth=0,
+                       label=f"{ref.variant.label}: seed band (min-max, {n} seeds)")  # fmt: skip
+        ax.axhline(mean, color="gray", linewidth=0.8, label=None if n > 1 else f"{ref.variant.label} (one seed: no band)")
+        lows, highs = [*lows, lo], [*highs, hi]
+    missing = [v.label for v in left_out if v.ok] + [p.variant.label for p in points if p.bits <= 0]
+    if missing:
+        ax.text(0.01, 0.02, textwrap.fill("not drawn (no byte count, or nothing sent between nodes): "
+                                          + ", ".join(missing), width=90),
+                transform=ax.transAxes, fontsize=7, color="dimgray", va="bottom")  # fmt: skip
+    if drawable:
+        ax.set_xscale("log")
+        ax.set_xlim(drawable[0].bits / 2, drawable[-1].bits * 4)  # room for the labels right of the points
+        span = max(max(highs) - min(lows), 1e-3)
+        ax.set_ylim(min(lows) - 0.08 * span, max(highs) + 0.12 * span)
+        _legend(ax, len(colours) + 3)
+    else:
+        _empty(ax, "no variant with a byte count")
+    ax.set_xlabel("bits sent per parameter per step (log): 8 × bytes a node sends to other nodes per step "
+                  "÷ parameters,\ncounted by the link", fontsize=8)  # fmt: skip
+    ax.set_ylabel("final validation loss (zoomed)")
+    ax.set_title("Quality per byte: final validation loss against bits sent\n"
+                 "mean over seeds, bar = min-max; hollow = one seed", fontsize=10)  # fmt: skip
+    ax.grid(True, alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+
+
 def write_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
-    """Write the PNGs of :data:`PLOT_FILES` into ``out_dir``; returns their paths."""
+    """Write the PNGs of :data:`PLOT_FILES` into ``out_dir``, and ``frontier.png`` and ``faults.png`` where
+    there is something to draw; returns their paths."""
     out_dir = Path(out_dir)
     runs: list[RunRecord] = list(results.get("runs") or [])
     target = results.get("target_loss")
@@ -340,5 +420,8 @@ def write_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
     _step_time_plot(runs, paths[4])
     from lowband.bench.ft_report import FAULT_PLOT_FILE, fault_plot
 
+    if has_frontier(runs):
+        _frontier_plot(runs, out_dir / FRONTIER_PLOT_FILE)
+        paths.append(out_dir / FRONTIER_PLOT_FILE)
     faults = fault_plot(results, out_dir / FAULT_PLOT_FILE)
     return paths + ([faults] if faults is not None else [])
