@@ -3,6 +3,8 @@
 - Table 1 (paper's Table 1): rows = link bandwidth, columns = methods, cells = seconds per step.
 - Table 2 (paper's Table 2), one per bandwidth: rows = DeMo (shards = 1) and FlexDeMo
   (shards > 1), columns = Deto-Full, Top1, Top8, ...; cells = seconds per step.
+- Quality per byte: each variant's final loss against the bits it sends per parameter per step,
+  beside the reference (AdamW) variant's seed spread, with its Pareto front (and ``frontier.png``).
 - The per-run table: step time with its compute / communication split, inter-node MB per step
   per node, final validation loss, peak memory per rank, status.
 
@@ -31,7 +33,7 @@ from lowband.bench.config import (
     sequence_lengths,
 )
 from lowband.bench.methods import SHARD_SWEEP, column_labels
-from lowband.bench.plots import write_plots
+from lowband.bench.plots import FRONTIER_PLOT_FILE, has_frontier, write_plots
 from lowband.bench.record import RunRecord
 from lowband.train.methods import METHODS, demo_method, display_name, family_of, reference_method
 from lowband.units import format_bandwidth
@@ -468,6 +470,90 @@ def quality_section(results: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _fewer(ratio: float) -> str:
+    """A bytes ratio as read in the goal: "1/1,250" for 1,250 times fewer, "2.5" for more."""
+    if ratio >= 1 or ratio == 0:
+        return f"{ratio:.3g}"
+    return f"1/{1 / ratio:,.0f}" if ratio <= 0.01 else f"1/{1 / ratio:.3g}"
+
+
+def _frontier_verdict(p: quality.FrontierPoint, ref: quality.FrontierPoint) -> str:
+    """Within the reference's seed spread, or above/below it by the difference of the means; no claim on one seed."""
+    if p is ref:
+        return "reference"
+    if len(p.variant.ok) < 2:
+        return "one seed: no spread claim"
+    if len(ref.variant.ok) < 2:
+        return "the reference ran one seed: no spread claim"
+    delta = p.loss[0] - ref.loss[0]
+    if not quality.exceeds_spread(p.variant, ref.variant):
+        return "within the reference's spread"
+    return f"{'above' if delta > 0 else 'below'} by {abs(delta):.3f} (beyond the spread)"
+
+
+def frontier_rows(results: Mapping[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """Quality per byte: ``(the line naming the reference, headers, one row per variant sorted by bits)``."""
+    points, reference, left_out = quality.frontier(results["runs"])
+    ref = next((p for p in points if p.variant is reference), None)
+    name = display_name(reference_method())
+    headers = ["Run", "Seeds", "bits/param/step", f"bytes ÷ {name}'s", "final val loss",
+               f"Δ vs {name}", "verdict", "Pareto front"]  # fmt: skip
+    rows = []
+    for p in points:
+        v = p.variant
+        n = len(v.ok)
+        if ref is None:
+            ratio = delta = verdict = MISSING
+        else:
+            ref_bytes = ref.variant.stat("inter_node_bytes_per_step")[0]
+            ratio = _fewer(v.stat("inter_node_bytes_per_step")[0] / ref_bytes) if ref_bytes else MISSING
+            delta, verdict = f"{p.loss[0] - ref.loss[0]:+.3f}", _frontier_verdict(p, ref)
+        front = "yes" if p.on_front else "no (faulted)" if v.faulted else "no"
+        rows.append([v.label, f"{n}/{len(v.runs)}", f"{p.bits:.3g}", ratio, _mean_range(p.loss, ".3f", n), delta,
+                     verdict, front])  # fmt: skip
+    for v in left_out:
+        why = "no byte count" if v.ok else "failed"
+        rows.append([v.label, f"{len(v.ok)}/{len(v.runs)}", MISSING, MISSING,
+                     _mean_range(v.stat("val_loss"), ".3f", len(v.ok)), MISSING, why, MISSING])  # fmt: skip
+    if ref is None:
+        line = f"No {name} variant finished: no reference band, bytes ratio or verdict."
+    else:
+        n = len(ref.variant.ok)
+        _, lo, hi = ref.loss
+        line = (f"Reference: **{ref.variant.label}**, the variant the target comes from, {n} seed{'s' if n != 1 else ''}: "
+                f"final loss {_mean_range(ref.loss, '.3f', n)}"
+                + (f", a spread of {hi - lo:.3f}." if n > 1 else "; with one seed it has no spread, and no "
+                   "variant is called within or beyond it."))  # fmt: skip
+    return line, headers, rows
+
+
+def frontier_section(results: Mapping[str, Any], plots: Sequence[str] = ()) -> list[str]:
+    """``report.md``'s quality-per-byte section: the plot, the reference, the table (fewer than two variants: [])."""
+    if not has_frontier(results["runs"]):
+        return []
+    line, headers, rows = frontier_rows(results)
+    out = ["## Quality per byte", ""]
+    if FRONTIER_PLOT_FILE in plots:
+        out += [f"![frontier]({FRONTIER_PLOT_FILE})", ""]
+    out += [
+        "Each variant's final validation loss (mean and [min–max] over its seeds) against the bits it sends "
+        "per parameter per step: 8 × the bytes a node sends to other nodes per step (the MB/step/node of the "
+        "tables below: counted exactly by the link, not modelled) ÷ the model's parameters. One point per "
+        "variant, at the first link it ran at. A variant is *within the reference's spread* when the two "
+        "min–max ranges overlap; a variant or reference with one seed has no spread, and no such claim is "
+        "made. The Pareto front: the variants no other variant beats on both bits and loss (mean); faulted "
+        "variants are never on it. In the plot a thin line joins a method's variants that differ in one "
+        "hyper-parameter that changes the bytes (e.g. `--methods flexdemo:topk=1 flexdemo:topk=4 "
+        "flexdemo:topk=16`): the method's own curve.",
+        "",
+        line,
+        "",
+        markdown_table(headers, rows),
+        "",
+    ]  # fmt: skip
+    return out
+
+
 def _link_ops_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for r, label in zip(results["runs"], column_labels(results["runs"]), strict=True):
@@ -597,9 +683,11 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str] = ()) -> st
         out += ["No run was recorded.", ""]
         return "\n".join(out)
 
-    if plots:
-        out += [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
+    top = [p for p in plots if Path(p).name != FRONTIER_PLOT_FILE]  # the frontier heads its own section
+    if top:
+        out += [f"![{Path(p).stem}]({Path(p).name})" for p in top] + [""]
     out += quality_section(results)
+    out += frontier_section(results, [Path(p).name for p in plots])
     out += hiding_section(results)
     from lowband.bench.ft_report import ft_section
 
