@@ -38,6 +38,7 @@ from typing import Any
 
 from lowband.bench.methods import column_labels
 from lowband.bench.quality import (
+    REFERENCE,
     FrontierPoint,
     Variant,
     crossing,
@@ -254,7 +255,7 @@ def _modelled_plot(vs: Sequence[Variant], target: float | None, path: Path) -> N
                      ylabel="training minutes to target, MODELLED",
                      title=f"MODELLED time to {what}: measured steps to target × (compute + measured bytes / link "
                            "rate + latency per op)",
-                     drawn=drawn, empty="no run reached the target" if target is not None else "no target (no AdamW run)")
+                     drawn=drawn, empty="no run reached the target" if target is not None else f"no target (no {REFERENCE} run)")
 
 
 def _equal_loss_plot(vs: Sequence[Variant], runs: Sequence[RunRecord], path: Path) -> None:
@@ -290,13 +291,14 @@ def _equal_loss_plot(vs: Sequence[Variant], runs: Sequence[RunRecord], path: Pat
         drawn += 1
     if drawn:  # on empty axes the label would stretch the log scale's limits
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.text(compute[0], 1.0, " AdamW", va="bottom", fontsize=7)
+        ax.text(compute[0], 1.0, f" {REFERENCE}", va="bottom", fontsize=7)
     _finish_modelled(fig, ax, path, measured_compute=measured_compute,
-                     note=("AdamW never got as low as (no line): " + ", ".join(never)) if never else None, note_y=0.02,
-                     ylabel="AdamW's time ÷ this variant's, same loss, MODELLED\n(above 1: sooner than AdamW)",
-                     title="MODELLED time to equal loss against AdamW:\nmeasured steps to that loss × (compute + "
+                     note=(f"{REFERENCE} never got as low as (no line): " + ", ".join(never)) if never else None,
+                     note_y=0.02,
+                     ylabel=f"{REFERENCE}'s time ÷ this variant's, same loss, MODELLED\n(above 1: sooner than {REFERENCE})",
+                     title=f"MODELLED time to equal loss against {REFERENCE}:\nmeasured steps to that loss × (compute + "
                            "measured bytes / link rate + latency per op)",
-                     drawn=drawn, empty="nothing to compare with AdamW" if refs else "no AdamW run to compare with")
+                     drawn=drawn, empty=f"nothing to compare with {REFERENCE}" if refs else f"no {REFERENCE} run to compare with")
 
 
 def _step_time_plot(runs: Sequence[RunRecord], path: Path) -> None:

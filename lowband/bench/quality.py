@@ -50,6 +50,9 @@ from lowband.bench.methods import method_label
 from lowband.bench.record import RunRecord
 from lowband.train.methods import METHODS, display_name, reference_method
 
+#: The reference method's name in reports and plots (the registry's one ``reference=True`` method).
+REFERENCE: str = display_name(reference_method())
+
 __all__ = [
     "Crossing",
     "FrontierPoint",
@@ -268,15 +271,16 @@ def choose_target(runs: Sequence[Run], target_loss: float | None = None) -> tupl
     vs = variants(runs)
     best, left_out = target_variants(vs)
     if best is None:
-        return None, "no target: the bench has no successful AdamW run (add adamw, or give --target-loss)"
+        return None, (f"no target: the bench has no successful {REFERENCE} run (add {reference_method()}, or give "
+                      "--target-loss)")
     # AdamW's loss does not depend on the link: its runs at every bandwidth are the same training.
     finals = [float(r.val_loss) for r in reference_runs(runs)]
     n = _n_seeds(best.label, vs)
     lr = f" (lr {best.lr:g})" if best.lr is not None else ""
-    source = f"{display_name(reference_method())}{lr} final validation loss, mean over {n} seed{'s' if n != 1 else ''}"
+    source = f"{REFERENCE}{lr} final validation loss, mean over {n} seed{'s' if n != 1 else ''}"
     lower = sorted({v.label for v in left_out if _mean_final(v) < statistics.fmean(finals)})
     if left_out:
-        source += ("; AdamW variants run at one seed are not the target when one ran at several"
+        source += (f"; {REFERENCE} variants run at one seed are not the target when one ran at several"
                    + (f" ({', '.join(lower)} ended lower, at its one seed)" if lower else ""))
     return statistics.fmean(finals), source
 

@@ -34,6 +34,7 @@ from lowband.bench.config import (
 )
 from lowband.bench.methods import SHARD_SWEEP, column_labels
 from lowband.bench.plots import FRONTIER_PLOT_FILE, has_frontier, write_plots
+from lowband.bench.quality import REFERENCE
 from lowband.bench.record import RunRecord
 from lowband.train.methods import METHODS, demo_method, display_name, family_of, reference_method
 from lowband.units import format_bandwidth
@@ -233,9 +234,9 @@ def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[lis
     vs = quality.variants(results["runs"])
     best = quality.best_lr(vs)
     target_label = _target_label(vs)
-    headers = ["Run", "Link", "Seeds", "final val loss", "vs AdamW", "best val loss", "steps to target",
-               "tokens to target (M)", "time to target (s)", "AdamW time ÷ this",
-               "at its final loss: AdamW time ÷ this", "s/step", "MB/step/node"]  # fmt: skip
+    headers = ["Run", "Link", "Seeds", "final val loss", f"vs {REFERENCE}", "best val loss", "steps to target",
+               "tokens to target (M)", "time to target (s)", f"{REFERENCE} time ÷ this",
+               f"at its final loss: {REFERENCE} time ÷ this", "s/step", "MB/step/node"]  # fmt: skip
     rows = []
     for v in vs:
         n = len(v.ok)
@@ -263,9 +264,9 @@ def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[lis
             if not n:
                 at_final = MISSING
             elif ref is not None and len(ref.ok) == 1:
-                at_final = "AdamW never got this low" + (f" ({missing}/{n} seeds)" if n > 1 else "")
+                at_final = f"{REFERENCE} never got this low" + (f" ({missing}/{n} seeds)" if n > 1 else "")
             else:
-                at_final = f"not every AdamW seed got this low ({missing}/{n} seeds)"
+                at_final = f"not every {REFERENCE} seed got this low ({missing}/{n} seeds)"
         rows.append([
             v.label + ("" if v.label not in best else " ★" if best[v.label] else " ★ (across seed counts)"),
             format_bandwidth(v.bandwidth_bps), f"{n}/{len(v.runs)}",
@@ -286,7 +287,7 @@ def modelled_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
     vs = quality.variants(results["runs"])
     target_label = _target_label(vs)
     headers = ["Run", "Link", "modelled comm s/step", "this machine: compute s/step",
-               *(f"time to target at {c:g} s compute" for c in MODELLED_COMPUTE_S), "vs AdamW"]  # fmt: skip
+               *(f"time to target at {c:g} s compute" for c in MODELLED_COMPUTE_S), f"vs {REFERENCE}"]  # fmt: skip
     rows = []
     for v in vs:
         reached = [r for r in v.ok if r.steps_to_target is not None or r.adamw_steps_to_final is not None]
@@ -441,7 +442,8 @@ def quality_section(results: Mapping[str, Any]) -> list[str]:
         "difference *exceeds the seed spread* when the two min–max ranges do not overlap; against a variant "
         "with one seed the spread is unknown and no such claim is made. ★ = the best lr of a method run at "
         "several (lowest mean final loss), among its variants with the most seeds; \"across seed counts\": "
-        "the other lrs ran at fewer seeds, so a mean is set against fewer seeds. \"At its final loss\": the training time AdamW "
+        "the other lrs ran at fewer seeds, so a mean is set against fewer seeds. \"At its final loss\": the training time "
+        f"{REFERENCE} "
         "needed to reach the loss this run ends at, divided by this run's training time (above 1×: this run "
         "reached its quality sooner).",
         "",
@@ -456,9 +458,9 @@ def quality_section(results: Mapping[str, Any]) -> list[str]:
             "This CPU computes a step far slower than a GPU, which hides what the link costs. MODELLED: time to "
             "target = measured steps to target × (compute per step + measured bytes per step / link rate + "
             "latency × link operations per step); overlapping variants take max(compute, communication). "
-            "The vs-AdamW column solves for the compute time per step at which the run and AdamW reach the target "
+            f"The vs-{REFERENCE} column solves for the compute time per step at which the run and {REFERENCE} reach the target "
             "together; a run that did not reach the target is compared at the loss it did reach (all its steps "
-            "against AdamW's steps to that loss).",
+            f"against {REFERENCE}'s steps to that loss).",
             "",
             markdown_table(headers, rows),
             "",
@@ -495,7 +497,7 @@ def frontier_rows(results: Mapping[str, Any]) -> tuple[str, list[str], list[list
     """Quality per byte: ``(the line naming the reference, headers, one row per variant sorted by bits)``."""
     points, reference, left_out = quality.frontier(results["runs"])
     ref = next((p for p in points if p.variant is reference), None)
-    name = display_name(reference_method())
+    name = REFERENCE
     headers = ["Run", "Seeds", "bits/param/step", f"bytes ÷ {name}'s", "final val loss",
                f"Δ vs {name}", "verdict", "Pareto front"]  # fmt: skip
     rows = []
