@@ -33,7 +33,7 @@ PREFIX = "lbtest"
 needs_netns = pytest.mark.netns
 pytestmark = pytest.mark.timeout(120)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # The tiny distributed job: a gloo all_reduce over all ranks plus checks of the torchrun env.
 JOB = textwrap.dedent(

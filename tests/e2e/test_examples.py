@@ -21,7 +21,7 @@ from lowband.cluster import launch_nodes
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # One line per step, printed by rank 0 (node 0's log).
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+) inter-node bytes sent (\d+)$", re.MULTILINE)
 

@@ -3,9 +3,9 @@
 One launch on a 2 × 2 gloo mesh (four forked ranks, OMP_NUM_THREADS=1) trains every method for
 GOLDEN_STEPS steps of the reversing task (:func:`lowband.testing.train_reverse_task`: t5-tiny, the
 library's sharding, link and optimizers, generated data) at its registry defaults, fp32, and
-compares the mean loss over the ranks at every step with tests/golden/losses.json.
+compares the mean loss over the ranks at every step with tests/e2e/golden/losses.json.
 
-Updating the golden is deliberate: ``LOWBAND_UPDATE_GOLDEN=1 pytest tests/test_golden.py`` rewrites
+Updating the golden is deliberate: ``LOWBAND_UPDATE_GOLDEN=1 pytest tests/e2e/test_golden.py`` rewrites
 the file (the test then skips, saying so); commit it on its own with a message that says which change
 moved the trajectories and why that is intended.
 """
@@ -71,8 +71,8 @@ def _write_golden(losses: dict[str, list[float]]) -> None:
     doc = {
         "about": ("Per-step training losses (mean over the 4 ranks) of each method on the reversing task of "
                   "lowband.testing.train_reverse_task: t5-tiny, 2 nodes x 2 ranks on gloo, fp32, seed 0, "
-                  "batch 8 per rank, registry defaults except the hp shown. Made by tests/test_golden.py; "
-                  "update deliberately with LOWBAND_UPDATE_GOLDEN=1 pytest tests/test_golden.py and commit "
+                  "batch 8 per rank, registry defaults except the hp shown. Made by tests/e2e/test_golden.py; "
+                  "update deliberately with LOWBAND_UPDATE_GOLDEN=1 pytest tests/e2e/test_golden.py and commit "
                   "saying why the trajectories moved."),
         "steps": GOLDEN_STEPS,
         "configs": {name: {"method": m, "hp": hp, "losses": losses[name]} for name, (m, hp) in CONFIGS.items()},
@@ -99,4 +99,4 @@ def test_every_method_follows_its_golden_trajectory():
         if abs(got[worst] - want[worst]) > ATOL[name]:
             moved[name] = f"step {worst + 1}: {got[worst]:.6f} vs golden {want[worst]:.6f} (atol {ATOL[name]})"
     assert not moved, (f"trajectories moved beyond float noise: {moved}; if intended, "
-                       "LOWBAND_UPDATE_GOLDEN=1 pytest tests/test_golden.py and commit saying why")
+                       "LOWBAND_UPDATE_GOLDEN=1 pytest tests/e2e/test_golden.py and commit saying why")

@@ -1,6 +1,6 @@
 """The README's "As a library" code block is the marked core of examples/flexdemo_causal_lm.py, verbatim.
 
-A unit test (no process): tests/test_examples.py runs the example itself under torchrun.
+A unit test (no process): tests/e2e/test_examples.py runs the example itself under torchrun.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "flexdemo_causal_lm.py"
 START, END = "# --- readme-start ---\n", "# --- readme-end ---\n"
 

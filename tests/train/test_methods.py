@@ -169,7 +169,7 @@ def test_method_traits_in_the_registry():
     assert demo_method(1) == "demo" and demo_method(2) == demo_method(4) == "flexdemo"
 
 
-_LOWBAND = Path(__file__).resolve().parents[1] / "lowband"
+_LOWBAND = Path(__file__).resolve().parents[2] / "lowband"
 #: Where a method's name may be tested: the registry itself and the optimizers.
 _NAMES_ALLOWED_IN = ("train/methods.py", "optim/")
 #: The left side of a comparison with a family: ``spec.family`` or ``family_of(...)``.
