@@ -1,7 +1,8 @@
-"""`lowband bench` end to end with real training: tiny model, two methods, emulated nodes."""
+"""``lowband bench`` end to end with real training (tiny model, emulated nodes): methods side by side, and a run with a node killed and restarted beside its fault-free twin."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -50,3 +51,47 @@ def test_bench_runs_real_training_side_by_side(tmp_path, tmp_path_factory):
 
     assert all((out / name).stat().st_size > 1000 for name in PLOT_FILES)
     assert "FlexDeMo Top1" in proc.stdout  # the table is printed
+
+
+HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", [pytest.param("netns", marks=pytest.mark.netns), "shaped"])
+@pytest.mark.skipif(not HAS_TORCHFT, reason="torchft not installed")
+def test_bench_with_faults_end_to_end(tmp_path, mode):
+    """The real thing, small: 3 nodes x 1 rank, FlexDeMo, node 2 killed and restarted; twin beside it."""
+    import argparse
+    import json
+
+    from lowband import bench
+    from lowband.bench.results import load_results
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "bench"
+    args = parser.parse_args([
+        # 100 ms per message makes a step take ~0.2 s, so the restarted node (~15 s to start) rejoins a live job.
+        "--methods", "flexdemo:topk=2", "--steps", "200", "--model", "t5-tiny", "--nodes", "3", "--latency", "100ms",
+        "--ranks-per-node", "1", "--bandwidth", "1gbit", "--emulation", mode, "--out", str(out), "--no-progress",
+        "--faults", "node2:kill@15,node2:start@30",
+        "--train-args", "--max-examples 1500 --val-size 64 --vocab-size 512 --batch-size 4 --val-batches 2 "
+                        "--val-every 20"])
+    assert bench.main(args) == 0, (out / "report.md").read_text() if (out / "report.md").exists() else ""
+    results = load_results(out)
+    twin, faulted = results["runs"]
+    assert twin.label == "DeMo Top2 FT" and faulted.label == "DeMo Top2 FT faults"  # one rank per node
+    assert twin.status == faulted.status == "ok"
+    ft = faulted.fault_tolerance
+    assert [e["planned"] for e in ft["events"] if e.get("planned")] == ["node2:kill@15", "node2:start@30"]
+    steady = ft["nodes"]["0"]
+    seen = [m["replicas"] for m in steady["membership"]]
+    assert 2 in seen and seen[-1] == 3, seen  # 3 -> 2 -> 3
+    assert steady["end"]["dropped_steps"] <= 1
+    healed = ft["nodes"]["2"]["end"]["healed"]
+    assert healed and healed[-1]["bytes"] > 0
+    report = (out / "report.md").read_text()
+    assert "## Faults: each faulted run beside its fault-free twin" in report
+    assert (out / "faults.png").is_file()
+    json.dumps(json.loads((out / "results.json").read_text()))  # plain JSON as written
