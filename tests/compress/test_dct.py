@@ -1,24 +1,25 @@
-"""Chunked DCT, top-k and the wire format, in one process."""
+"""lowband/compress/dct.py: the chunked DCT and 2-D DCT tiles (basis, layout, padding), top-k per chunk, the sparse inverse."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
 import torch
 
 from lowband.compress import (
-    VALUE_FORMATS,
-    WireFormat,
     dct,
     dct_basis,
+    dct_basis_2d,
     from_chunks,
+    from_tiles,
     idct,
     idct_sparse,
     num_chunks,
+    num_tiles,
     scatter_chunks,
     to_chunks,
+    to_tiles,
     topk_per_chunk,
 )
 
@@ -116,37 +117,6 @@ def test_decode_is_the_true_mean_over_replicas():
     assert mean.tolist() == [[0.5, 2.0, 2.5, 0.0]]
 
 
-@pytest.mark.parametrize("values, chunk, topk", list(itertools.product(VALUE_FORMATS, [4, 128, 256, 257, 4096], [1, 3])))
-def test_pack_unpack_round_trip_and_payload_size(values, chunk, topk):
-    wire = WireFormat(chunk, topk, values)
-    n = 37
-    coeffs = torch.randn(n, chunk)
-    idx, vals = topk_per_chunk(coeffs, topk)
-    buf = wire.pack(idx, vals)
-    assert buf.dtype == torch.uint8 and buf.dim() == 1
-    assert buf.numel() == wire.payload_nbytes(n)
-    idx_bytes = 1 if chunk <= 256 else 2
-    count = n * topk
-    value_bytes = {"bf16": 2 * count, "fp32": 4 * count, "sign": -(-count // 8) + 4}[values]
-    assert wire.payload_nbytes(n) == count * idx_bytes + value_bytes
-    idx2, vals2 = wire.unpack(buf, n)
-    assert torch.equal(idx2, idx)
-    if values == "fp32":
-        assert torch.equal(vals2, vals)
-    elif values == "bf16":
-        assert torch.equal(vals2, vals.to(torch.bfloat16).float())
-    else:
-        scale = vals.abs().mean()
-        assert torch.equal(vals2.sign(), torch.where(vals >= 0, 1.0, -1.0))
-        torch.testing.assert_close(vals2.abs(), torch.full_like(vals, scale.item()))
-    # Gathered buffers with a leading replica dimension unpack row by row.
-    stacked = torch.stack([buf, buf])
-    idx3, vals3 = wire.unpack(stacked, n)
-    assert idx3.shape == (2, n, topk) and torch.equal(idx3[1], idx) and torch.equal(vals3[0], vals2)
-    # FlexDeMo takes the values as sent from sent_values, without unpacking: they must be the same floats.
-    assert torch.equal(wire.sent_values(vals), vals2)
-
-
 @pytest.mark.parametrize("terms", [1, 2, 3, 6, 7, 20])
 @pytest.mark.parametrize("replicas", [None, 2, 3])
 def test_sparse_inverse_dct_equals_the_dense_one(terms, replicas):
@@ -177,84 +147,6 @@ def test_top1_is_the_largest_magnitude_as_topk_picks_it():
     assert torch.equal(idx, ref) and torch.equal(vals, coeffs.gather(-1, ref))
 
 
-def test_index_dtype_is_the_smallest_that_fits():
-    assert WireFormat(128, 1).index_dtype == torch.uint8
-    assert WireFormat(256, 1).index_dtype == torch.uint8
-    assert WireFormat(257, 1).index_bytes == 2
-    assert WireFormat(65536, 1).index_bytes == 2
-    assert WireFormat(65537, 1).index_bytes == 4
-    # Index 65535 survives the 16-bit path.
-    wire = WireFormat(65536, 1, "fp32")
-    idx = torch.tensor([[65535], [0], [32768]])
-    vals = torch.tensor([[1.0], [2.0], [3.0]])
-    assert torch.equal(wire.unpack(wire.pack(idx, vals), 3)[0], idx)
-
-
-def test_top1_chunk128_is_3_bytes_per_chunk_against_8_for_int32_fp32():
-    # Paper setting: Top-1, chunk 128. DeToNATION sends int32 + fp32 = 8 bytes per coefficient.
-    n = num_chunks(16204, 128)
-    assert WireFormat(128, 1, "bf16").payload_nbytes(n) == 3 * n
-    assert 8 * n / WireFormat(128, 1, "bf16").payload_nbytes(n) == pytest.approx(8 / 3)
-
-
-def test_empty_tensor_packs_to_nothing_but_the_sign_scale():
-    for values in VALUE_FORMATS:
-        wire = WireFormat(16, 2, values)
-        idx = torch.empty(0, 2, dtype=torch.long)
-        vals = torch.empty(0, 2)
-        buf = wire.pack(idx, vals)
-        assert buf.numel() == wire.payload_nbytes(0) == (4 if values == "sign" else 0)
-        i2, v2 = wire.unpack(buf, 0)
-        assert i2.shape == (0, 2) and v2.shape == (0, 2)
-
-
-@pytest.mark.parametrize("kwargs", [dict(chunk=0, topk=1), dict(chunk=8, topk=9), dict(chunk=8, topk=0),
-                                    dict(chunk=8, topk=1, values="fp8")])
-def test_wire_format_rejects_bad_arguments(kwargs):
-    with pytest.raises(ValueError):
-        WireFormat(**kwargs)
-
-
-def test_all_finite_sees_nan_and_inf_in_any_tensor_and_ignores_empty_ones():
-    from lowband.optim._common import all_finite
-
-    ok = [torch.randn(5), torch.empty(0), torch.tensor([3e38, -3e38]), torch.ones(2, dtype=torch.float64)]
-    assert all_finite(ok) and all_finite([]) and all_finite([torch.empty(0)])
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        t = torch.zeros(4)
-        t[2] = bad
-        assert not all_finite(ok + [t]) and not all_finite([t.double()] + ok)
-
-
-@pytest.mark.parametrize("values, chunk, topk", list(itertools.product(VALUE_FORMATS, [4, 128, 300], [1, 3])))
-@pytest.mark.parametrize("rows", [(5,), (0,), (1, 0, 7, 3), (2, 9, 1, 1, 0, 4)])
-def test_encode_many_is_the_per_tensor_packs_concatenated(values, chunk, topk, rows):
-    # FlexDeMo encodes a param group's tensors at once, their chunks stacked in one matrix: the bytes must
-    # be each tensor's own payload, one after the other, and the values as sent those of sent_values.
-    g = torch.Generator().manual_seed(sum(rows) + chunk + topk)
-    wire = WireFormat(chunk, topk, values)
-    picks = [topk_per_chunk(torch.randn(r, chunk, generator=g), topk) for r in rows]
-    idx, vals = torch.cat([i for i, _ in picks]), torch.cat([v for _, v in picks])
-    payload, sent = wire.encode_many(idx, vals, rows)
-    assert torch.equal(payload, torch.cat([wire.pack(i, v) for i, v in picks]))
-    assert payload.numel() == wire.payload_nbytes_many(rows) == sum(wire.payload_nbytes(r) for r in rows)
-    assert torch.equal(sent, torch.cat([wire.sent_values(v) for _, v in picks]))
-    # Decoding a gathered (R, bytes) message gives every replica's indices and the values as sent.
-    other = wire.encode_many(idx.flip(0), vals.flip(0) * 2, rows)[0]
-    idx2, vals2 = wire.unpack_many(torch.stack([payload, other]), rows)
-    assert idx2.shape == (2, sum(rows), topk)
-    assert torch.equal(idx2[0], idx) and torch.equal(vals2[0], sent)
-    starts = [sum(rows[:t]) for t in range(len(rows))]
-    offset = 0
-    for t, r in enumerate(rows):  # replica 1's tensors as the per-tensor unpack reads them
-        n = wire.payload_nbytes(r)
-        i1, v1 = wire.unpack(other[offset:offset + n], r)
-        assert torch.equal(idx2[1, starts[t]:starts[t] + r], i1) and torch.equal(vals2[1, starts[t]:starts[t] + r], v1)
-        offset += n
-    with pytest.raises(ValueError, match="bytes"):
-        wire.unpack_many(payload[:-1] if payload.numel() else torch.zeros(1, dtype=torch.uint8), rows)
-
-
 @pytest.mark.parametrize("terms", [1, 3, 60])
 def test_sparse_inverse_dct_writes_into_out_where_it_can(terms):
     # Above SPARSE_TERMS_MAX terms per chunk the dense product is used; `out` takes the result for one
@@ -271,3 +163,60 @@ def test_sparse_inverse_dct_writes_into_out_where_it_can(terms):
     assert torch.equal(into, plain)
     assert (into.data_ptr() == out.data_ptr()) == (terms == 1 or terms > SPARSE_TERMS_MAX)
     torch.testing.assert_close(plain, idct(scatter_chunks(idx, vals, chunk)), rtol=0, atol=1e-5)
+
+
+def test_basis_2d_is_the_separable_dct_of_a_tile():
+    # Against the textbook 2-D DCT-II double sum (not built from dct_basis), and against B·x·Bᵀ.
+    for t in (1, 3, 4):
+        x = torch.randn(t, t, dtype=torch.float64)
+        n = torch.arange(t, dtype=torch.float64)
+        scale = [math.sqrt((1 if k == 0 else 2) / t) for k in range(t)]
+        ref = torch.tensor([[
+            scale[i] * scale[j] * (x * torch.outer(torch.cos(math.pi * (2 * n + 1) * i / (2 * t)),
+                                                   torch.cos(math.pi * (2 * n + 1) * j / (2 * t)))).sum()
+            for j in range(t)] for i in range(t)], dtype=torch.float64)
+        b2 = dct_basis_2d(t, torch.float64)
+        torch.testing.assert_close((b2 @ x.reshape(-1)).view(t, t), ref, atol=1e-12, rtol=0)
+    for t in (4, 16):
+        b, b2 = dct_basis(t, torch.float64), dct_basis_2d(t, torch.float64)
+        x = torch.randn(t, t, dtype=torch.float64)
+        torch.testing.assert_close((b2 @ x.reshape(-1)).view(t, t), b @ x @ b.T, atol=1e-12, rtol=0)
+        torch.testing.assert_close(b2 @ b2.T, torch.eye(t * t, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert dct_basis_2d(16) is dct_basis_2d(16)  # cached
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (5, 7), (33, 17), (0, 9), (1, 1), (4, 0)])
+@pytest.mark.parametrize("t", [1, 4, 16])
+def test_tiles_layout_padding_and_round_trip(shape, t):
+    m = torch.randn(shape)
+    tiles = to_tiles(m, t)
+    rt, ct = -(-shape[0] // t), -(-shape[1] // t)
+    assert tiles.shape == (num_tiles(*shape, t), t * t) == (rt * ct, t * t)
+    padded = torch.zeros(rt * t, ct * t)
+    padded[:shape[0], :shape[1]] = m
+    for i in range(rt):  # tile (i, j) is row i·ct + j, its elements row-major; the padding is zeros
+        for j in range(ct):
+            assert torch.equal(tiles[i * ct + j].view(t, t), padded[i * t:(i + 1) * t, j * t:(j + 1) * t])
+    assert torch.equal(from_tiles(tiles, shape), m)
+    out = torch.empty(shape)
+    assert from_tiles(tiles, shape, out=out) is out and torch.equal(out, m)
+
+
+@pytest.mark.parametrize("t", [4, 16])  # 16 and 256 terms per tile: idct_sparse's fused sum, its dense product
+def test_tile_transform_round_trip_and_full_topk_is_exact(t):
+    m = torch.randn(37, 50, dtype=torch.float64)
+    b2 = dct_basis_2d(t, torch.float64)
+    tiles = to_tiles(m, t)
+    coeffs = tiles @ b2.T
+    torch.testing.assert_close(coeffs @ b2, tiles, atol=1e-12, rtol=0)
+    idx, vals = topk_per_chunk(coeffs, t * t)
+    back = idct_sparse(idx, vals, t * t, basis=b2)
+    torch.testing.assert_close(from_tiles(back, m.shape), m, atol=1e-12, rtol=0)
+
+
+def test_sparse_inverse_with_the_2d_basis_equals_the_dense_one():
+    b2 = dct_basis_2d(4)
+    coeffs = torch.randn(10, 16)
+    idx, vals = topk_per_chunk(coeffs, 3)
+    torch.testing.assert_close(idct_sparse(idx, vals, 16, basis=b2), scatter_chunks(idx, vals, 16) @ b2,
+                               atol=1e-6, rtol=0)

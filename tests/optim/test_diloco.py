@@ -40,7 +40,6 @@ loss_of = tiny_loss
 sharded = tiny_sharded
 
 
-
 def maxdiff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 

@@ -1,18 +1,32 @@
-"""FlexDeMo, the full-sync baselines, the link and checkpoints on a real 2 × 2 gloo mesh.
+"""lowband/optim/flexdemo.py: FlexDeMo (and DeMo), with the full-sync baselines beside it.
 
-Each test is one multi-process launch (four forked ranks, OMP_NUM_THREADS=1) that checks many
-things; results come back to the parent, which asserts.
+Multi-process tests are each one launch of four forked gloo ranks (a 2 × 2 mesh, OMP_NUM_THREADS=1)
+that checks many things (equivalences with the full-sync baselines, bytes that cross nodes,
+checkpoints, non-finite gradients, 2-D tiles on FSDP2 shards); results come back to the parent,
+which asserts. Single-process tests check the update rule, the 2-D DCT tiles (``tile=t``) and
+refusals against a stand-in link.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from lowband.compress import WireFormat, num_chunks
+from lowband.compress import (
+    WireFormat,
+    dct_basis,
+    dct_basis_2d,
+    from_tiles,
+    idct_sparse,
+    num_chunks,
+    num_tiles,
+    to_tiles,
+    topk_per_chunk,
+)
 from lowband.link import Link
 from lowband.optim import AdamWFullSync, DetoFull, FlexDeMo, NonFiniteGradientError
 from lowband.testing import full_params, run_ranks, tiny_batch, tiny_loss, tiny_model, tiny_sharded
@@ -28,7 +42,6 @@ loss_of = tiny_loss
 
 
 sharded = tiny_sharded
-
 
 
 def watch_sends(link: Link, method: str) -> list[bool]:
@@ -658,3 +671,246 @@ def test_flexdemo_leaves_out_a_replica_that_heals_during_the_step():
     _overlapping_picks_step(1, link)
     (sent,) = link.sent
     assert sent[-1].item() == _NOT_COUNTED and not sent[:-1].any()
+
+
+# Shapes that exercise every rule: square and ragged matrices, a shard with no rows (FSDP2 gives the
+# last ranks nothing of a small parameter), a conv weight (read as 5 × 3·3·3), a 1-D bias, a scalar,
+# and a matrix of more than 2^16 tiled elements (transformed in place in its tiled copy, blocks of views).
+SHAPES = [(16, 16), (37, 13), (0, 9), (5, 3, 3, 3), (29,), (), (260, 300)]
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+
+
+def _grads(params, step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+@pytest.mark.parametrize("t", [4, 16])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_full_topk_fp32_without_sign_is_sgd_at_lr_squared(t, overlap):
+    # topk = t², fp32, sign off: every tile's momentum is sent whole and leaves δ, so this is SGD at
+    # lr² (overlap: applied one step late), as for 1-D chunks.
+    params, ref = _params(), _params()
+    opt = FlexDeMo(params, lr=LR, tile=t, topk=t * t, sign=False, values="fp32", overlap=overlap)
+    grads = []
+    for step in range(4):
+        _grads(params, step)
+        grads.append([p.grad.clone() for p in params])
+        opt.step()
+        if not overlap or step > 0:
+            with torch.no_grad():
+                for r, g in zip(ref, grads[step - overlap], strict=True):
+                    r.sub_(LR * LR * g)
+        for p, g in zip(params, grads[step], strict=True):
+            if p.dim() >= 2:  # tiled: the scratch is a tiled copy, the gradient is left alone
+                assert torch.equal(p.grad, g)
+            if p.numel():
+                assert opt.state[p]["delta"].abs().max() <= 1e-6  # the momentum emptied (fp32 rounding)
+    for a, b in zip(params, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_each_tile_sends_its_topk_2d_coefficients_and_keeps_the_rest():
+    # One step from δ = 0 (decay irrelevant), bf16 values: what left δ, q = lr·g − δ, is per tile the
+    # inverse 2-D DCT of the k largest 2-D DCT coefficients of lr·g, rounded to bf16; 1-D params the
+    # same with the 1-D DCT of t² elements.
+    t, k = 4, 3
+    params = _params()
+    opt = FlexDeMo(params, lr=LR, tile=t, topk=k)
+    _grads(params, 0)
+    want = [LR * p.grad for p in params]
+    opt.step()
+    for p, w in zip(params, want, strict=True):
+        q = w - opt.state[p]["delta"]
+        if p.dim() >= 2:
+            mat = w.reshape(w.shape[0], math.prod(w.shape[1:]))
+            rows, basis = to_tiles(mat, t), dct_basis_2d(t)
+            sent = to_tiles(q.reshape(mat.shape), t)
+        else:
+            flat = torch.nn.functional.pad(w.reshape(-1), (0, -w.numel() % (t * t)))
+            rows, basis = flat.view(-1, t * t), dct_basis(t * t)
+            sent = torch.nn.functional.pad(q.reshape(-1), (0, -q.numel() % (t * t))).view(-1, t * t)
+        idx, vals = topk_per_chunk(rows @ basis.T, k)
+        expect = idct_sparse(idx, vals.bfloat16().float(), t * t, basis=basis)
+        if p.dim() >= 2:  # what lands in the padding is not kept
+            expect = to_tiles(from_tiles(expect, mat.shape), t)
+        else:
+            expect.view(-1)[w.numel():] = 0
+        torch.testing.assert_close(sent, expect, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("values", ["bf16", "fp32", "sign"])
+def test_message_is_payload_bytes_and_the_formula(values):
+    t, k = 16, 8
+    params = _params()
+    link = _LoopbackLink()
+    opt = FlexDeMo(params, lr=LR, tile=t, topk=k, values=values, link=link)
+    wire = WireFormat(t * t, k, values)
+    assert wire.index_bytes == 1  # t ≤ 16: one byte per index
+    expect = sum(wire.payload_nbytes(num_tiles(p.shape[0], math.prod(p.shape[1:]), t) if p.dim() >= 2
+                                     else -(-p.numel() // (t * t))) for p in params)
+    assert opt.payload_bytes() == expect
+    for step in range(2):
+        _grads(params, step)
+        opt.step()
+    assert [m.numel() for m in link.messages] == [expect + 1] * 2
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_checkpoint_resumes_bit_for_bit(overlap):
+    def make(params):
+        return FlexDeMo(params, lr=LR, tile=4, topk=3, decay=0.9, weight_decay=0.01, overlap=overlap)
+
+    def run(params, opt, steps):
+        for step in steps:
+            _grads(params, step)
+            opt.step()
+
+    params = _params()
+    opt = make(params)
+    run(params, opt, range(3))
+    saved = copy.deepcopy(opt.state_dict())
+    saved_params = [p.detach().clone() for p in params]
+    run(params, opt, range(3, 6))
+    opt.flush()
+    resumed = [torch.nn.Parameter(x) for x in saved_params]
+    opt2 = make(resumed)
+    opt2.load_state_dict(saved)
+    run(resumed, opt2, range(3, 6))
+    opt2.flush()
+    assert all(torch.equal(a, b) for a, b in zip(params, resumed, strict=True))
+    assert all(torch.equal(opt.state[a]["delta"], opt2.state[b]["delta"]) for a, b in zip(params, resumed, strict=True))
+
+
+def test_a_nonfinite_gradient_anywhere_in_a_tile_refuses_the_step():
+    # FlexDeMo checks only the values it sends: a NaN/Inf in a tiled matrix (first, middle, last
+    # element; the ragged ones' edge tiles included) must reach them through the 2-D DCT and the pick.
+    params = _params()
+    opt = FlexDeMo(params, lr=LR, tile=4, topk=1, nonfinite="skip")
+    _grads(params, 0)
+    opt.step()  # a good step first: δ is non-zero
+    cases = 0
+    for t, p in enumerate(params):
+        for pos in sorted({0, p.numel() // 2, p.numel() - 1} if p.numel() else set()):
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                before = [q.detach().clone() for q in params] + [opt.state[q]["delta"].clone() for q in params]
+                _grads(params, 1)
+                p.grad.view(-1)[pos] = bad
+                opt.step()
+                after = [q.detach() for q in params] + [opt.state[q]["delta"] for q in params]
+                assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), (t, pos, bad)
+                cases += 1
+    assert opt.skipped_steps == cases
+
+
+def test_a_checkpoint_from_before_tiles_loads_as_1d_chunks():
+    params = _params()
+    opt = FlexDeMo(params, lr=LR, topk=2, chunk=16)
+    _grads(params, 0)
+    opt.step()
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:
+        del group["tile"]  # the layout of checkpoints written before the option existed
+    opt2 = FlexDeMo(_params(), lr=LR, topk=2, chunk=16)
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[0]["tile"] == 0
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    (dict(tile=4, topk=17), "tile²=16"),
+    (dict(tile=-1), "tile"),
+    (dict(tile=2.0), "tile"),
+])  # fmt: skip
+def test_bad_tiles_are_refused(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        FlexDeMo(_params(), lr=LR, **kwargs)
+
+
+# ----------------------------------------------------------------------------- FSDP2 shards on 2 × 2
+def _tiles_on_2x2(rank: int, ckpt_dir: str) -> dict:
+    from lowband.checkpoint import load_checkpoint, save_checkpoint
+    from lowband.link import Link
+    from lowband.topology import Topology
+
+    topo = Topology.from_env()
+    out: dict = {}
+    # tiny_model's matrices (37 × 13, 29 × 37, 3 × 29) split by rows over the node's two ranks: uneven
+    # shards (19 and 18 rows; 2 and 1) with ragged edges. topk = t², fp32, sign off == SGD at lr².
+    model = tiny_sharded(topo)
+    out["local_shapes"] = [tuple(p.to_local().shape) for p in model.parameters()]
+    link = Link(topo)
+    opt = FlexDeMo(model.parameters(), lr=LR, tile=4, topk=16, sign=False, values="fp32", link=link)
+    ref = tiny_model()
+    sgd = torch.optim.SGD(ref.parameters(), lr=LR**2)
+    for step in range(3):
+        opt.zero_grad()
+        tiny_loss(model, rank, step).backward()
+        opt.step()
+        link.end_step()
+        sgd.zero_grad()
+        torch.stack([tiny_loss(ref, r, step) for r in range(topo.world_size)]).mean().backward()
+        sgd.step()
+    out["vs_sgd"] = max((x - y).abs().max().item() for x, y in zip(full_params(model), full_params(ref), strict=True))
+    # Top-3 of 16, bf16, sign on: the replicas stay bit-identical and the link carries payload_bytes + 1.
+    model = tiny_sharded(topo)
+    link = Link(topo)
+    opt = FlexDeMo(model.parameters(), lr=LR, tile=4, topk=3, weight_decay=0.01, link=link)
+    sent = []
+    for step in range(3):
+        opt.zero_grad()
+        tiny_loss(model, rank, step).backward()
+        opt.step()
+        sent.append(link.end_step().ops[0].payload_bytes)
+    out["payload"] = (opt.payload_bytes(), sent)
+    out["params"] = [p.detach().tolist() for p in full_params(model)]
+
+    # A DCP checkpoint with overlap in the middle: resumed == uninterrupted, bit for bit.
+    def run(model, opt, link, steps):
+        for step in steps:
+            opt.zero_grad()
+            tiny_loss(model, rank, step).backward()
+            opt.step()
+            link.end_step()
+        opt.flush()
+
+    def make(model, link):
+        return FlexDeMo(model.parameters(), lr=LR, tile=4, topk=3, decay=0.9, link=link, overlap=True)
+
+    model = tiny_sharded(topo)
+    link = Link(topo)
+    run(model, make(model, link), link, range(5))
+    straight = full_params(model)
+    model = tiny_sharded(topo)
+    link = Link(topo)
+    opt = make(model, link)
+    for step in range(3):
+        opt.zero_grad()
+        tiny_loss(model, rank, step).backward()
+        opt.step()
+        link.end_step()
+    save_checkpoint(f"{ckpt_dir}/tiles", model=model, optimizer=opt, extra={"step": 3})
+    model2 = tiny_sharded(topo, seed=123)  # everything must come from the checkpoint
+    link2 = Link(topo)
+    opt2 = make(model2, link2)
+    load_checkpoint(f"{ckpt_dir}/tiles", model=model2, optimizer=opt2)
+    run(model2, opt2, link2, range(3, 5))
+    out["resume_maxdiff"] = max((a - b).abs().max().item()
+                                for a, b in zip(straight, full_params(model2), strict=True))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_tiles_on_fsdp2_shards_of_a_2x2_mesh(tmp_path):
+    results = run_ranks(_tiles_on_2x2, world_size=4, ranks_per_node=2, args=(str(tmp_path),), timeout_s=180)
+    assert {r["local_shapes"][0] for r in results} == {(19, 13), (18, 13)}  # uneven row shards
+    for r in results:
+        assert r["vs_sgd"] < 1e-5, r["vs_sgd"]
+        payload, sent = r["payload"]
+        assert all(s == payload + 1 for s in sent), (payload, sent)
+        assert r["resume_maxdiff"] == 0.0, r["resume_maxdiff"]
+    assert all(r["params"] == results[0]["params"] for r in results[1:])  # every rank: the same full model

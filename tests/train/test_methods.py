@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowband.bench.methods import method_label, parse_method_spec, train_hp_args
+from lowband.bench.methods import method_label, parse_method_spec, shown_params, train_hp_args
 from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo, SparseLoCo
 from lowband.optim.diloco import DILOCO_INNER_DEFAULTS
 from lowband.optim.noloco import NOLOCO_INNER_DEFAULTS
@@ -208,3 +208,15 @@ def test_no_method_name_is_tested_outside_the_registry():
     """Code outside lowband/train/methods.py and lowband/optim/ asks a method's traits (MethodSpec), never its
     name: a new method then needs no edit elsewhere. Configuration (defaults, examples) may name methods."""
     assert method_name_tests(_LOWBAND) == [], "test a MethodSpec trait instead of the name"
+
+
+def test_tile_is_a_method_hyperparameter():
+    spec = parse_method_spec("flexdemo:tile=16,topk=8")
+    assert spec.given_values() == {"tile": 16, "topk": 8} and spec.hp.tile == 16
+    assert method_label("flexdemo", shown_params(spec.hp, spec.given)) == "FlexDeMo Top8 tile=16"
+    assert hp_flag("tile") == "--tile"
+    assert check_hyperparameters("flexdemo", {"tile": 16, "topk": 200})["tile"] == 16  # topk counts per tile
+    with pytest.raises(ValueError, match="tile"):
+        check_hyperparameters("flexdemo", {"tile": 4, "topk": 17})
+    with pytest.raises(ValueError, match="tile"):
+        check_hyperparameters("flexdemo", {"tile": -1})
