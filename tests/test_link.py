@@ -1,4 +1,4 @@
-"""The asynchronous link (handles, the shaped link's clock, exposed time) and overlapped optimizers, on 2 × 2."""
+"""lowband/link.py: the link (shaping from arguments, refusals, a vanished peer) and its asynchronous handles (the shaped link's clock, exposed time), on 2 × 2 where needed."""
 
 from __future__ import annotations
 
@@ -98,128 +98,85 @@ def test_async_link_same_bytes_own_clock_and_exposed_time():
         assert blocking >= 0.2 and hidden < 0.1, r["latency"]
 
 
-# ----------------------------------------------------------------------------- FlexDeMo with overlap
-def _flex_overlap(rank: int, ckpt_dir: str) -> dict:
-    import torch.distributed as dist
-
-    from lowband.checkpoint import load_checkpoint, save_checkpoint
-    from lowband.optim import FlexDeMo, NonFiniteGradientError
-    from lowband.testing import full_params, tiny_loss, tiny_model, tiny_sharded, tiny_steps
-
+def _shaped(rank: int) -> dict:
     topo = Topology.from_env()
-    out: dict = {}
-    lr = 0.05
-
-    def run(model, opt, link, steps):
-        return tiny_steps(model, opt, link, rank, steps)
-
-    # (a) topk = chunk, fp32, sign off: the momentum empties every step, so this is SGD at lr² on
-    # the mean gradient, applied one step late: x_{t+1} = x_t − lr²·ḡ_{t−1}.
-    model = tiny_sharded(topo)
-    link = Link(topo)
-    opt = FlexDeMo(model.parameters(), lr=lr, topk=16, chunk=16, sign=False, values="fp32", link=link, overlap=True)
-    traffic = run(model, opt, link, range(4))
-    opt.flush()
-    ref = tiny_model()
-    prev = None
-    for step in range(5):
-        grads = None
-        if step < 4:
-            ref.zero_grad()
-            torch.stack([tiny_loss(ref, r, step) for r in range(topo.world_size)]).mean().backward()
-            grads = [p.grad.clone() for p in ref.parameters()]
-        if prev is not None:
-            with torch.no_grad():
-                for p, g in zip(ref.parameters(), prev, strict=True):
-                    p.sub_(lr * lr * g)
-        prev = grads
-    out["delayed_sgd_maxdiff"] = max((a - b).abs().max().item()
-                                     for a, b in zip(full_params(model), full_params(ref), strict=True))
-    out["ops_per_step"] = [[o.kind for o in t.ops] for t in traffic]
-    out["payload"] = opt.payload_bytes()
-    out["bytes"] = [t.inter_node_bytes_sent for t in traffic]
-
-    # (b) Checkpoint in the middle: resumed == uninterrupted, bit for bit.
-    def make(m, ln):
-        return FlexDeMo(m.parameters(), lr=lr, topk=3, chunk=32, decay=0.9, weight_decay=0.01, link=ln, overlap=True)
-
-    model = tiny_sharded(topo)
-    link = Link(topo)
-    opt = make(model, link)
-    run(model, opt, link, range(6))
-    opt.flush()
-    straight = full_params(model)
-    model = tiny_sharded(topo)
-    link = Link(topo)
-    opt = make(model, link)
-    run(model, opt, link, range(3))
-    save_checkpoint(f"{ckpt_dir}/flex", model=model, optimizer=opt, extra={"step": 3})
-    run(model, opt, link, range(3, 6))  # the saving run goes on too
-    opt.flush()
-    went_on = full_params(model)
-    model2 = tiny_sharded(topo, seed=123)
-    link2 = Link(topo)
-    opt2 = make(model2, link2)
-    load_checkpoint(f"{ckpt_dir}/flex", model=model2, optimizer=opt2)
-    run(model2, opt2, link2, range(3, 6))
-    opt2.flush()
-    resumed = full_params(model2)
-    out["resume_maxdiff"] = max((a - b).abs().max().item() for a, b in zip(straight, resumed, strict=True))
-    out["went_on_maxdiff"] = max((a - b).abs().max().item() for a, b in zip(straight, went_on, strict=True))
-    out["moved"] = max((a - b).abs().max().item() for a, b in zip(straight, full_params(tiny_model()), strict=True))
-
-    # (c) A NaN on one rank at step 1: zeros + flag are sent, every rank refuses step 1 when it
-    # arrives, δ returns to its value before step 1 and the parameters keep what step 1 left.
-    model = tiny_sharded(topo)
-    link = Link(topo)
-    opt = FlexDeMo(model.parameters(), lr=lr, topk=2, chunk=16, link=link, nonfinite="skip", overlap=True)
-    run(model, opt, link, [0])
-    delta_before = [opt.state[p]["delta"].to_local().clone() for p in model.parameters()]
-    opt.zero_grad()
-    tiny_loss(model, rank, 1).backward()
-    if rank == 3:
-        next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("nan")
-    sent: list = []
-    original = link.all_gather
-
-    def watch(tensor, **kw):
-        sent.append(bool(tensor[-1] == 0 or not tensor[:-1].any()))
-        return original(tensor, **kw)
-
-    link.all_gather = watch
-    opt.step()
-    x_after = [p.to_local().clone() for p in model.parameters()]
-    opt.flush()
-    out["nan"] = {
-        "skipped": opt.skipped_steps, "sent_clean": list(sent),
-        "delta_back": all(torch.equal(a, opt.state[p]["delta"].to_local())
-                          for a, p in zip(delta_before, model.parameters(), strict=True)),
-        "x_kept": all(torch.equal(a, p.to_local()) for a, p in zip(x_after, model.parameters(), strict=True)),
-    }
-    # raise: the step after the bad one raises on every rank.
-    opt.nonfinite = "raise"
-    opt.zero_grad()
-    tiny_loss(model, rank, 2).backward()
-    if rank == 0:
-        next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("inf")
-    opt.step()
-    try:
-        run(model, opt, link, [3])
-        out["raised"] = None
-    except NonFiniteGradientError as e:
-        out["raised"] = str(e)
-    dist.barrier()
-    return out
+    link = Link(topo, bandwidth_bps=8e6, latency_s=0.05)  # 1 MB/s per node uplink
+    x = torch.ones(25_000)  # 100 kB per rank
+    link.all_reduce(x, op="avg")
+    ar = link.current.ops[-1]
+    y = link.all_gather(torch.full((10_000,), float(rank)))  # 40 kB per rank
+    ag = link.current.ops[-1]
+    peer = topo.replicate_group_ranks(rank)
+    recv = link.exchange(torch.full((5,), float(rank)), [p for p in peer if p != rank])
+    ex = link.current.ops[-1]
+    # A real rate limit (no bandwidth shaping) with latency: the delay is added on top.
+    delayed = Link(topo, latency_s=0.05)
+    delayed.all_gather(torch.zeros(4))
+    lat = delayed.current.ops[-1]
+    return {"lat": (lat.modelled_link_time_s, lat.time_s),
+            "ar": (ar.node_inter_node_bytes_sent, ar.modelled_link_time_s, ar.time_s, x[0].item()),
+            "ag": (ag.node_inter_node_bytes_sent, ag.modelled_link_time_s, ag.time_s, y[:, 0].tolist()),
+            "ex": (ex.group_size, ex.inter_node_bytes_sent, recv[0][0].item())}
 
 
 @pytest.mark.multiprocess
-def test_flexdemo_overlap_delays_by_one_step_resumes_exactly_and_refuses_together(tmp_path):
-    results = run_ranks(_flex_overlap, world_size=4, ranks_per_node=2, args=(str(tmp_path),), timeout_s=240)
-    for r in results:
-        assert r["delayed_sgd_maxdiff"] < 1e-6, r["delayed_sgd_maxdiff"]
-        # One inter-node operation per step, payload + flag byte (R = 2: (R−1)·(payload + 1)).
-        assert r["ops_per_step"] == [["all_gather"]] * 4
-        assert r["bytes"] == [r["payload"] + 1] * 4
-        assert r["resume_maxdiff"] == 0.0 and r["went_on_maxdiff"] == 0.0 and r["moved"] > 1e-3
-        assert r["nan"] == {"skipped": 1, "sent_clean": [True], "delta_back": True, "x_kept": True}, r["nan"]
-        assert r["raised"] and "NaN or Inf" in r["raised"]
+def test_shaping_makes_operations_take_the_link_time():
+    results = run_ranks(_shaped, world_size=4, ranks_per_node=2, timeout_s=60)
+    for rank, r in enumerate(results):
+        node_bytes, modelled, took, value = r["ar"]
+        # R = 2: each rank sends 2·(R−1)/R·100 kB = 100 kB; the node's two ranks share the uplink.
+        assert node_bytes == 200_000
+        assert modelled == pytest.approx(200_000 * 8 / 8e6 + 0.05 * 2)
+        assert took >= modelled and value == 1.0
+        node_bytes, modelled, took, gathered = r["ag"]
+        assert node_bytes == 80_000 and modelled == pytest.approx(0.08 + 0.05) and took >= modelled
+        assert gathered == [float(p) for p in [rank % 2, rank % 2 + 2]]
+        modelled, took = r["lat"]
+        assert modelled == pytest.approx(0.05) and took >= 0.05
+        group, inter, peer_value = r["ex"]
+        assert group == 2 and inter == 20 and peer_value == float((rank + 2) % 4)
+
+
+def test_link_rejects_bad_settings():
+    t = Topology(num_nodes=1, ranks_per_node=1)
+    for kwargs in (dict(bandwidth_bps=0), dict(latency_s=-1), dict(timeout_s=0)):
+        with pytest.raises(ValueError):
+            Link(t, **kwargs)
+
+
+def _vanishing_peer(rank: int) -> str:
+    from lowband.link import PeerLostError
+
+    topo = Topology.from_env()
+    link = Link(topo)
+    if rank == 3:
+        return "left"  # leaves the job: its process exits and its connections close
+    if rank != 1:
+        return "unaffected"  # ranks 0 and 2 form the other replicate group
+    try:
+        link.all_gather(torch.ones(1000))
+    except PeerLostError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_a_vanished_peer_is_a_clear_error_naming_the_group():
+    results = run_ranks(_vanishing_peer, world_size=4, ranks_per_node=2, timeout_s=120)
+    msg = results[1]
+    assert "all_gather over ranks [1, 3] failed" in msg and "node(s) [1]" in msg and "--resume auto" in msg
+
+
+def test_shaping_comes_from_arguments_never_from_the_environment(monkeypatch):
+    from lowband.cli import build_parser
+    from lowband.train.cli import config_from_args
+
+    monkeypatch.setenv("LOWBAND_BANDWIDTH_BPS", "1e6")  # what an old bench exported: ignored
+    monkeypatch.setenv("LOWBAND_LATENCY_S", "1")
+    link = Link(Topology(num_nodes=1, ranks_per_node=1))
+    assert not link.shaping and link.bandwidth_bps is None and link.latency_s == 0.0
+    cfg = config_from_args(build_parser("train").parse_args(["train", "--link-bandwidth", "100mbit",
+                                                              "--link-latency", "20ms"]))
+    assert cfg.link.bandwidth_bps == 1e8 and cfg.link.latency_s == pytest.approx(0.02)
+    cfg = config_from_args(build_parser("train").parse_args(["train"]))
+    assert cfg.link.bandwidth_bps is None and cfg.link.latency_s == 0.0

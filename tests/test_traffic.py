@@ -1,10 +1,9 @@
-"""lowband.traffic (the ring model's byte counts, the step tally) and lowband.shaping (the uplink's clock)."""
+"""lowband/traffic.py: the ring model's byte counts and the step tally."""
 
 from __future__ import annotations
 
 import pytest
 
-from lowband.shaping import UplinkClock
 from lowband.topology import Topology
 from lowband.traffic import (
     OpRecord,
@@ -59,17 +58,6 @@ def test_step_traffic_tallies_its_ops():
                               "exchange": OpTally(count=1, bytes=5, inter_node_bytes=5, largest_group=2)}
     d = step.as_dict()
     assert d["step"] == 3 and d["inter_node_bytes_recv"] == 9 and len(d["ops"]) == 3
-
-
-def test_uplink_clock_queues_operations():
-    clock = UplinkClock()
-    # 1e6 bytes at 8e6 bit/s: 1 s on the uplink, then 0.1 s of latency.
-    assert clock.schedule(10.0, 1_000_000, 8e6, 0.1) == pytest.approx(11.1)
-    # Started while the first still occupies the uplink: it queues behind it.
-    assert clock.schedule(10.5, 500_000, 8e6, 0.0) == pytest.approx(11.5)
-    # Started after the uplink is free: no queueing.
-    assert clock.schedule(20.0, 0, 8e6, 0.2) == pytest.approx(20.2)
-    assert clock.free_at == pytest.approx(20.0)
 
 
 def test_op_tallies_add_up_counts_and_bytes_and_keep_the_largest_group() -> None:

@@ -1,7 +1,9 @@
-"""DiLoCo and NoLoCo on real gloo processes (and their single-process logic).
+"""lowband/optim/diloco.py: DiLoCo on real gloo processes and in one process, and the refusals and
+state handling DiLoCo and NoLoCo share (tests parametrised over both).
 
 Each distributed test is one launch of forked ranks (OMP_NUM_THREADS=1) that checks many things;
-results come back to the parent, which asserts.
+results come back to the parent, which asserts. The test-side helpers of the launches are in
+tests/optim/replicas.py.
 """
 
 from __future__ import annotations
@@ -12,71 +14,29 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lowband.link import Link, PeerTimeoutError
-from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError, noloco_groups
+from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError
 from lowband.optim._common import state_view
 from lowband.testing import (
     full_params,
     run_ranks,
-    tiny_batch,
-    tiny_loss,
-    tiny_model,
-    tiny_sharded,
-    tiny_steps,
 )
 from lowband.topology import Topology
 from lowband.train.schedule import warmup_cosine
+from tests.optim.replicas import (
+    gather_replicas,
+    kinds,
+    loss_of,
+    make_model,
+    maxdiff,
+    replicas_equal,
+    run,
+    sharded,
+    watch_sends,
+)
 
 INNER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
-
-
-make_model = tiny_model
-batch = tiny_batch
-loss_of = tiny_loss
-
-
-sharded = tiny_sharded
-
-
-def maxdiff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
-
-
-def gather_replicas(t: torch.Tensor, topo: Topology) -> torch.Tensor:
-    """(R, *t.shape): ``t`` of every replica holding the same shard (a test-side collective)."""
-    bufs = [torch.empty_like(t) for _ in range(topo.replicas)]
-    dist.all_gather(bufs, t.detach().contiguous(), group=topo.replicate_group())
-    return torch.stack(bufs)
-
-
-def replicas_equal(model, topo: Topology) -> bool:
-    for p in model.parameters():
-        g = gather_replicas(p.to_local() if hasattr(p, "to_local") else p, topo)
-        if not all(torch.equal(g[0], x) for x in g[1:]):
-            return False
-    return True
-
-
-run = tiny_steps
-
-
-def watch_sends(link: Link, method: str) -> list[bool]:
-    """Record, for every call of ``link.<method>``, whether the tensor this rank sends is finite."""
-    seen: list[bool] = []
-    original = getattr(link, method)
-
-    def wrapper(tensor, *args, **kwargs):
-        seen.append(bool(torch.isfinite(tensor).all()))
-        return original(tensor, *args, **kwargs)
-
-    setattr(link, method, wrapper)
-    return seen
-
-
-def kinds(traffic) -> list[dict]:
-    return [{k: (v.count, v.largest_group) for k, v in t.by_kind().items()} for t in traffic]
 
 
 # ----------------------------------------------------------------------------- launch 1: DiLoCo, 2 × 2
@@ -229,121 +189,6 @@ def test_diloco_demo_like_every_rank_a_replica():
         assert r["kinds"] == [{}, {"all_reduce": (1, 4)}, {}, {"all_reduce": (1, 4)}]
 
 
-# ----------------------------------------------------------------------------- launch 2: NoLoCo, R = 4
-def _noloco_r4(rank: int, ckpt_dir: str) -> dict:
-    from lowband.checkpoint import load_checkpoint, save_checkpoint
-
-    topo = Topology.from_env(shards=1)
-    out: dict = {"replica": topo.replica_index(rank)}
-    H = 2
-
-    # (a) Groups and traffic over several outer steps.
-    model = make_model()
-    link = Link(topo)
-    opt = NoLoCo(model.parameters(), INNER, link=link, sync_every=H, seed=7)
-    traffic, last_groups, phis_after_first = [], [], None
-    for step in range(4 * H):
-        traffic += run(model, opt, link, rank, [step])
-        if (step + 1) % H == 0:
-            last_groups.append(opt.last_group)
-        if step + 1 == H:
-            phis_after_first = [gather_replicas(state_view(opt.state[p]["slow"]), topo) for p in model.parameters()]
-    out["kinds"] = kinds(traffic)
-    out["payload"] = [o.payload_bytes for t in traffic for o in t.ops]
-    out["numel"] = sum(p.numel() for p in model.parameters())
-    out["last_groups"] = last_groups
-    out["groups"] = [noloco_groups(4, 2, seed=7, outer_index=k) for k in range(4)]
-    # After the first outer step (all φ started equal), φ is equal inside each group.
-    g0 = out["groups"][0]
-    out["first_equal_in_group"] = all(torch.equal(ph[g[0]], ph[g[1]]) for ph in phis_after_first for g in g0)
-    out["first_differs_between_groups"] = any(not torch.equal(ph[g0[0][0]], ph[g0[1][0]]) for ph in phis_after_first)
-
-    # (b) A pure γ step (α = β = 0) keeps the mean of φ inside each group; replicas start apart.
-    model = make_model(seed=rank)
-    link = Link(topo)
-    opt = NoLoCo(model.parameters(), INNER, link=link, sync_every=1, alpha=0.0, beta=0.0, gamma=0.3, seed=3)
-    before = [gather_replicas(p.detach(), topo) for p in model.parameters()]
-    run(model, opt, link, rank, [0])
-    after = [gather_replicas(state_view(opt.state[p]["slow"]), topo) for p in model.parameters()]
-    group = noloco_groups(4, 2, seed=3, outer_index=0)
-    mean_err, rule_err = 0.0, 0.0
-    for b, a in zip(before, after, strict=True):
-        for g in group:
-            mean_err = max(mean_err, (b[g].mean(0) - a[g].mean(0)).abs().max().item())
-            expected = b[g] - 0.3 * (b[g] - b[g].mean(0))
-            rule_err = max(rule_err, (a[g] - expected).abs().max().item())
-    out["gamma_mean_err"], out["gamma_rule_err"] = mean_err, rule_err
-    out["gamma_moved"] = max((a - b).abs().max().item() for a, b in zip(after, before, strict=True))
-
-    # (c) Checkpoint in the middle of an inner phase, R = 4, S = 1 (φ differs between replicas).
-    def fresh(seed: int, group_seed: int = 11):
-        m = make_model(seed)
-        ln = Link(topo)
-        return m, NoLoCo(m.parameters(), INNER, link=ln, sync_every=3, seed=group_seed), ln
-
-    model, opt, link = fresh(0)
-    run(model, opt, link, rank, range(8))
-    straight = full_params(model)
-    model, opt, link = fresh(0)
-    run(model, opt, link, rank, range(4))
-    save_checkpoint(f"{ckpt_dir}/noloco_r4", model=model, optimizer=opt)
-    model2, opt2, link2 = fresh(100 + rank, group_seed=99)  # the seed, too, comes from the checkpoint
-    load_checkpoint(f"{ckpt_dir}/noloco_r4", model=model2, optimizer=opt2)
-    out["ckpt_seed"] = opt2.param_groups[0]["seed"]
-    run(model2, opt2, link2, rank, range(4, 8))
-    out["ckpt_maxdiff"] = maxdiff(straight, full_params(model2))
-    out["ckpt_replicas_differ"] = not replicas_equal(model2, topo)
-
-    # (d) A NaN in one replica's θ at an outer step: its group refuses; the other group goes on.
-    model = make_model()
-    link = Link(topo)
-    opt = NoLoCo(model.parameters(), INNER, link=link, sync_every=1, seed=5)
-    sent_finite = watch_sends(link, "exchange")
-    if rank == 0:
-        opt.inner_optimizer.register_step_post_hook(
-            lambda *_: next(iter(model.parameters())).view(-1).__setitem__(0, float("nan")))
-    try:
-        run(model, opt, link, rank, [0])
-        out["nan_raised"] = None
-    except NonFiniteGradientError as e:
-        out["nan_raised"] = str(e)
-    out["nan_group"] = noloco_groups(4, 2, seed=5, outer_index=0)
-    out["nan_phi_finite"] = all(torch.isfinite(state_view(opt.state[p]["slow"])).all().item()
-                                for p in model.parameters())
-    out["nan_sent_finite"] = sent_finite
-    return out
-
-
-@pytest.mark.multiprocess
-def test_noloco_groups_traffic_gamma_checkpoint_and_nan_with_four_replicas(tmp_path):
-    results = run_ranks(_noloco_r4, world_size=4, ranks_per_node=2, args=(str(tmp_path),), timeout_s=150)
-    groups = results[0]["groups"]
-    for rank, r in enumerate(results):
-        # Every rank derives the same groups; each replica is in exactly one group of n = 2.
-        assert r["groups"] == groups
-        for gs in groups:
-            assert sorted(x for g in gs for x in g) == [0, 1, 2, 3] and all(len(g) == 2 for g in gs)
-        # This rank's group in each outer step is the drawn one (S = 1: replica = rank).
-        for k, last in enumerate(r["last_groups"]):
-            assert rank in last and last in groups[k], (rank, k, last)
-        # Point-to-point only, never more than n = 2 ranks, one flat buffer (φ, θ − φ, flag) per outer step.
-        assert r["kinds"] == [{}, {"exchange": (1, 2)}] * 4, r["kinds"]
-        assert r["payload"] == [(2 * r["numel"] + 1) * 4] * 4
-        assert r["first_equal_in_group"] and r["first_differs_between_groups"]
-        assert r["gamma_mean_err"] < 1e-6 and r["gamma_rule_err"] < 1e-6 and r["gamma_moved"] > 1e-2, r
-        assert r["ckpt_maxdiff"] == 0.0, (rank, r["ckpt_maxdiff"])
-        assert r["ckpt_seed"] == 11
-        assert r["ckpt_replicas_differ"]
-        nan_group = next(g for g in r["nan_group"] if rank in g)
-        if 0 in nan_group:
-            assert r["nan_raised"] and "NaN or Inf" in r["nan_raised"], (rank, r["nan_raised"])
-        else:
-            assert r["nan_raised"] is None
-        assert r["nan_phi_finite"]
-        assert r["nan_sent_finite"] == [True], r["nan_sent_finite"]
-    assert len({str(g) for g in groups}) > 1  # groups vary with the outer step
-
-
 # ----------------------------------------------------------------------------- launch 3: checkpoints, 2 × 2
 def _checkpoint_2x2(rank: int, ckpt_dir: str) -> dict:
     from lowband.checkpoint import load_checkpoint, save_checkpoint
@@ -389,36 +234,6 @@ def test_checkpoint_mid_phase_resumes_exactly_with_fsdp2(tmp_path):
             assert r[name]["counters"] == (4, 1, True), (name, r[name]["counters"])
             assert r[name]["moved"] > 1e-3
             assert r[name]["maxdiff"] == 0.0, (rank, name, r[name]["maxdiff"])
-
-
-# ----------------------------------------------------------------------------- launch 4: R = 3, n = 2
-def _odd_replicas(rank: int) -> dict:
-    topo = Topology.from_env()  # 3 nodes × 1 rank
-    res = {}
-    for name, make in (
-        ("noloco", lambda ps, ln: NoLoCo(ps, INNER, link=ln, sync_every=2, alpha=0.5, beta=0.7, group_size=2,
-                                         max_grad_norm=None)),
-        ("diloco_hb", lambda ps, ln: DiLoCo(ps, INNER, link=ln, sync_every=2, outer_lr=0.7, outer_momentum=0.5,
-                                            nesterov=False)),
-    ):
-        model = make_model()
-        link = Link(topo)
-        opt = make(model.parameters(), link)
-        traffic = run(model, opt, link, rank, range(4))
-        res[name] = {"params": full_params(model), "kinds": kinds(traffic), "equal": replicas_equal(model, topo),
-                     "group": getattr(opt, "last_group", None)}
-    return {"kinds": res["noloco"]["kinds"], "equal": res["noloco"]["equal"], "group": res["noloco"]["group"],
-            "vs_diloco": maxdiff(res["noloco"]["params"], res["diloco_hb"]["params"])}
-
-
-@pytest.mark.multiprocess
-def test_noloco_odd_replica_joins_a_group_of_three():
-    results = run_ranks(_odd_replicas, world_size=3, ranks_per_node=1, timeout_s=90)
-    for r in results:
-        assert r["group"] == [0, 1, 2]
-        assert r["kinds"] == [{}, {"exchange": (1, 3)}] * 2
-        assert r["equal"]
-        assert r["vs_diloco"] < 1e-6, r["vs_diloco"]
 
 
 # ----------------------------------------------------------------------------- launch 5: peer timeout
@@ -472,45 +287,6 @@ def test_single_process_outer_step_is_torch_sgd_on_the_pseudo_gradient():
         for a, b in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         assert opt.outer_steps == 3 and opt.inner_steps == 9
-
-
-def test_single_process_clipping_schedule_and_shared_param_groups():
-    model, ref = make_model(), make_model()
-    opt = NoLoCo(model.parameters(), functools.partial(torch.optim.Adam, lr=0.05), sync_every=100,
-                 max_grad_norm=0.1)
-    inner = torch.optim.Adam(ref.parameters(), lr=0.05)
-    sched, ref_sched = (warmup_cosine(o, warmup_steps=2, total_steps=6) for o in (opt, inner))
-    for step in range(5):
-        for m, o, s in ((model, opt, sched), (ref, inner, ref_sched)):
-            o.zero_grad()
-            loss_of(m, 0, step).backward()
-            if o is inner:
-                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
-            o.step()
-            s.step()
-    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    assert opt.inner_optimizer.param_groups is opt.param_groups
-    assert opt.inner_optimizer.param_groups[0]["lr"] == inner.param_groups[0]["lr"]
-
-
-def test_noloco_groups_partition_the_replicas():
-    for replicas in range(2, 12):
-        for n in range(2, replicas + 1):
-            seen = set()
-            for k in range(6):
-                groups = noloco_groups(replicas, n, seed=1, outer_index=k)
-                assert groups == noloco_groups(replicas, n, seed=1, outer_index=k)  # deterministic
-                members = sorted(x for g in groups for x in g)
-                assert members == list(range(replicas))
-                # replicas // n groups of n; the ones left over spread over them (sizes differ by <= 1).
-                sizes = [len(g) for g in groups]
-                assert len(groups) == replicas // n and min(sizes) >= n and max(sizes) - min(sizes) <= 1
-                seen.add(str(groups))
-            if replicas // n >= 2:
-                assert len(seen) > 1, (replicas, n)
-    assert noloco_groups(3, 2, seed=0, outer_index=0) == [[0, 1, 2]]
-    assert noloco_groups(8, 2, seed=0, outer_index=0) != noloco_groups(8, 2, seed=1, outer_index=0)
 
 
 def test_nonfinite_gradient_is_refused_before_anything_changes():
