@@ -1,4 +1,4 @@
-"""Resume on a different topology: a checkpoint of 2 replicas × 2 shards onto 1 × 2 and 2 × 1.
+"""lowband/checkpoint.py: Resume on a different topology: a checkpoint of 2 replicas × 2 shards onto 1 × 2 and 2 × 1.
 
 One launch writes FlexDeMo and DiLoCo (int8 outer messages, so with error feedback) checkpoints on
 the 2 × 2 mesh, mid-way through DiLoCo's inner phase so that the replicas' θ, inner AdamW state and

@@ -1,4 +1,4 @@
-"""Fault tolerance without processes: configuration errors, refusals, the state copied when a node heals."""
+"""lowband/ft.py: Fault tolerance without processes: configuration errors, refusals, the state copied when a node heals."""
 
 from __future__ import annotations
 

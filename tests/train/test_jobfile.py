@@ -1,4 +1,4 @@
-"""The job file: ``lowband train --config job.toml`` with flags on top, and the file a run writes."""
+"""lowband/train/jobfile.py: The job file: ``lowband train --config job.toml`` with flags on top, and the file a run writes."""
 
 from __future__ import annotations
 

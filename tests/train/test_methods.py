@@ -1,4 +1,4 @@
-"""The typed method configs: one source for defaults, flags, spec keys, checks and labels (no processes)."""
+"""lowband/train/methods.py: The typed method configs: one source for defaults, flags, spec keys, checks and labels (no processes)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Gradient accumulation and activation checkpointing on a real 2 × 2 gloo mesh with t5-tiny.
+"""lowband/train/step.py: Gradient accumulation and activation checkpointing on a real 2 × 2 gloo mesh with t5-tiny.
 
 * N micro-batches per step equal one step on the N-times larger batch (allclose), and FSDP2
   reduce-scatters inside the node only on the last micro-batch.
