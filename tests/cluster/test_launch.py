@@ -1,8 +1,9 @@
-"""Emulated nodes: namespaces with real link limits, the throughput probe and the launcher.
+"""lowband/cluster/launch.py: the launcher of emulated nodes (torchrun per node): argument errors,
+torchrun's argv, the loopback fallback, failed or hanging nodes killed, torchrun across two
+emulated nodes, interrupts and a SIGKILLed launcher leaving nothing behind.
 
 Tests that build namespaces skip (with the reason) where that is impossible, e.g. without root.
-Every namespace here uses the prefix ``lbtest`` so that other runs on the machine are untouched.
-"""
+The namespace and process helpers are in tests/cluster/emulation.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -22,18 +22,20 @@ from lowband.cluster import (
     cleanup_leftovers,
     default_burst_bytes,
     launch_nodes,
-    list_namespaces,
-    measure_throughput,
     torchrun_argv,
 )
-from lowband.cluster._procs import is_alive, kill_trees
+from lowband.cluster._procs import kill_trees
 from lowband.testing import default_sigint
+from tests.cluster.emulation import (
+    PREFIX,
+    child_env,
+    needs_netns,
+    our_namespaces,
+    processes_mentioning,
+    wait_until,
+)
 
-PREFIX = "lbtest"
-needs_netns = pytest.mark.netns
 pytestmark = pytest.mark.timeout(120)
-
-REPO = Path(__file__).resolve().parents[2]
 
 # The tiny distributed job: a gloo all_reduce over all ranks plus checks of the torchrun env.
 JOB = textwrap.dedent(
@@ -72,43 +74,6 @@ def _write_job(tmp_path: Path) -> Path:
     script = tmp_path / "lbjob.py"
     script.write_text(JOB)
     return script
-
-
-def _our_namespaces(pid: int | None = None) -> list[str]:
-    head = f"{PREFIX}-{pid}-" if pid is not None else f"{PREFIX}-"
-    return [n for n in list_namespaces() if n.startswith(head)]
-
-
-def _processes_mentioning(marker: str) -> list[int]:
-    """Pids (other than this one) whose command line contains ``marker``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            cmdline = (
-                Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            )
-        except OSError:
-            continue
-        if marker in cmdline and is_alive(int(entry)):
-            found.append(int(entry))
-    return found
-
-
-def _wait_until(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    return env
 
 
 # --------------------------------------------------------------------------------- no root needed
@@ -168,7 +133,7 @@ def test_loopback_fallback_runs_the_job(tmp_path: Path) -> None:
         "rank=0", "rank=1", "rank=2", "rank=3",
     ]  # fmt: skip
     assert "if=lo" in logs
-    assert _processes_mentioning(str(tmp_path)) == []
+    assert processes_mentioning(str(tmp_path)) == []
 
 
 @pytest.mark.multiprocess
@@ -189,27 +154,10 @@ def test_failed_or_hanging_nodes_are_killed(tmp_path: Path, mode: str) -> None:
         assert result.timed_out and all(result.killed)
         assert "timed out" in result.failure_message()
     assert all(rc is not None for rc in result.returncodes)
-    assert _processes_mentioning(str(tmp_path)) == []
+    assert processes_mentioning(str(tmp_path)) == []
 
 
 # ---------------------------------------------------------------------------------- needs netns
-
-
-@pytest.mark.multiprocess
-@needs_netns
-def test_throughput_at_100mbit_and_byte_counters() -> None:
-    limit_bps = 100e6
-    with EmulatedNetwork(2, limit_bps, prefix=PREFIX) as net:
-        assert [n.ip for n in net.nodes] == ["10.77.0.1", "10.77.0.2"]
-        assert all(n.namespace in list_namespaces() for n in net.nodes)
-        tx0, rx1 = net.tx_bytes(0), net.rx_bytes(1)
-        details: dict[str, float] = {}
-        measured = measure_throughput(net, 0, 1, seconds=1.5, details=details)
-        assert abs(measured - limit_bps) <= 0.10 * limit_bps, f"{measured / 1e6:.1f} Mbit/s at 100mbit"
-        assert details["bytes"] == details["sent_bytes"]
-        assert net.tx_bytes(0) - tx0 >= details["sent_bytes"]
-        assert net.rx_bytes(1) - rx1 >= details["sent_bytes"]
-    assert _our_namespaces(os.getpid()) == []
 
 
 @pytest.mark.multiprocess
@@ -232,82 +180,8 @@ def test_torchrun_across_two_emulated_nodes(tmp_path: Path) -> None:
         assert len(ok_lines) == 2 and all(f"node={node} if=lbv{node}" in line for line in ok_lines), text
     # The all_reduce of 4096 floats crossed the link both ways (gloo sends at least a share of it).
     assert all(s >= 4096 for s in sent), sent
-    assert _our_namespaces(os.getpid()) == []
-    assert _processes_mentioning(str(tmp_path)) == []
-
-
-@pytest.mark.multiprocess
-@needs_netns
-def test_teardown_after_exception_stops_processes_inside() -> None:
-    with pytest.raises(RuntimeError, match="boom"):
-        with EmulatedNetwork(3, 50e6, prefix=PREFIX) as net:
-            assert net.hub_namespace in list_namespaces()
-            sleeper = subprocess.Popen(net.exec_argv(2, ["sleep", "300"]), start_new_session=True)
-            raise RuntimeError("boom")
-    assert sleeper.wait(timeout=10) != 0
-    assert _our_namespaces(os.getpid()) == []
-    assert net.closed and net.teardown_s is not None
-
-
-CRASHER = textwrap.dedent(
-    """
-    import os, signal, subprocess, sys, time
-    from lowband.cluster import EmulatedNetwork
-    net = EmulatedNetwork(2, 100e6, prefix=sys.argv[1]).__enter__()
-    sleeper = subprocess.Popen(
-        net.exec_argv(1, ["sleep", "300"]), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    print(sleeper.pid, flush=True)
-    if sys.argv[2] == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)  # a crash: no cleanup runs
-    time.sleep(60)
-    """
-)
-
-
-@pytest.mark.multiprocess
-@needs_netns
-def test_cleanup_leftovers_after_a_crash() -> None:
-    child = subprocess.Popen(
-        [sys.executable, "-c", CRASHER, PREFIX, "kill"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(),
-    )  # fmt: skip
-    out, err = child.communicate(timeout=30)
-    assert child.returncode == -signal.SIGKILL, err
-    sleeper_pid = int(out.split()[0])
-    try:
-        leftovers = _our_namespaces(child.pid)
-        assert len(leftovers) == 2 and is_alive(sleeper_pid)
-        removed = cleanup_leftovers(PREFIX)
-        assert set(leftovers) <= set(removed)
-        assert _our_namespaces(child.pid) == []
-        assert _wait_until(lambda: not is_alive(sleeper_pid), 5.0)
-    finally:
-        if is_alive(sleeper_pid):
-            os.kill(sleeper_pid, signal.SIGKILL)
-        cleanup_leftovers(PREFIX)
-
-
-@pytest.mark.multiprocess
-@needs_netns
-def test_sigterm_tears_the_network_down() -> None:
-    child = subprocess.Popen(
-        [sys.executable, "-c", CRASHER, PREFIX, "wait"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(),
-    )  # fmt: skip
-    try:
-        assert child.stdout is not None
-        sleeper_pid = int(child.stdout.readline())
-        assert len(_our_namespaces(child.pid)) == 2
-        child.send_signal(signal.SIGTERM)
-        assert child.wait(timeout=20) == 128 + signal.SIGTERM
-        assert _our_namespaces(child.pid) == []
-        assert _wait_until(lambda: not is_alive(sleeper_pid), 15.0)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=10)
-        cleanup_leftovers(PREFIX)
+    assert our_namespaces(os.getpid()) == []
+    assert processes_mentioning(str(tmp_path)) == []
 
 
 LAUNCHER = textwrap.dedent(
@@ -339,21 +213,21 @@ def test_interrupted_launch_leaves_nothing_behind(tmp_path: Path, mode: str, sig
     _write_job(tmp_path)
     child = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, PREFIX, mode, str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(), preexec_fn=default_sigint,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), preexec_fn=default_sigint,
     )  # fmt: skip
     try:
-        started = _wait_until(lambda: len(list(tmp_path.glob("started-*"))) == 4, 60.0)
+        started = wait_until(lambda: len(list(tmp_path.glob("started-*"))) == 4, 60.0)
         assert started, "the hanging job never started all 4 ranks"
         if mode == "netns":
-            assert len(_our_namespaces(child.pid)) == 2
+            assert len(our_namespaces(child.pid)) == 2
         child.send_signal(signum)
         _, err = child.communicate(timeout=30)
         if signum == signal.SIGINT:
             assert "KeyboardInterrupt" in err, err[-2000:]
         else:
             assert child.returncode == 128 + signal.SIGTERM, err[-2000:]
-        assert _our_namespaces(child.pid) == []
-        assert _wait_until(lambda: _processes_mentioning(str(tmp_path)) == [], 5.0)
+        assert our_namespaces(child.pid) == []
+        assert wait_until(lambda: processes_mentioning(str(tmp_path)) == [], 5.0)
     finally:
         if child.poll() is None:
             child.kill()
@@ -369,20 +243,20 @@ def test_sigkilled_launcher_takes_its_nodes_with_it(tmp_path: Path) -> None:
     _write_job(tmp_path)
     child = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, PREFIX, "loopback", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_child_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(),
     )  # fmt: skip
     try:
-        started = _wait_until(lambda: len(list(tmp_path.glob("started-*"))) == 4, 60.0)
+        started = wait_until(lambda: len(list(tmp_path.glob("started-*"))) == 4, 60.0)
         assert started, "the hanging job never started all 4 ranks"
-        assert len(_processes_mentioning(str(tmp_path))) >= 6  # 2 torchruns and 4 workers
+        assert len(processes_mentioning(str(tmp_path))) >= 6  # 2 torchruns and 4 workers
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
-        gone = _wait_until(lambda: _processes_mentioning(str(tmp_path)) == [], 45.0)
-        assert gone, f"processes outlived the SIGKILLed launcher: {_processes_mentioning(str(tmp_path))}"
+        gone = wait_until(lambda: processes_mentioning(str(tmp_path)) == [], 45.0)
+        assert gone, f"processes outlived the SIGKILLed launcher: {processes_mentioning(str(tmp_path))}"
     finally:
         if child.poll() is None:
             child.kill()
             child.wait(timeout=10)
-        orphans = _processes_mentioning(str(tmp_path))
+        orphans = processes_mentioning(str(tmp_path))
         if orphans:
             kill_trees(orphans, grace_s=1.0)
