@@ -11,9 +11,8 @@ import lowband.bench as bench
 from lowband.bench.config import PRESETS, make_config, plan_runs
 from tests.bench.fake_trainer import bench_args
 
-pytestmark = pytest.mark.timeout(120)
 
-
+@pytest.mark.timeout(120)
 def test_plan_expands_bandwidths_and_shards() -> None:
     config = make_config(
         methods="adamw,deto-full,demo,flexdemo:topk=1,flexdemo:topk=8", bandwidths="1gbit,100mbit", shards="1,2",

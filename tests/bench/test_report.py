@@ -16,11 +16,10 @@ from lowband.bench.results import SCHEMA_VERSION, load_results
 from tests.bench.fake_trainer import bench_args, in_process_launcher, load_fake
 from tests.bench.records import run_record
 
-pytestmark = pytest.mark.timeout(120)
-
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.timeout(120)
 def test_report_tables_and_plots(tmp_path: Path, fake_trainer: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     calls: list = []
     monkeypatch.setattr(runner, "launch_nodes", in_process_launcher(load_fake(fake_trainer), calls))

@@ -56,7 +56,6 @@ def test_bench_runs_real_training_side_by_side(tmp_path, tmp_path_factory):
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", [pytest.param("netns", marks=pytest.mark.netns), "shaped"])
 @pytest.mark.skipif(not HAS_TORCHFT, reason="torchft not installed")
