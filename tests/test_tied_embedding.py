@@ -1,4 +1,4 @@
-"""The row-sharded tied embedding: the same values and gradients as one unsharded weight, without
+"""lowband/tied_embedding.py: The row-sharded tied embedding: the same values and gradients as one unsharded weight, without
 ever moving the whole weight (rows schedule), on real gloo processes."""
 
 from __future__ import annotations

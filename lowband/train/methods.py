@@ -416,7 +416,7 @@ class MethodSpec:
     """A training method.
 
     Every question about a method outside this module and :mod:`lowband.optim` asks one of these
-    traits, never its name (``tests/test_method_configs.py`` checks that no name is compared).
+    traits, never its name (``tests/train/test_methods.py`` checks that no name is compared).
 
     Args:
         name: the name on the command line.

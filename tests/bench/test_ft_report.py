@@ -1,0 +1,58 @@
+"""lowband/bench/ft_report.py: the report's fault-tolerance rows, a faulted run beside its fault-free twin, ft on beside off."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowband.bench.ft_report import cost_rows, fault_events, fault_rows, ft_section
+from lowband.bench.record import RunRecord
+
+
+def _run(label, *, faults=None, loss, seed=0, step_time=0.1, bytes_=1e5, ft=None):
+    return RunRecord(label=label, method="flexdemo", shards=2, seed=seed, bandwidth_bps=1e8, status="ok",
+                     val_loss=loss, step_time_s=step_time, inter_node_bytes_per_step=bytes_, nodes=3,
+                     val_history=[{"step": 0, "val_loss": 9.0}, {"step": 50, "val_loss": loss}],
+                     fault_tolerance=ft if ft is not None else ({"faults": faults} if faults else None))
+
+
+def _faulted_ft():
+    t_kill, t_start = 1000.0, 1020.0
+    return {
+        "faults": ["node2:kill@10", "node2:start@20"], "steady_node": 0,
+        "events": [
+            {"event": "start", "node": 0, "unix_s": 990.0},
+            {"event": "kill", "node": 2, "unix_s": t_kill, "planned": "node2:kill@10", "job_step": 10, "t_s": 10.0},
+            {"event": "start", "node": 2, "unix_s": t_start, "planned": "node2:start@20", "job_step": 20, "t_s": 30.0},
+        ],
+        "nodes": {
+            "0": {"membership": [{"step": 11, "replicas": 2, "was": 3, "quorum_s": 1.1, "unix_s": t_kill + 1.3}],
+                  "replicas_by_step": [[10, 3, False], [11, 3, True], [12, 2, False]],
+                  "end": {"dropped_steps": 1, "healed": []}},
+            "2": {"membership": [], "replicas_by_step": [],
+                  "end": {"dropped_steps": 0,
+                          "healed": [{"step": 35, "unix_s": t_start + 15.0, "bytes": 2_500_000, "quorum_s": 0.2}]}},
+        },
+    }
+
+
+def test_fault_report_rows_set_a_faulted_run_beside_its_twin():
+    runs = [_run("FlexDeMo Top1 FT", loss=7.00, ft={"faults": []}),
+            _run("FlexDeMo Top1 FT faults", loss=7.05, ft=_faulted_ft())]
+    results = {"runs": runs}
+    evs = fault_events(runs[1])
+    assert evs[0]["detect_s"] == pytest.approx(1.3) and evs[0]["resumed_step"] == 11
+    assert evs[1]["healed_step"] == 35 and evs[1]["heal_mb"] == pytest.approx(2.5)
+    headers, rows = fault_rows(results)
+    (row,) = rows
+    assert row[3] == "1"  # steps dropped
+    assert "node2:kill@10: 1.30" in row[4] and "node2:start@20: 35, 2.50, 0.20" in row[5]
+    assert row[6:9] == ["7.0500", "7.0000", "+0.0500"]
+    assert row[9] == "one seed: unknown"  # no claim about a spread that was not measured
+    assert any("## Faults" in line for line in ft_section(results))
+
+
+def test_cost_rows_compare_ft_on_with_off_side_by_side():
+    runs = [_run("AdamW", loss=7.0, step_time=0.20, bytes_=2e6),
+            _run("AdamW FT", loss=7.0, step_time=0.21, bytes_=2e6, ft={"faults": []})]
+    headers, rows = cost_rows({"runs": runs})
+    assert rows == [["AdamW", "0", "100 Mbit/s", "0.200", "0.210", "1.050", "2.0000", "2.0000", "1.000"]]

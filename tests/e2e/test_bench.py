@@ -1,0 +1,96 @@
+"""``lowband bench`` end to end with real training (tiny model, emulated nodes): methods side by side, and a run with a node killed and restarted beside its fault-free twin."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.timeout(400)
+def test_bench_runs_real_training_side_by_side(tmp_path, tmp_path_factory):
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               LOWBAND_CACHE=str(tmp_path_factory.getbasetemp() / "lowband-cache"))
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "lowband", "bench", "--methods", "adamw,flexdemo:topk=1,noloco:H=2",
+           "--model", "t5-tiny", "--steps", "4", "--out", str(out), "--no-progress",
+           "--train-args", "--max-examples 300 --val-size 16 --val-batches 2 --batch-size 2 "
+                           "--max-source-len 32 --max-target-len 8 --vocab-size 512"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    runs = {r["method"]: r for r in results["runs"]}
+    assert set(runs) == {"adamw", "flexdemo", "noloco"} and all(r["status"] == "ok" for r in runs.values())
+    adamw, flex, noloco = runs["adamw"], runs["flexdemo"], runs["noloco"]
+    # Top-1 of chunk 128 with bf16 values and uint8 indices: 3 bytes per 128 fp32 elements (~170x fewer).
+    assert adamw["inter_node_bytes_per_step"] > 100 * flex["inter_node_bytes_per_step"] > 0
+    assert adamw["link_ops"]["all_reduce"]["largest_group"] == 2
+    assert set(noloco["link_ops"]) == {"exchange"} and noloco["outer_steps"] == 2
+    for r in runs.values():
+        assert r["val_loss"] is not None and r["peak_rss_mb"] > 0 and r["step_time_s"] > 0
+        assert len(r["val_history"]) >= 2
+    if results["emulation"]["mode"] == "netns":
+        link = results["emulation"]["links"][0]
+        assert abs(link["measured_throughput_bps"] / link["bandwidth_bps"] - 1) < 0.10
+        assert adamw["measured_wire_bytes_per_step"] >= adamw["inter_node_bytes_per_step"]
+    # Real training clock and tokens: validation and start-up are not on the clock.
+    for r in runs.values():
+        assert 0 < r["train_time_s"] < r["wall_time_s"] and r["tokens"] > 0
+        assert r["val_history"][-1]["tokens"] == r["tokens"]
+    # Every run is timed to AdamW's final validation loss; AdamW reaches its own by its last step.
+    assert results["target_loss"] == adamw["val_loss"] and adamw["steps_to_target"] is not None
+    report = (out / "report.md").read_text()
+    assert "Table 1" in report and "FlexDeMo Top1" in report and "## Time to target" in report
+    from lowband.bench.plots import PLOT_FILES
+
+    assert all((out / name).stat().st_size > 1000 for name in PLOT_FILES)
+    assert "FlexDeMo Top1" in proc.stdout  # the table is printed
+
+
+HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", [pytest.param("netns", marks=pytest.mark.netns), "shaped"])
+@pytest.mark.skipif(not HAS_TORCHFT, reason="torchft not installed")
+def test_bench_with_faults_end_to_end(tmp_path, mode):
+    """The real thing, small: 3 nodes x 1 rank, FlexDeMo, node 2 killed and restarted; twin beside it."""
+    import argparse
+    import json
+
+    from lowband import bench
+    from lowband.bench.results import load_results
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "bench"
+    args = parser.parse_args([
+        # 100 ms per message makes a step take ~0.2 s, so the restarted node (~15 s to start) rejoins a live job.
+        "--methods", "flexdemo:topk=2", "--steps", "200", "--model", "t5-tiny", "--nodes", "3", "--latency", "100ms",
+        "--ranks-per-node", "1", "--bandwidth", "1gbit", "--emulation", mode, "--out", str(out), "--no-progress",
+        "--faults", "node2:kill@15,node2:start@30",
+        "--train-args", "--max-examples 1500 --val-size 64 --vocab-size 512 --batch-size 4 --val-batches 2 "
+                        "--val-every 20"])
+    assert bench.main(args) == 0, (out / "report.md").read_text() if (out / "report.md").exists() else ""
+    results = load_results(out)
+    twin, faulted = results["runs"]
+    assert twin.label == "DeMo Top2 FT" and faulted.label == "DeMo Top2 FT faults"  # one rank per node
+    assert twin.status == faulted.status == "ok"
+    ft = faulted.fault_tolerance
+    assert [e["planned"] for e in ft["events"] if e.get("planned")] == ["node2:kill@15", "node2:start@30"]
+    steady = ft["nodes"]["0"]
+    seen = [m["replicas"] for m in steady["membership"]]
+    assert 2 in seen and seen[-1] == 3, seen  # 3 -> 2 -> 3
+    assert steady["end"]["dropped_steps"] <= 1
+    healed = ft["nodes"]["2"]["end"]["healed"]
+    assert healed and healed[-1]["bytes"] > 0
+    report = (out / "report.md").read_text()
+    assert "## Faults: each faulted run beside its fault-free twin" in report
+    assert (out / "faults.png").is_file()
+    json.dumps(json.loads((out / "results.json").read_text()))  # plain JSON as written

@@ -1,0 +1,16 @@
+"""lowband/optim/_common.py: what the optimizers share (the finite check)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def test_all_finite_sees_nan_and_inf_in_any_tensor_and_ignores_empty_ones():
+    from lowband.optim._common import all_finite
+
+    ok = [torch.randn(5), torch.empty(0), torch.tensor([3e38, -3e38]), torch.ones(2, dtype=torch.float64)]
+    assert all_finite(ok) and all_finite([]) and all_finite([torch.empty(0)])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.zeros(4)
+        t[2] = bad
+        assert not all_finite(ok + [t]) and not all_finite([t.double()] + ok)
