@@ -1,4 +1,6 @@
-"""Quality per byte without training: bits per parameter per step, the Pareto front, verdicts, curves, plot, report."""
+"""The quality-per-byte frontier (lowband/bench/quality.py: frontier, pareto_front, knob_curves; its plot in
+plots.py and its section in report.py), without training: bits per parameter per step, the Pareto front, verdicts,
+curves, plot, report."""
 
 from __future__ import annotations
 
