@@ -40,7 +40,11 @@ from lowband.optim._common import (
 )
 from lowband.optim.protocol import OptimizerStats
 
-__all__ = ["FlexDeMo"]
+__all__ = ["FlexDeMo", "OVERLAP_APPLY"]
+
+#: With overlap: "local" steps with the replica's own update at once and corrects to the mean when it
+#: arrives; "stale" steps with the mean one step late.
+OVERLAP_APPLY = ("local", "stale")
 
 log = logging.getLogger(__name__)
 
@@ -364,6 +368,7 @@ class FlexDeMo(Optimizer):
         link: Link | None = None,
         nonfinite: str = "raise",
         overlap: bool = False,
+        overlap_apply: str = "local",
         tile: int = 0,
     ) -> None:
         check_lr(lr)
@@ -380,6 +385,8 @@ class FlexDeMo(Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        if overlap_apply not in OVERLAP_APPLY:
+            raise ValueError(f"overlap_apply must be one of {OVERLAP_APPLY}, got {overlap_apply!r}")
         WireFormat(width, topk, values)  # validates values
         defaults = dict(lr=lr, topk=topk, chunk=chunk, decay=decay, sign=sign, weight_decay=weight_decay,
                         values=values, tile=tile)
@@ -389,6 +396,7 @@ class FlexDeMo(Optimizer):
         self.skipped_steps = 0
         self.dropped_steps = 0  # fault tolerance: steps whose exchange failed somewhere
         self.overlap = bool(overlap)
+        self.overlap_apply = overlap_apply
         # overlap: the step whose exchange is in flight: (handle or gathered tensor, work, backups).
         self._flight: tuple | None = None
         self._plans: dict = {}  # layout of each group's parameters, per set of parameters with a gradient
@@ -411,6 +419,7 @@ class FlexDeMo(Optimizer):
             group.setdefault("values", "bf16")
             group.setdefault("tile", 0)
         self.__dict__.setdefault("_plans", {})
+        self.__dict__.setdefault("overlap_apply", "stale")  # pickled before "local" existed
 
     # ------------------------------------------------------------------ helpers
     def _shard_group(self):
@@ -467,7 +476,15 @@ class FlexDeMo(Optimizer):
             if picks is not None:
                 self._commit(work, grads, picks)
             handle = self.link.all_gather(message, async_op=True) if self.link is not None else message.unsqueeze(0)
-            self._flight = (handle, work, backups)
+            agreed, lrs = None, [w.group["lr"] for w in work]
+            if self.overlap_apply == "local":
+                # The parameters every replica agrees on, to step with the mean once it arrives; until
+                # then this replica steps with its own update, decoded from its message as the mean of
+                # one replica would be (a copy: the all-gather is reading the message).
+                agreed = {p: local(p).clone() for w in work for p in w.params}
+                if picks is not None:
+                    self._apply(work, message.unsqueeze(0).clone())
+            self._flight = (handle, work, backups, agreed, lrs)
             return loss
         counted = self.link is None or self.link.participating
         if not counted:  # healing during this step (fault tolerance, async quorum): send nothing that counts
@@ -512,18 +529,22 @@ class FlexDeMo(Optimizer):
     def _settle(self) -> None:
         """overlap: finish the step in flight (or the one a checkpoint drained): apply or refuse it."""
         if self._flight is not None:
-            handle, work, backups = self._flight
+            handle, work, backups, agreed, lrs = self._flight
             self._flight = None
             gathered = handle if isinstance(handle, torch.Tensor) else handle.wait()
+            if agreed is not None:  # "local": back to the agreed parameters, then the blocking step from there
+                torch._foreach_copy_([local(p) for p in agreed], list(agreed.values()))
             if bool(gathered[:, -1].any()):
                 self._roll_back(backups)
                 self._refused(gathered)  # raises, or counts the skip
                 return
-            self._apply(work, gathered)
+            self._apply(work, gathered, lrs=lrs if agreed is not None else None)
             return
         status = self._drained_status()
         params = [p for p, st in self.state.items() if "pending_status" in st]
-        if status == 1:
+        if status and self.overlap_apply == "local":  # pending: the parameters once the step is settled
+            torch._foreach_copy_([local(p) for p in params], [state_view(self.state[p]["pending"]) for p in params])
+        elif status == 1:
             for group in self.param_groups:
                 pending = [p for p in group["params"] if "pending_status" in self.state.get(p, {})]
                 if pending:
@@ -563,7 +584,7 @@ class FlexDeMo(Optimizer):
                     st["pending"] = replica_state_like(p, self._topology)
                     st["pending_status"] = torch.tensor(0.0)
             return
-        handle, work, backups = self._flight
+        handle, work, backups, agreed, lrs = self._flight
         self._flight = None
         gathered = handle if isinstance(handle, torch.Tensor) else handle.wait()
         refused = bool(gathered[:, -1].any())
@@ -573,7 +594,13 @@ class FlexDeMo(Optimizer):
             if st:
                 st["pending"] = replica_state_like(p, self._topology)
                 st["pending_status"] = torch.tensor(2.0 if refused else 1.0)
-        if not refused:
+        if agreed is not None:  # "local": the parameters as _settle would leave them (the step's own ops)
+            onto = {p: state_view(st["pending"]) for p, st in self.state.items() if st}
+            for p, x in onto.items():
+                x.copy_(agreed.get(p, local(p)))
+            if not refused:
+                self._apply(work, gathered, onto=onto, lrs=lrs)
+        elif not refused:
             self._apply(work, gathered, into={p: state_view(self.state[p]["pending"]) for w in work
                                               for p in w.params if self.state.get(p)})
 
@@ -771,17 +798,23 @@ class FlexDeMo(Optimizer):
                 steps.append(state["step"])
         torch._foreach_add_(steps, 1.0)
 
-    def _apply(self, work: list[_Work], gathered: torch.Tensor, into: dict | None = None) -> None:
-        """Phase 3: decode the mean over replicas and step (or, ``into``, store the update per parameter)."""
+    def _apply(self, work: list[_Work], gathered: torch.Tensor, into: dict | None = None, onto: dict | None = None,
+               lrs: list[float] | None = None) -> None:
+        """Phase 3: decode the mean over replicas and step (or, ``into``, store the update per parameter).
+
+        ``onto``: step these tensors (per parameter) instead of the parameters; ``lrs``: the lr of each
+        work (default: its group's lr now)."""
         replicas = gathered.shape[0]
         offset = 0
-        for w in work:
+        for i, w in enumerate(work):
             plan, group = w.plan, w.group
-            chunk, lr = plan.wire.chunk, group["lr"]
+            chunk, lr = plan.wire.chunk, group["lr"] if lrs is None else lrs[i]
             idx, vals = plan.wire.unpack_many(gathered[:, offset:offset + plan.nbytes], plan.rows)
             offset += plan.nbytes
             if into is not None:
                 targets = [into.get(p) for p in w.params]
+            elif onto is not None:
+                targets = [onto[p] for p in w.params]
             else:
                 targets = [local(p) for p in w.params]  # in place: x must be contiguous
             if all(s is None for s in targets):
@@ -821,7 +854,7 @@ class FlexDeMo(Optimizer):
                     else:
                         from_tiles(buf.view(-1, chunk), mat.shape, out=mat)
             if into is None and group["weight_decay"] > 0:
-                torch._foreach_mul_([local(p) for p in w.params], 1.0 - lr * group["weight_decay"])
+                torch._foreach_mul_(targets, 1.0 - lr * group["weight_decay"])
 
     def _apply_update(self, group: dict, xs: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
         """x ← x − lr·u (element-wise, as :meth:`_apply` adds it), then weight decay: a drained update."""
