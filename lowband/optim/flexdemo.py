@@ -542,9 +542,7 @@ class FlexDeMo(Optimizer):
             return
         status = self._drained_status()
         params = [p for p, st in self.state.items() if "pending_status" in st]
-        if status and self.overlap_apply == "local":  # pending: the parameters once the step is settled
-            torch._foreach_copy_([local(p) for p in params], [state_view(self.state[p]["pending"]) for p in params])
-        elif status == 1:
+        if status == 1:
             for group in self.param_groups:
                 pending = [p for p in group["params"] if "pending_status" in self.state.get(p, {})]
                 if pending:
@@ -590,17 +588,17 @@ class FlexDeMo(Optimizer):
         refused = bool(gathered[:, -1].any())
         if refused:
             self._roll_back(backups)
+        if agreed is not None:
+            # "local": settled now, so that the parameters (which the checkpoint keeps once, not per
+            # replica) are the agreed ones on every replica; only a refusal is left for the next step.
+            torch._foreach_copy_([local(p) for p in agreed], list(agreed.values()))
+            if not refused:
+                self._apply(work, gathered, lrs=lrs)
         for p, st in self.state.items():
             if st:
                 st["pending"] = replica_state_like(p, self._topology)
-                st["pending_status"] = torch.tensor(2.0 if refused else 1.0)
-        if agreed is not None:  # "local": the parameters as _settle would leave them (the step's own ops)
-            onto = {p: state_view(st["pending"]) for p, st in self.state.items() if st}
-            for p, x in onto.items():
-                x.copy_(agreed.get(p, local(p)))
-            if not refused:
-                self._apply(work, gathered, onto=onto, lrs=lrs)
-        elif not refused:
+                st["pending_status"] = torch.tensor(2.0 if refused else 0.0 if agreed is not None else 1.0)
+        if agreed is None and not refused:
             self._apply(work, gathered, into={p: state_view(self.state[p]["pending"]) for w in work
                                               for p in w.params if self.state.get(p)})
 
@@ -798,12 +796,11 @@ class FlexDeMo(Optimizer):
                 steps.append(state["step"])
         torch._foreach_add_(steps, 1.0)
 
-    def _apply(self, work: list[_Work], gathered: torch.Tensor, into: dict | None = None, onto: dict | None = None,
+    def _apply(self, work: list[_Work], gathered: torch.Tensor, into: dict | None = None,
                lrs: list[float] | None = None) -> None:
         """Phase 3: decode the mean over replicas and step (or, ``into``, store the update per parameter).
 
-        ``onto``: step these tensors (per parameter) instead of the parameters; ``lrs``: the lr of each
-        work (default: its group's lr now)."""
+        ``lrs``: the lr of each work (default: its group's lr now)."""
         replicas = gathered.shape[0]
         offset = 0
         for i, w in enumerate(work):
@@ -813,8 +810,6 @@ class FlexDeMo(Optimizer):
             offset += plan.nbytes
             if into is not None:
                 targets = [into.get(p) for p in w.params]
-            elif onto is not None:
-                targets = [onto[p] for p in w.params]
             else:
                 targets = [local(p) for p in w.params]  # in place: x must be contiguous
             if all(s is None for s in targets):
