@@ -105,7 +105,8 @@ def test_full_topk_fp32_without_sign_is_sgd_at_lr_squared(t, overlap):
     # topk = t², fp32, sign off: every tile's momentum is sent whole and leaves δ, so this is SGD at
     # lr² (overlap: applied one step late), as for 1-D chunks.
     params, ref = _params(), _params()
-    opt = FlexDeMo(params, lr=LR, tile=t, topk=t * t, sign=False, values="fp32", overlap=overlap)
+    opt = FlexDeMo(params, lr=LR, tile=t, topk=t * t, sign=False, values="fp32", overlap=overlap,
+                   overlap_apply="stale")
     grads = []
     for step in range(4):
         _grads(params, step)
@@ -320,7 +321,8 @@ def _tiles_on_2x2(rank: int, ckpt_dir: str) -> dict:
         opt.flush()
 
     def make(model, link):
-        return FlexDeMo(model.parameters(), lr=LR, tile=4, topk=3, decay=0.9, link=link, overlap=True)
+        return FlexDeMo(model.parameters(), lr=LR, tile=4, topk=3, decay=0.9, link=link, overlap=True,
+                        overlap_apply="stale")
 
     model = tiny_sharded(topo)
     link = Link(topo)

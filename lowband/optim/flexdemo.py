@@ -318,24 +318,44 @@ class FlexDeMo(Optimizer):
     Bytes per rank and step: :meth:`payload_bytes` + 1 (the flag), all-gathered.
 
     With ``overlap=True`` the exchange of step t runs while step t+1 computes (Psyche's and
-    DeToNATION's delayed apply); step t of every rank::
+    DeToNATION's delayed apply). ``overlap_apply`` says what the parameters hold meanwhile.
+
+    ``"local"`` (default): each replica steps with its own update at once and corrects to the mean
+    when it arrives; step t of every rank::
 
         wait for the all-gather of step t−1 (started one step ago; hidden behind this step's
-            forward and backward): if any replica flagged it, δ returns to its value before step t−1
-            and step t−1 is refused (raise or skip, as above); else
-            x ← x − lr_t·sign(Q_{t−1});  x ← x − lr_t·wd·x          # lr and wd of step t
-        compress β·δ + lr_t·g_t as above (g_t was computed at x before this update)
+            forward and backward); x ← a (the agreed parameters kept at step t−1); then, if any
+            replica flagged step t−1, δ returns to its value before it and the step is refused
+            (raise or skip, as above); else x ← x − lr_{t−1}·sign(Q_{t−1}); x ← x − lr_{t−1}·wd·x
+        compress β·δ + lr_t·g_t as above (g_t was computed at the parameters before this settle)
         keep a copy of δ, commit δ ← β·δ + lr_t·g_t − q_t
-        start the all-gather of (q_t, flag) and return
+        start the all-gather of (q_t, flag); a ← x;
+        x ← x − lr_t·sign(q_t); x ← x − lr_t·wd·x        # the own update, decoded from the message
+            (skipped when this replica refuses the step)
 
-    So the parameters lag one exchange behind the momentum: x_{t+1} = x_t − lr·sign(Q_{t−1}), the
-    gradient of step t+1 is taken at parameters that do not yet hold Q_t. The link still carries
-    one operation per step (payload + flag). Costs: one copy of δ (to roll back a step a peer
-    refuses) and the message in flight. :meth:`flush` applies the last exchange (call it after
-    the last step). Checkpoints are exact: :meth:`state_dict` waits for the exchange in flight and
-    keeps its outcome in the state (``pending``: the decoded update per parameter, ``pending_status``:
-    1 apply, 2 refused, 0 none); the next step applies it, so a resumed run follows the
-    uninterrupted one bit for bit.
+    So the agreed parameters a follow the blocking rule exactly (a_{t+1} = a_t − lr_t·sign(Q_t),
+    with the lr of the step), and the gradient of step t+1 is taken at a_{t+1} + lr_t·(sign(Q_t) −
+    sign(q_t)): the replica's own newest step stands in for the mean until it arrives, instead of
+    no step at all. Replicas differ by that step only and are bit-identical after each settle (and
+    after :meth:`flush`); with R = 1 this is the blocking variant bit for bit. A refused step
+    returns x to a exactly on every replica. Costs: a copy of δ and one of the parameters (with
+    gradients), the message in flight, and a second decode of the own message (the top-k inverse
+    transform: the sparse sum, not a DCT). :meth:`state_dict` settles the step in flight (the
+    model is checkpointed once, not per replica, so it must hold the agreed parameters; a refusal
+    is kept, ``pending_status`` 2, and raised or skipped by the next step): a resumed run follows
+    the run that saved bit for bit, but the run that saved takes the next gradient at the agreed
+    parameters, not at its own step, so it is not the run that did not save.
+
+    ``"stale"``: the parameters lag one exchange behind the momentum; step t applies the mean of
+    step t−1 with step t's lr, x_{t+1} = x_t − lr·sign(Q_{t−1}), so the gradient of step t+1 is
+    taken at parameters that do not yet hold Q_t. Costs: a copy of δ and the message in flight.
+    Checkpoints are exact against the run that did not save: :meth:`state_dict` waits for the
+    exchange in flight and keeps its outcome in the state (``pending``: the decoded update per
+    parameter, ``pending_status``: 1 apply, 2 refused, 0 none); the next step applies it.
+
+    Either way the link carries one operation per step (payload + flag, the blocking message), and
+    :meth:`flush` settles the last exchange (call it after the last step). What each costs in loss
+    (t5-mini, 160 steps) is in docs/algorithms.md.
 
     Args:
         params: parameters (FSDP2 shards when S > 1) or param groups; named parameters
@@ -350,6 +370,8 @@ class FlexDeMo(Optimizer):
         link: the inter-node link; None for a single process (R = 1).
         nonfinite: "raise" (default) or "skip" when a gradient holds NaN/Inf.
         overlap: apply each exchange one step later so that it overlaps the next step's compute.
+        overlap_apply: with overlap, "local" (default: step with the own update at once, correct to the
+            mean one step later) or "stale" (step with the mean one step late).
         tile: 0 (default): 1-D chunks of ``chunk`` elements; t > 0: a 2-D DCT over t × t tiles of each
             matrix shard, ``topk`` per tile (1 ≤ topk ≤ t²; indices fit uint8 for t ≤ 16).
     """

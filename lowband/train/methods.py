@@ -44,8 +44,8 @@ from lowband.compress.wire import VALUE_FORMATS
 from lowband.link import Link
 from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo, SparseLoCo
 from lowband.optim._common import NONFINITE_POLICIES
-from lowband.optim.flexdemo import OVERLAP_APPLY
 from lowband.optim.diloco import DILOCO_INNER_DEFAULTS
+from lowband.optim.flexdemo import OVERLAP_APPLY
 from lowband.optim.noloco import NOLOCO_INNER_DEFAULTS
 from lowband.optim.outer import check_delay, unmerged_tail_note
 from lowband.optim.sparseloco import SPARSELOCO_INNER_DEFAULTS, SPARSELOCO_TRANSFORMS
