@@ -498,12 +498,13 @@ class FlexDeMo(Optimizer):
             if picks is not None:
                 self._commit(work, grads, picks)
             handle = self.link.all_gather(message, async_op=True) if self.link is not None else message.unsqueeze(0)
-            agreed, lrs = None, [w.group["lr"] for w in work]
+            agreed = lrs = None
             if self.overlap_apply == "local":
                 # The parameters every replica agrees on, to step with the mean once it arrives; until
                 # then this replica steps with its own update, decoded from its message as the mean of
                 # one replica would be (a copy: the all-gather is reading the message).
                 agreed = {p: local(p).clone() for w in work for p in w.params}
+                lrs = [w.group["lr"] for w in work]  # the mean is applied with them, as the blocking step
                 if picks is not None:
                     self._apply(work, message.unsqueeze(0).clone())
             self._flight = (handle, work, backups, agreed, lrs)
@@ -560,7 +561,7 @@ class FlexDeMo(Optimizer):
                 self._roll_back(backups)
                 self._refused(gathered)  # raises, or counts the skip
                 return
-            self._apply(work, gathered, lrs=lrs if agreed is not None else None)
+            self._apply(work, gathered, lrs=lrs)
             return
         status = self._drained_status()
         params = [p for p, st in self.state.items() if "pending_status" in st]
@@ -871,7 +872,7 @@ class FlexDeMo(Optimizer):
                     else:
                         from_tiles(buf.view(-1, chunk), mat.shape, out=mat)
             if into is None and group["weight_decay"] > 0:
-                torch._foreach_mul_(targets, 1.0 - lr * group["weight_decay"])
+                torch._foreach_mul_([local(p) for p in w.params], 1.0 - lr * group["weight_decay"])
 
     def _apply_update(self, group: dict, xs: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
         """x ← x − lr·u (element-wise, as :meth:`_apply` adds it), then weight decay: a drained update."""
