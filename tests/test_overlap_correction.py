@@ -26,7 +26,10 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def _solo_run(steps: int, make, lrs=None, grads_nan_at: int | None = None, after=None) -> list[list[torch.Tensor]]:
-    """Parameters after every step (R = 1) of tiny_model under ``make(model)``, lr set per step from ``lrs``."""
+    """Parameters after every step (R = 1) of tiny_model under ``make(model)``, then after flush.
+
+    ``lrs``: the lr of each step; ``grads_nan_at``: a NaN in that step's gradient; ``after(step, model,
+    opt)``: called after each step."""
     model = tiny_model()
     opt = make(model)
     out = []
@@ -112,7 +115,7 @@ class _Exchange:
     def __init__(self, replicas: int) -> None:
         self.slots: list = [None] * replicas
         self.barrier = threading.Barrier(replicas)
-        self.sent: list[int] = []
+        self.sent: list[list[torch.Tensor]] = [[] for _ in range(replicas)]
 
     def link(self, rank: int):
         exchange = self
@@ -136,7 +139,7 @@ class _Exchange:
                 return True
 
             def all_gather(self, message, async_op=False):
-                exchange.sent.append(message.numel())
+                exchange.sent[rank].append(message.clone())
                 handle = _Handle(message.clone())
                 return handle if async_op else handle.wait()
 
@@ -144,7 +147,8 @@ class _Exchange:
 
 
 def _pair(make, steps: int, loss) -> tuple[list, list]:
-    """Two replicas (threads) for ``steps`` steps: per replica its parameters after every step, then after flush."""
+    """Two replicas (threads) for ``steps`` steps: per replica its parameters after every step, then after
+    flush; and the messages each sent."""
     exchange = _Exchange(2)
     out: list = [None, None]
     errors: list = []
@@ -188,7 +192,7 @@ def test_two_replicas_local_overlap_equals_blocking_after_each_correction():
     kw = dict(lr=0.05, topk=2, chunk=16, decay=0.9, weight_decay=0.01)
     b0, b1, b_sent = _pair(lambda m, ln: FlexDeMo(m.parameters(), link=ln, **kw), 5, _linear_loss)
     l0, l1, l_sent = _pair(lambda m, ln: FlexDeMo(m.parameters(), link=ln, overlap=True, **kw), 5, _linear_loss)
-    assert b_sent == l_sent  # the same message, step by step
+    assert all(_same(b, m) for b, m in zip(b_sent, l_sent, strict=True))  # the same messages, step by step
     assert _same(b0[-1], b1[-1]) and _same(l0[-1], l1[-1])
     assert _same(l0[-1], b0[-1])  # after flush, the blocking parameters bit for bit
     assert not _same(l0[2], l1[2])  # in between, each replica holds its own newest step
