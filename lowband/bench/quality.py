@@ -322,8 +322,9 @@ def annotate_time_to_target(results: dict[str, Any], target_loss: float | None =
     return results
 
 
-#: Hyper-parameters that change how a method uses the link, not what it computes per step.
-HIDING_KEYS = ("overlap", "delay", "values")
+#: Hyper-parameters that change how a method uses the link, not what it computes per step (overlap_apply:
+#: what FlexDeMo steps with while its exchange is hidden, so a variant of overlap=true).
+HIDING_KEYS = ("overlap", "overlap_apply", "delay", "values")
 
 
 def _is_plain(run: Run) -> bool:

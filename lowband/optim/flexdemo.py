@@ -40,7 +40,11 @@ from lowband.optim._common import (
 )
 from lowband.optim.protocol import OptimizerStats
 
-__all__ = ["FlexDeMo"]
+__all__ = ["FlexDeMo", "OVERLAP_APPLY"]
+
+#: With overlap: "local" steps with the replica's own update at once and corrects to the mean when it
+#: arrives; "stale" steps with the mean one step late.
+OVERLAP_APPLY = ("local", "stale")
 
 log = logging.getLogger(__name__)
 
@@ -314,24 +318,44 @@ class FlexDeMo(Optimizer):
     Bytes per rank and step: :meth:`payload_bytes` + 1 (the flag), all-gathered.
 
     With ``overlap=True`` the exchange of step t runs while step t+1 computes (Psyche's and
-    DeToNATION's delayed apply); step t of every rank::
+    DeToNATION's delayed apply). ``overlap_apply`` says what the parameters hold meanwhile.
+
+    ``"local"`` (default): each replica steps with its own update at once and corrects to the mean
+    when it arrives; step t of every rank::
 
         wait for the all-gather of step t−1 (started one step ago; hidden behind this step's
-            forward and backward): if any replica flagged it, δ returns to its value before step t−1
-            and step t−1 is refused (raise or skip, as above); else
-            x ← x − lr_t·sign(Q_{t−1});  x ← x − lr_t·wd·x          # lr and wd of step t
-        compress β·δ + lr_t·g_t as above (g_t was computed at x before this update)
+            forward and backward); x ← a (the agreed parameters kept at step t−1); then, if any
+            replica flagged step t−1, δ returns to its value before it and the step is refused
+            (raise or skip, as above); else x ← x − lr_{t−1}·sign(Q_{t−1}); x ← x − lr_{t−1}·wd·x
+        compress β·δ + lr_t·g_t as above (g_t was computed at the parameters before this settle)
         keep a copy of δ, commit δ ← β·δ + lr_t·g_t − q_t
-        start the all-gather of (q_t, flag) and return
+        start the all-gather of (q_t, flag); a ← x;
+        x ← x − lr_t·sign(q_t); x ← x − lr_t·wd·x        # the own update, decoded from the message
+            (skipped when this replica refuses the step)
 
-    So the parameters lag one exchange behind the momentum: x_{t+1} = x_t − lr·sign(Q_{t−1}), the
-    gradient of step t+1 is taken at parameters that do not yet hold Q_t. The link still carries
-    one operation per step (payload + flag). Costs: one copy of δ (to roll back a step a peer
-    refuses) and the message in flight. :meth:`flush` applies the last exchange (call it after
-    the last step). Checkpoints are exact: :meth:`state_dict` waits for the exchange in flight and
-    keeps its outcome in the state (``pending``: the decoded update per parameter, ``pending_status``:
-    1 apply, 2 refused, 0 none); the next step applies it, so a resumed run follows the
-    uninterrupted one bit for bit.
+    So the agreed parameters a follow the blocking rule exactly (a_{t+1} = a_t − lr_t·sign(Q_t),
+    with the lr of the step), and the gradient of step t+1 is taken at a_{t+1} + lr_t·(sign(Q_t) −
+    sign(q_t)): the replica's own newest step stands in for the mean until it arrives, instead of
+    no step at all. Replicas differ by that step only and are bit-identical after each settle (and
+    after :meth:`flush`); with R = 1 this is the blocking variant bit for bit. A refused step
+    returns x to a exactly on every replica. Costs: a copy of δ and one of the parameters (with
+    gradients), the message in flight, and a second decode of the own message (the top-k inverse
+    transform: the sparse sum, not a DCT). :meth:`state_dict` settles the step in flight (the
+    model is checkpointed once, not per replica, so it must hold the agreed parameters; a refusal
+    is kept, ``pending_status`` 2, and raised or skipped by the next step): a resumed run follows
+    the run that saved bit for bit, but the run that saved takes the next gradient at the agreed
+    parameters, not at its own step, so it is not the run that did not save.
+
+    ``"stale"``: the parameters lag one exchange behind the momentum; step t applies the mean of
+    step t−1 with step t's lr, x_{t+1} = x_t − lr·sign(Q_{t−1}), so the gradient of step t+1 is
+    taken at parameters that do not yet hold Q_t. Costs: a copy of δ and the message in flight.
+    Checkpoints are exact against the run that did not save: :meth:`state_dict` waits for the
+    exchange in flight and keeps its outcome in the state (``pending``: the decoded update per
+    parameter, ``pending_status``: 1 apply, 2 refused, 0 none); the next step applies it.
+
+    Either way the link carries one operation per step (payload + flag, the blocking message), and
+    :meth:`flush` settles the last exchange (call it after the last step). What each costs in loss
+    (t5-mini, 160 steps) is in docs/algorithms.md.
 
     Args:
         params: parameters (FSDP2 shards when S > 1) or param groups; named parameters
@@ -346,6 +370,8 @@ class FlexDeMo(Optimizer):
         link: the inter-node link; None for a single process (R = 1).
         nonfinite: "raise" (default) or "skip" when a gradient holds NaN/Inf.
         overlap: apply each exchange one step later so that it overlaps the next step's compute.
+        overlap_apply: with overlap, "local" (default: step with the own update at once, correct to the
+            mean one step later) or "stale" (step with the mean one step late).
         tile: 0 (default): 1-D chunks of ``chunk`` elements; t > 0: a 2-D DCT over t × t tiles of each
             matrix shard, ``topk`` per tile (1 ≤ topk ≤ t²; indices fit uint8 for t ≤ 16).
     """
@@ -364,6 +390,7 @@ class FlexDeMo(Optimizer):
         link: Link | None = None,
         nonfinite: str = "raise",
         overlap: bool = False,
+        overlap_apply: str = "local",
         tile: int = 0,
     ) -> None:
         check_lr(lr)
@@ -380,6 +407,8 @@ class FlexDeMo(Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        if overlap_apply not in OVERLAP_APPLY:
+            raise ValueError(f"overlap_apply must be one of {OVERLAP_APPLY}, got {overlap_apply!r}")
         WireFormat(width, topk, values)  # validates values
         defaults = dict(lr=lr, topk=topk, chunk=chunk, decay=decay, sign=sign, weight_decay=weight_decay,
                         values=values, tile=tile)
@@ -389,6 +418,7 @@ class FlexDeMo(Optimizer):
         self.skipped_steps = 0
         self.dropped_steps = 0  # fault tolerance: steps whose exchange failed somewhere
         self.overlap = bool(overlap)
+        self.overlap_apply = overlap_apply
         # overlap: the step whose exchange is in flight: (handle or gathered tensor, work, backups).
         self._flight: tuple | None = None
         self._plans: dict = {}  # layout of each group's parameters, per set of parameters with a gradient
@@ -411,6 +441,7 @@ class FlexDeMo(Optimizer):
             group.setdefault("values", "bf16")
             group.setdefault("tile", 0)
         self.__dict__.setdefault("_plans", {})
+        self.__dict__.setdefault("overlap_apply", "stale")  # pickled before "local" existed
 
     # ------------------------------------------------------------------ helpers
     def _shard_group(self):
@@ -467,7 +498,16 @@ class FlexDeMo(Optimizer):
             if picks is not None:
                 self._commit(work, grads, picks)
             handle = self.link.all_gather(message, async_op=True) if self.link is not None else message.unsqueeze(0)
-            self._flight = (handle, work, backups)
+            agreed = lrs = None
+            if self.overlap_apply == "local":
+                # The parameters every replica agrees on, to step with the mean once it arrives; until
+                # then this replica steps with its own update, decoded from its message as the mean of
+                # one replica would be (a copy: the all-gather is reading the message).
+                agreed = {p: local(p).clone() for w in work for p in w.params}
+                lrs = [w.group["lr"] for w in work]  # the mean is applied with them, as the blocking step
+                if picks is not None:
+                    self._apply(work, message.unsqueeze(0).clone())
+            self._flight = (handle, work, backups, agreed, lrs)
             return loss
         counted = self.link is None or self.link.participating
         if not counted:  # healing during this step (fault tolerance, async quorum): send nothing that counts
@@ -512,14 +552,16 @@ class FlexDeMo(Optimizer):
     def _settle(self) -> None:
         """overlap: finish the step in flight (or the one a checkpoint drained): apply or refuse it."""
         if self._flight is not None:
-            handle, work, backups = self._flight
+            handle, work, backups, agreed, lrs = self._flight
             self._flight = None
             gathered = handle if isinstance(handle, torch.Tensor) else handle.wait()
+            if agreed is not None:  # "local": back to the agreed parameters, then the blocking step from there
+                torch._foreach_copy_([local(p) for p in agreed], list(agreed.values()))
             if bool(gathered[:, -1].any()):
                 self._roll_back(backups)
                 self._refused(gathered)  # raises, or counts the skip
                 return
-            self._apply(work, gathered)
+            self._apply(work, gathered, lrs=lrs)
             return
         status = self._drained_status()
         params = [p for p, st in self.state.items() if "pending_status" in st]
@@ -563,17 +605,23 @@ class FlexDeMo(Optimizer):
                     st["pending"] = replica_state_like(p, self._topology)
                     st["pending_status"] = torch.tensor(0.0)
             return
-        handle, work, backups = self._flight
+        handle, work, backups, agreed, lrs = self._flight
         self._flight = None
         gathered = handle if isinstance(handle, torch.Tensor) else handle.wait()
         refused = bool(gathered[:, -1].any())
         if refused:
             self._roll_back(backups)
+        if agreed is not None:
+            # "local": settled now, so that the parameters (which the checkpoint keeps once, not per
+            # replica) are the agreed ones on every replica; only a refusal is left for the next step.
+            torch._foreach_copy_([local(p) for p in agreed], list(agreed.values()))
+            if not refused:
+                self._apply(work, gathered, lrs=lrs)
         for p, st in self.state.items():
             if st:
                 st["pending"] = replica_state_like(p, self._topology)
-                st["pending_status"] = torch.tensor(2.0 if refused else 1.0)
-        if not refused:
+                st["pending_status"] = torch.tensor(2.0 if refused else 0.0 if agreed is not None else 1.0)
+        if agreed is None and not refused:
             self._apply(work, gathered, into={p: state_view(self.state[p]["pending"]) for w in work
                                               for p in w.params if self.state.get(p)})
 
@@ -771,13 +819,16 @@ class FlexDeMo(Optimizer):
                 steps.append(state["step"])
         torch._foreach_add_(steps, 1.0)
 
-    def _apply(self, work: list[_Work], gathered: torch.Tensor, into: dict | None = None) -> None:
-        """Phase 3: decode the mean over replicas and step (or, ``into``, store the update per parameter)."""
+    def _apply(self, work: list[_Work], gathered: torch.Tensor, into: dict | None = None,
+               lrs: list[float] | None = None) -> None:
+        """Phase 3: decode the mean over replicas and step (or, ``into``, store the update per parameter).
+
+        ``lrs``: the lr of each work (default: its group's lr now)."""
         replicas = gathered.shape[0]
         offset = 0
-        for w in work:
+        for i, w in enumerate(work):
             plan, group = w.plan, w.group
-            chunk, lr = plan.wire.chunk, group["lr"]
+            chunk, lr = plan.wire.chunk, group["lr"] if lrs is None else lrs[i]
             idx, vals = plan.wire.unpack_many(gathered[:, offset:offset + plan.nbytes], plan.rows)
             offset += plan.nbytes
             if into is not None:

@@ -45,6 +45,7 @@ from lowband.link import Link
 from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo, SparseLoCo
 from lowband.optim._common import NONFINITE_POLICIES
 from lowband.optim.diloco import DILOCO_INNER_DEFAULTS
+from lowband.optim.flexdemo import OVERLAP_APPLY
 from lowband.optim.noloco import NOLOCO_INNER_DEFAULTS
 from lowband.optim.outer import check_delay, unmerged_tail_note
 from lowband.optim.sparseloco import SPARSELOCO_INNER_DEFAULTS, SPARSELOCO_TRANSFORMS
@@ -242,6 +243,9 @@ class FlexDeMoConfig(MethodConfig):
     nonfinite: str = _nonfinite(FlexDeMo)
     overlap: bool = option(_signature_default(FlexDeMo, "overlap"), "apply each exchange one step later, overlapped "
                        "with the next step's compute (true/false)")
+    overlap_apply: str = option(_signature_default(FlexDeMo, "overlap_apply"), "with overlap=true: local (step "
+                                "with the own update at once, corrected to the mean one step later) or stale "
+                                "(step with the mean one step late)", choices=OVERLAP_APPLY)
     tile: int = option(_signature_default(FlexDeMo, "tile"), "t > 0: 2-D DCT over t x t tiles of each matrix "
                        "shard, topk per tile, chunk unused (1-D params: chunks of t^2); 0: 1-D chunks", minimum=0)
 

@@ -682,7 +682,8 @@ def test_full_topk_fp32_without_sign_is_sgd_at_lr_squared(t, overlap):
     # topk = t², fp32, sign off: every tile's momentum is sent whole and leaves δ, so this is SGD at
     # lr² (overlap: applied one step late), as for 1-D chunks.
     params, ref = _params(), _params()
-    opt = FlexDeMo(params, lr=LR, tile=t, topk=t * t, sign=False, values="fp32", overlap=overlap)
+    opt = FlexDeMo(params, lr=LR, tile=t, topk=t * t, sign=False, values="fp32", overlap=overlap,
+                   overlap_apply="stale")
     grads = []
     for step in range(4):
         _grads(params, step)
@@ -865,7 +866,8 @@ def _tiles_on_2x2(rank: int, ckpt_dir: str) -> dict:
         opt.flush()
 
     def make(model, link):
-        return FlexDeMo(model.parameters(), lr=LR, tile=4, topk=3, decay=0.9, link=link, overlap=True)
+        return FlexDeMo(model.parameters(), lr=LR, tile=4, topk=3, decay=0.9, link=link, overlap=True,
+                        overlap_apply="stale")
 
     model = tiny_sharded(topo)
     link = Link(topo)
@@ -921,7 +923,8 @@ def _flex_overlap(rank: int, ckpt_dir: str) -> dict:
     # the mean gradient, applied one step late: x_{t+1} = x_t − lr²·ḡ_{t−1}.
     model = tiny_sharded(topo)
     link = Link(topo)
-    opt = FlexDeMo(model.parameters(), lr=lr, topk=16, chunk=16, sign=False, values="fp32", link=link, overlap=True)
+    opt = FlexDeMo(model.parameters(), lr=lr, topk=16, chunk=16, sign=False, values="fp32", link=link, overlap=True,
+                   overlap_apply="stale")
     traffic = run(model, opt, link, range(4))
     opt.flush()
     ref = tiny_model()
@@ -945,7 +948,8 @@ def _flex_overlap(rank: int, ckpt_dir: str) -> dict:
 
     # (b) Checkpoint in the middle: resumed == uninterrupted, bit for bit.
     def make(m, ln):
-        return FlexDeMo(m.parameters(), lr=lr, topk=3, chunk=32, decay=0.9, weight_decay=0.01, link=ln, overlap=True)
+        return FlexDeMo(m.parameters(), lr=lr, topk=3, chunk=32, decay=0.9, weight_decay=0.01, link=ln, overlap=True,
+                        overlap_apply="stale")
 
     model = tiny_sharded(topo)
     link = Link(topo)
@@ -976,7 +980,8 @@ def _flex_overlap(rank: int, ckpt_dir: str) -> dict:
     # arrives, δ returns to its value before step 1 and the parameters keep what step 1 left.
     model = tiny_sharded(topo)
     link = Link(topo)
-    opt = FlexDeMo(model.parameters(), lr=lr, topk=2, chunk=16, link=link, nonfinite="skip", overlap=True)
+    opt = FlexDeMo(model.parameters(), lr=lr, topk=2, chunk=16, link=link, nonfinite="skip", overlap=True,
+                   overlap_apply="stale")
     run(model, opt, link, [0])
     delta_before = [opt.state[p]["delta"].to_local().clone() for p in model.parameters()]
     opt.zero_grad()
