@@ -247,12 +247,12 @@ def target_variants(vs: Sequence[Variant]) -> tuple[Variant | None, list[Variant
     The lowest mean final loss among AdamW variants that ran without faults; a variant with one
     seed is never the target when one with several exists (a single seed against a mean).
     """
-    adamw = [v for v in vs if v.method == reference_method() and v.ok and not v.faulted]
-    if not adamw:
+    refs = [v for v in vs if v.method == reference_method() and v.ok and not v.faulted]
+    if not refs:
         return None, []
-    several = [v for v in adamw if _n_seeds(v.label, vs) > 1]
-    pool = several or adamw
-    return min(pool, key=_mean_final), [v for v in adamw if v not in pool]
+    several = [v for v in refs if _n_seeds(v.label, vs) > 1]
+    pool = several or refs
+    return min(pool, key=_mean_final), [v for v in refs if v not in pool]
 
 
 def reference_runs(runs: Sequence[Run]) -> list[Run]:
@@ -309,16 +309,16 @@ def annotate_time_to_target(results: dict[str, Any], target_loss: float | None =
     # run's link, mean over its seeds) took to reach this run's final loss.
     refs = reference_runs(runs)
     for r in runs:
-        r.adamw_steps_to_final = r.adamw_time_to_final_s = None
+        r.reference_steps_to_final = r.reference_time_to_final_s = None
         same_link = [a for a in refs if a.bandwidth_bps == r.bandwidth_bps] or refs
         if r.status != "ok" or r.val_loss is None or not same_link or any(r is a for a in same_link):
             continue
         hits = [crossing(a.val_history or [], r.val_loss) for a in same_link]
         hits = [h for h in hits if h is not None]
         if len(hits) == len(same_link):
-            r.adamw_steps_to_final = statistics.fmean(h.step for h in hits)
+            r.reference_steps_to_final = statistics.fmean(h.step for h in hits)
             times = [h.train_time_s for h in hits if h.train_time_s is not None]
-            r.adamw_time_to_final_s = statistics.fmean(times) if len(times) == len(hits) else None
+            r.reference_time_to_final_s = statistics.fmean(times) if len(times) == len(hits) else None
     return results
 
 
@@ -418,8 +418,8 @@ def equal_loss_steps(run: Run, references: Sequence[Run]) -> tuple[float, float,
     ref_steps = [a.steps_to_target for a in references]
     if run.steps_to_target is not None and references and None not in ref_steps:
         return float(run.steps_to_target), statistics.fmean(ref_steps), "target"
-    if run.adamw_steps_to_final is not None and run.steps:
-        return float(run.steps), float(run.adamw_steps_to_final), "final"
+    if run.reference_steps_to_final is not None and run.steps:
+        return float(run.steps), float(run.reference_steps_to_final), "final"
     return None
 
 

@@ -125,10 +125,10 @@ class RunRecord:
     """The same in tokens."""
     time_to_target_s: float | None = None
     """The same on the training clock."""
-    adamw_steps_to_final: float | None = None
+    reference_steps_to_final: float | None = None
     """The steps the target's AdamW variant (at this run's link, mean over its seeds) needed to reach
     this run's final validation loss; None for AdamW's own runs."""
-    adamw_time_to_final_s: float | None = None
+    reference_time_to_final_s: float | None = None
     """The same in training time: time to quality at the quality this run reached."""
     train_loss: float | None = None
     """Final training loss (rank 0)."""

@@ -255,12 +255,12 @@ def time_to_target_rows(results: Mapping[str, Any]) -> tuple[list[str], list[lis
             ref_time = ref.stat("time_to_target_s") if ref is not None else None
             speedup = MISSING if ref_time is None else f"{ref_time[0] / v.stat('time_to_target_s')[0]:.2f}×"
         at_final = MISSING
-        ref_final, own = v.stat("adamw_time_to_final_s"), v.stat("train_time_s")
-        if ref_final is not None and own is not None and len(v.values("adamw_time_to_final_s")) == n:
+        ref_final, own = v.stat("reference_time_to_final_s"), v.stat("train_time_s")
+        if ref_final is not None and own is not None and len(v.values("reference_time_to_final_s")) == n:
             at_final = f"{ref_final[0] / own[0]:.2f}×"
         elif v.ok and v.method != reference_method():
-            missing = n - len(v.values("adamw_time_to_final_s"))
-            # adamw_time_to_final_s needs every AdamW seed to have reached this run's final loss.
+            missing = n - len(v.values("reference_time_to_final_s"))
+            # reference_time_to_final_s needs every AdamW seed to have reached this run's final loss.
             if not n:
                 at_final = MISSING
             elif ref is not None and len(ref.ok) == 1:
@@ -290,7 +290,7 @@ def modelled_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
                *(f"time to target at {c:g} s compute" for c in MODELLED_COMPUTE_S), f"vs {REFERENCE}"]  # fmt: skip
     rows = []
     for v in vs:
-        reached = [r for r in v.ok if r.steps_to_target is not None or r.adamw_steps_to_final is not None]
+        reached = [r for r in v.ok if r.steps_to_target is not None or r.reference_steps_to_final is not None]
         if not reached:
             continue
         compute = v.stat("compute_time_s")
@@ -384,7 +384,7 @@ def why_not_reached_notes(results: Mapping[str, Any]) -> list[str]:
         text = (f"{v.label} did not reach the target in {steps} steps: it ends {delta:+.3f} from {ref.label}'s "
                 f"final loss, {why}. Per step it computes {c:.3f} s and waits "
                 f"{e:.3f} s on the link, against {rc:.3f} s and {re_[0] if re_ else 0.0:.3f} s for {ref.label}")
-        ref_final, own = v.stat("adamw_time_to_final_s"), v.stat("train_time_s")
+        ref_final, own = v.stat("reference_time_to_final_s"), v.stat("train_time_s")
         if ref_final is not None and own is not None:
             text += (f"; {ref.label} needed {ref_final[0]:.0f} s of training to get to the loss this run ends at, "
                      f"this run {own[0]:.0f} s ({ref_final[0] / own[0]:.2f}×)")

@@ -1,4 +1,4 @@
-"""``results.json``: what a bench measured, in a stable, documented schema (version 3).
+"""``results.json``: what a bench measured, in a stable, documented schema (version 4).
 
 A bench's run directory holds::
 
@@ -8,7 +8,9 @@ A bench's run directory holds::
     runs/<run id>/               one directory per run: the trainer's metrics.jsonl and
                                  summary_rank<R>.json, and logs/node<i>.log
 
-Schema, version 3 (version 2 had the same keys, read without a check: version 3's run records are
+Schema, version 4 (version 3 named two time-to-quality keys after AdamW, ``adamw_steps_to_final``
+and ``adamw_time_to_final_s``: now ``reference_...``, after the registry's reference method;
+version 2 had version 3's keys, read without a check: version 3's run records are
 :class:`~lowband.bench.record.RunRecord`, and a key that is not a field is refused; version 1 had
 ``val_history`` as ``[step, wall_s, val_loss]`` lists and one ``seed``). A file of another version
 is refused with what to do: re-run the bench (there is no conversion). Sizes are in bytes, times in
@@ -18,7 +20,7 @@ never renamed or removed without raising ``schema_version``.
 
 Top level::
 
-    schema_version  3
+    schema_version  4
     created         ISO 8601 local time with offset, when the bench started
     finished        ISO 8601, when it ended (null while running)
     interrupted     true when stopped by Ctrl-C / SIGTERM before every run was done
@@ -89,7 +91,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 RESULTS_FILE = "results.json"
 _MAX_ERROR_CHARS = 6000
 

@@ -59,11 +59,11 @@ def test_target_is_best_adamw_mean_over_seeds_and_runs_are_timed_to_it() -> None
     assert row["FlexDeMo Top1"]["vs AdamW"] == "-0.850 (better, beyond the seed spread)"
     assert row["DiLoCo H=10"]["time to target (s)"] == "not reached"
     # DiLoCo ends at 6.5: AdamW (both seeds) was there at step 7.5, after 1.5 s; DiLoCo trained 4 s.
-    assert runs[5].adamw_steps_to_final == pytest.approx(7.5) and runs[5].adamw_time_to_final_s == pytest.approx(1.5)
+    assert runs[5].reference_steps_to_final == pytest.approx(7.5) and runs[5].reference_time_to_final_s == pytest.approx(1.5)
     assert row["DiLoCo H=10"]["at its final loss: AdamW time ÷ this"] == "0.38×"
     # FlexDeMo ends below where either AdamW seed got: no AdamW time to compare with.
     assert row["FlexDeMo Top1"]["at its final loss: AdamW time ÷ this"] == "not every AdamW seed got this low (2/2 seeds)"
-    assert runs[0].adamw_time_to_final_s is None  # AdamW's own runs are the reference
+    assert runs[0].reference_time_to_final_s is None  # AdamW's own runs are the reference
     one = quality.annotate_time_to_target({"runs": [run_record("adamw", [8.0, 6.0, 5.0], label="AdamW"),
                                                     run_record("deto-full", [8.0, 6.0, 4.5], label="Deto-Full")]})
     headers1, rows1 = time_to_target_rows(one)
@@ -123,7 +123,7 @@ def test_speedup_at_equal_loss_compares_at_the_target_or_else_at_the_runs_own_fi
     got = quality.modelled_speedup_at_equal_loss(low, adamw, 1.0)
     assert got == pytest.approx(20 * (1.0 + m_a) / (low.steps_to_target * max(1.0, m_f)))
     # No common loss (AdamW never got as low as this run's final loss and the run missed the target): None.
-    missed_low = dataclasses.replace(short, steps_to_target=None, adamw_steps_to_final=None)
+    missed_low = dataclasses.replace(short, steps_to_target=None, reference_steps_to_final=None)
     assert quality.equal_loss_steps(missed_low, adamw) is None
     assert quality.modelled_speedup_at_equal_loss(missed_low, adamw, c) is None
 

@@ -73,7 +73,7 @@ RUN_KEYS = (
     "exposed_comm_time_s", "sync_time_s", "outer_steps", "inter_node_bytes_per_step",
     "inter_node_bytes_per_step_by_node", "measured_wire_bytes_per_step", "measured_wire_bytes_per_step_by_node",
     "link_effective_bps", "val_loss", "best_val_loss", "train_time_s", "tokens", "steps_to_target",
-    "tokens_to_target", "time_to_target_s", "adamw_steps_to_final", "adamw_time_to_final_s", "train_loss",
+    "tokens_to_target", "time_to_target_s", "reference_steps_to_final", "reference_time_to_final_s", "train_loss",
     "peak_rss_mb", "peak_rss_mb_by_rank", "link_ops", "val_history", "run_dir", "logs", "command", "fault_tolerance",
 )  # fmt: skip
 
@@ -90,7 +90,7 @@ def _full_record() -> RunRecord:
         inter_node_bytes_per_step_by_node=[375000.0, 375000.0], measured_wire_bytes_per_step=400000.0,
         measured_wire_bytes_per_step_by_node=[390000.0, 410000.0], link_effective_bps=1e8, val_loss=3.5,
         best_val_loss=3.4, train_time_s=0.8, tokens=2400, steps_to_target=4.5, tokens_to_target=1800.0,
-        time_to_target_s=0.6, adamw_steps_to_final=5.0, adamw_time_to_final_s=0.7, train_loss=4.0,
+        time_to_target_s=0.6, reference_steps_to_final=5.0, reference_time_to_final_s=0.7, train_loss=4.0,
         peak_rss_mb=103.0, peak_rss_mb_by_rank=[100.0, 101.0, 102.0, 103.0],
         link_ops={"all_gather": OpTally(count=24, bytes=4500000, inter_node_bytes=4500000, largest_group=2)},
         val_history=[{"step": 0, "epoch": 0, "tokens": 0, "train_time_s": 0.0, "wall_s": 0.0, "val_loss": 5.0},
@@ -111,7 +111,7 @@ def test_a_run_record_round_trips_through_results_json_with_the_same_keys_in_the
     assert RunRecord.field_names() == RUN_KEYS
     path = write_results(tmp_path, _results([record, RunRecord(id="empty", status="failed")]))
     written = json.loads(path.read_text())
-    assert written["schema_version"] == 3 and tuple(written["runs"][0]) == RUN_KEYS
+    assert written["schema_version"] == 4 and tuple(written["runs"][0]) == RUN_KEYS
     assert written["runs"][0]["link_ops"] == {"all_gather": {"count": 24, "bytes": 4500000,
                                                             "inter_node_bytes": 4500000, "largest_group": 2}}
     assert tuple(written["runs"][1]) == RUN_KEYS and written["runs"][1]["val_loss"] is None  # null unless given
@@ -136,14 +136,14 @@ def test_a_run_record_with_a_key_it_does_not_know_is_refused_naming_the_key(tmp_
 
 
 def test_a_results_json_of_another_schema_version_is_refused_saying_to_rerun_the_bench(tmp_path: Path, capsys) -> None:
-    old = _results([], version=2)
-    old["runs"] = [_full_record().to_dict()]  # version 2 had these very keys: the version decides
+    old = _results([], version=3)
+    old["runs"] = [_full_record().to_dict()]  # the keys fit: the version decides
     path = tmp_path / "results.json"
     path.write_text(json.dumps(old))
     with pytest.raises(ValueError) as info:
         load_results(tmp_path)
     message = str(info.value)
-    assert str(path) in message and "schema_version 2" in message and "schema_version 3" in message
+    assert str(path) in message and "schema_version 3" in message and "schema_version 4" in message
     assert "Re-run the bench" in message
     parser = argparse.ArgumentParser()
     bench.add_report_arguments(parser)
