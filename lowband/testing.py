@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "default_sigint", "free_port", "full_params", "reverse_task_batch", "run_ranks", "tiny_batch", "tiny_loss", "tiny_model",
+    "LoopbackLink", "default_sigint", "free_port", "full_params", "reverse_task_batch", "run_ranks", "tiny_batch", "tiny_loss", "tiny_model",
     "tiny_sharded", "train_reverse_task",
 ]
 
@@ -132,6 +132,31 @@ def run_ranks(
 
 
 # --------------------------------------------------------------------------- a tiny model for tests
+class LoopbackLink:
+    """A stand-in link of two replicas that send the same message, in one process: the all-gather
+    returns this rank's message twice (and keeps a copy of each in ``messages``), with no fault
+    tolerance (every contribution counts, every step may be applied)."""
+
+    group_size = 2
+    participating = True
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.topology = SimpleNamespace(shards=1, world_size=2, replicas=2)
+        self.messages: list = []
+
+    def commit(self) -> bool:
+        return True
+
+    def all_gather(self, tensor, *, async_op=False):
+        import torch
+
+        assert not async_op
+        self.messages.append(tensor.clone())
+        return torch.stack([tensor, tensor])
+
+
 def tiny_model(seed: int = 0):
     """Linear+tanh blocks of odd sizes (13 → 37 → 29 → 3): FSDP2 shards are uneven and not
     multiples of any chunk size. ``model[0]`` and ``model[1]`` are the blocks to shard."""

@@ -29,7 +29,15 @@ from lowband.compress import (
 )
 from lowband.link import Link
 from lowband.optim import AdamWFullSync, DetoFull, FlexDeMo, NonFiniteGradientError
-from lowband.testing import full_params, run_ranks, tiny_batch, tiny_loss, tiny_model, tiny_sharded
+from lowband.testing import (
+    LoopbackLink,
+    full_params,
+    run_ranks,
+    tiny_batch,
+    tiny_loss,
+    tiny_model,
+    tiny_sharded,
+)
 from lowband.topology import Topology
 from lowband.traffic import OpTally
 
@@ -501,27 +509,6 @@ def test_blockwise_transform_equals_one_block(monkeypatch, values):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
 
 
-class _LoopbackLink:
-    """Two replicas that send the same message: the all-gather returns this rank's message twice."""
-
-    group_size = 2
-    participating = True  # no fault tolerance: this rank's contribution always counts
-
-    def __init__(self) -> None:
-        from types import SimpleNamespace
-
-        self.topology = SimpleNamespace(shards=1, world_size=2, replicas=2)
-        self.messages: list[torch.Tensor] = []
-
-    def commit(self) -> bool:  # no fault tolerance: every step may be applied
-        return True
-
-    def all_gather(self, tensor, *, async_op=False):
-        assert not async_op
-        self.messages.append(tensor.clone())
-        return torch.stack([tensor, tensor])
-
-
 @pytest.mark.parametrize("values, view_min", [("bf16", 64), ("sign", 64), ("fp32", 1 << 16)])
 def test_batched_group_equals_one_group_per_parameter(monkeypatch, values, view_min):
     # A param group's tensors are transformed together, in blocks of chunk rows (views of the larger
@@ -534,7 +521,7 @@ def test_batched_group_equals_one_group_per_parameter(monkeypatch, values, view_
     monkeypatch.setattr(fd, "_BLOCK_ELEMENTS", 256)  # the 481- and 1073-element weights span blocks
 
     def run(per_parameter):
-        model, link = make_model(), _LoopbackLink()
+        model, link = make_model(), LoopbackLink()
         params = list(model.parameters())
         groups = [{"params": [p]} for p in params] if per_parameter else [{"params": params}]
         # sign values run Top-1: see test_blockwise_transform_equals_one_block
@@ -735,7 +722,7 @@ def test_each_tile_sends_its_topk_2d_coefficients_and_keeps_the_rest():
 def test_message_is_payload_bytes_and_the_formula(values):
     t, k = 16, 8
     params = _params()
-    link = _LoopbackLink()
+    link = LoopbackLink()
     opt = FlexDeMo(params, lr=LR, tile=t, topk=k, values=values, link=link)
     wire = WireFormat(t * t, k, values)
     assert wire.index_bytes == 1  # t ≤ 16: one byte per index

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,29 +16,10 @@ from lowband.link import Link
 from lowband.optim import DiLoCo, NonFiniteGradientError, SparseLoCo
 from lowband.optim._common import state_view
 from lowband.optim.sparseloco import sparseloco_message_nbytes
-from lowband.testing import run_ranks, tiny_loss, tiny_model, tiny_sharded, tiny_steps
+from lowband.testing import LoopbackLink, run_ranks, tiny_loss, tiny_model, tiny_sharded, tiny_steps
 from lowband.topology import Topology
 
 INNER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
-
-
-class _LoopbackLink:
-    """Two replicas that send the same message: the all-gather returns this rank's message twice."""
-
-    group_size = 2
-    participating = True  # no fault tolerance: this rank's contribution always counts
-
-    def __init__(self) -> None:
-        self.topology = SimpleNamespace(shards=1, world_size=2, replicas=2)
-        self.messages: list[torch.Tensor] = []
-
-    def commit(self) -> bool:
-        return True
-
-    def all_gather(self, tensor, *, async_op=False):
-        assert not async_op
-        self.messages.append(tensor.clone())
-        return torch.stack([tensor, tensor])
 
 
 def _train(model, opt, steps, rank=0, start=0):
@@ -55,7 +35,7 @@ def _train(model, opt, steps, rank=0, start=0):
 def test_error_feedback_keeps_exactly_what_was_not_sent(values, transform):
     # R = 2 replicas sending the same message (loopback): φ ← φ − α·q with q this replica's decoded
     # message, so q = (φ_old − φ_new)/α; then e_new + q must be β·e_old + (φ_old − θ), to rounding.
-    model, link = tiny_model(), _LoopbackLink()
+    model, link = tiny_model(), LoopbackLink()
     chunk, topk, beta, alpha = 16, 2, 0.9, 0.5
     opt = SparseLoCo(model.parameters(), INNER, link=link, sync_every=2, outer_lr=alpha, decay=beta, topk=topk,
                      chunk=chunk, values=values, transform=transform)
@@ -101,7 +81,7 @@ def test_all_coefficients_and_lossless_values_is_diloco_without_momentum():
 @pytest.mark.parametrize("values", SPARSE_VALUE_FORMATS)
 @pytest.mark.parametrize("chunk, topk, block", [(128, 2, 256), (16, 3, 7), (300, 1, 64)])
 def test_message_size_is_the_documented_formula(values, chunk, topk, block):
-    model, link = tiny_model(), _LoopbackLink()
+    model, link = tiny_model(), LoopbackLink()
     opt = SparseLoCo(model.parameters(), INNER, link=link, sync_every=1, topk=topk, chunk=chunk, values=values,
                      quant_block=block)
     _train(model, opt, 2)
@@ -131,7 +111,7 @@ def test_nonfinite_gradient_is_refused_before_anything_changes():
 
 
 def test_nonfinite_pseudo_gradient_refuses_the_outer_step_and_sends_only_the_flag():
-    model, link = tiny_model(), _LoopbackLink()
+    model, link = tiny_model(), LoopbackLink()
     opt = SparseLoCo(model.parameters(), INNER, link=link, sync_every=2)
     _train(model, opt, 2)
     params = list(model.parameters())
