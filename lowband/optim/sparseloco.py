@@ -57,7 +57,7 @@ class SparseLoCo(OuterStepOptimizer):
             q_j ← decode(m_j)   (inverse transform)           # every rank decodes every replica's
             e_r ← v_r − q_r                                   # what was sent leaves e, rounding stays
             φ ← φ − α·(1/R)·Σ_j q_j     (summed in replica order: identical φ everywhere)
-            θ_r ← φ
+            θ_r ← φ                     (delay τ > 0: θ_r ← φ + (θ_r − θ_sent) at step kH + τ)
 
     No outer momentum: the accumulator e_r (per replica, checkpointed) replaces it. Each parameter
     (the local shard under FSDP2) is zero-padded to whole chunks on its own, so every chunk
@@ -84,7 +84,10 @@ class SparseLoCo(OuterStepOptimizer):
         transform: ``"none"`` (chunks of the flat pseudo-gradient) or ``"dct"`` (DCT-II per chunk).
         quant_block: kept values per fp32 scale (2bit, 1bit).
         max_grad_norm: clip the inner gradient's norm to this; None: no clipping.
-        delay: only 0 (the outer step blocks); an overlapped exchange is not implemented.
+        delay: τ, inner steps between the start of an outer step's all-gather and its merge
+            (0 ≤ τ < H; 0: blocking), as DiLoCo's: the τ inner steps after step kH run while the
+            messages travel, step kH + τ decodes them, updates φ and e, and merges
+            θ ← φ_new + (θ − θ_sent). The bench spec's ``overlap=true`` means τ = 1.
     """
 
     _OUTER_KEYS = ("outer_lr", "decay")
@@ -107,8 +110,6 @@ class SparseLoCo(OuterStepOptimizer):
         max_grad_norm: float | None = None,
         delay: int = 0,
     ) -> None:
-        if delay != 0:
-            raise ValueError(f"SparseLoCo has no overlapped outer step: delay must be 0, got {delay!r}")
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
         check_unit_interval("decay", decay)
@@ -132,6 +133,7 @@ class SparseLoCo(OuterStepOptimizer):
             sync_every=sync_every,
             max_grad_norm=max_grad_norm,
             quant_block=quant_block,
+            delay=delay,
         )
         for group in self.param_groups:
             if not group["outer_lr"] > 0:
@@ -215,7 +217,8 @@ class SparseLoCo(OuterStepOptimizer):
                 e.copy_((v_parts[i] - own[offset:offset + n].to(v_parts[i].dtype)).view_as(e))
                 step = mean[offset:offset + n].view_as(phi).to(phi.dtype)
                 phi.add_(step, alpha=-lr / replicas)
-                local(p).copy_(phi)
+                if not self.delay:  # τ > 0: θ is merged at step kH + τ (OuterStepOptimizer._merge)
+                    local(p).copy_(phi)
                 offset += padded
                 i += 1
         return None

@@ -281,7 +281,7 @@ def _local_fields(owner: type, inner: Mapping[str, float]) -> dict[str, Any]:
 
 
 class _LocalConfig(MethodConfig):
-    """What DiLoCo and NoLoCo share: ``overlap`` and ``delay`` become the optimizer's one ``delay`` (τ)."""
+    """What DiLoCo, NoLoCo and SparseLoCo share: ``overlap`` and ``delay`` become the optimizer's one ``delay`` (τ)."""
 
     def outer_delay(self) -> int:
         """τ: ``delay`` when it is > 0, else 1 with ``overlap=true``, else 0 (checked against H)."""
@@ -310,6 +310,7 @@ class _LocalConfig(MethodConfig):
 
 _DILOCO = _local_fields(DiLoCo, DILOCO_INNER_DEFAULTS)
 _NOLOCO = _local_fields(NoLoCo, NOLOCO_INNER_DEFAULTS)
+_SPARSELOCO = _local_fields(SparseLoCo, SPARSELOCO_INNER_DEFAULTS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -369,7 +370,7 @@ class NoLoCoConfig(_LocalConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SparseLoCoConfig(MethodConfig):
+class SparseLoCoConfig(_LocalConfig):
     """SparseLoCo (:class:`lowband.optim.SparseLoCo`) with an inner AdamW(lr, weight_decay)."""
 
     lr: float = _lr(SPARSELOCO_INNER_DEFAULTS["lr"])
@@ -392,17 +393,16 @@ class SparseLoCoConfig(MethodConfig):
     # Trainer's choice: clip the inner gradient at 1.0 as DiLoCo's config does (SparseLoCo's own default: none).
     max_grad_norm: float | None = option(1.0, "clip the inner gradient's norm to this (none: no clipping)",
                                          alias="clip", minimum=0.0, exclusive=True)
+    overlap: bool = _SPARSELOCO["overlap"]
+    delay: int = _SPARSELOCO["delay"]
 
     def check(self) -> None:
         if self.topk > self.chunk:
             raise ValueError(f"topk={self.topk} exceeds chunk={self.chunk}; topk must lie in 1..chunk")
-
-    def tail_note(self, steps: int) -> str | None:
-        return unmerged_tail_note(steps, self.sync_every)
+        super().check()
 
     def build(self, params, *, link, model=None):
-        kw = self.as_dict()
-        inner = functools.partial(torch.optim.AdamW, lr=kw.pop("lr"), weight_decay=kw.pop("weight_decay"))
+        inner, kw = self._optimizer_kwargs()
         return SparseLoCo(params, inner, link=link, **kw)
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from lowband.bench.methods import parse_method_spec
 from lowband.compress.quant import BlockQuant
 from lowband.link import Link
-from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError
+from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError, SparseLoCo
 from lowband.optim._common import state_view
 from lowband.testing import full_params, run_ranks, tiny_batch, tiny_model, tiny_sharded, tiny_steps
 from lowband.topology import Topology
@@ -135,8 +135,59 @@ def test_noloco_delayed_merge_is_the_written_rule():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("tau", [1, 2])
+def test_sparseloco_delayed_merge_lossless_is_diloco_without_momentum(tau):
+    """top-k of everything in fp32 sends v exactly (e stays 0): SparseLoCo with delay τ is DiLoCo with μ = 0 and delay τ."""
+    H, alpha = 3, 0.8
+    model, ref = tiny_model(), tiny_model()
+    sparse = SparseLoCo(model.parameters(), INNER, sync_every=H, outer_lr=alpha, topk=8, chunk=8, values="fp32",
+                        delay=tau)
+    dense = DiLoCo(ref.parameters(), INNER, sync_every=H, outer_lr=alpha, outer_momentum=0.0, nesterov=False,
+                   delay=tau)
+    for m, o in ((model, sparse), (ref, dense)):
+        train(m, o, 0, range(4 * H + 1))
+        o.flush()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert maxdiff([state_view(sparse.state[p]["error"]) for p in model.parameters()],
+                   [torch.zeros_like(p) for p in model.parameters()]) < 1e-6
+    # ... and the merge kept the τ local steps (the weights are not φ right after a merge).
+    blocking_model = tiny_model()
+    blocking = SparseLoCo(blocking_model.parameters(), INNER, sync_every=H, outer_lr=alpha, topk=8, chunk=8,
+                          values="fp32")
+    train(blocking_model, blocking, 0, range(4 * H + 1))
+    assert maxdiff(list(model.parameters()), list(blocking_model.parameters())) > 1e-4
+
+
+def test_sparseloco_delayed_merge_with_2bit_is_the_written_rule():
+    """2-bit top-2 of 8 with τ = 1: after step kH + 1, φ ← φ − α·decode(m), e ← v − decode(m), θ ← φ + (θ − θ_sent)."""
+    H, tau, alpha = 3, 1, 0.9
+    model = tiny_model()
+    opt = SparseLoCo(model.parameters(), INNER, sync_every=H, outer_lr=alpha, topk=2, chunk=8, values="2bit",
+                     quant_block=16, delay=tau)
+    params = list(model.parameters())
+    train(model, opt, 0, range(2 * H))  # outer step 1 merged at H + 1; outer step 2 in flight
+    phi = [state_view(opt.state[p]["slow"]).clone() for p in params]
+    e = [state_view(opt.state[p]["error"]).clone() for p in params]
+    sent = [state_view(opt.state[p]["sent"]).clone() for p in params]
+    v = [(0.95 * ee + (f - s)).reshape(-1) for ee, f, s in zip(e, phi, sent, strict=True)]
+    message = opt._flight.message
+    q = opt._decode_dense(message, sum(opt._rows())).reshape(-1)
+    train(model, opt, 0, [2 * H])  # step 2H + 1: the merge
+    offset = 0
+    for i, p in enumerate(params):
+        n, padded = v[i].numel(), opt._rows()[i] * 8
+        qi = q[offset:offset + n].view_as(phi[i])
+        offset += padded
+        torch.testing.assert_close(state_view(opt.state[p]["slow"]), phi[i] - alpha * qi, rtol=0, atol=1e-6)
+        torch.testing.assert_close(state_view(opt.state[p]["error"]), v[i].view_as(qi) - qi, rtol=0, atol=1e-6)
+    assert state_view(opt.state[params[0]]["merge"]).item() == 0
+    assert opt.outer_steps == 2
+
+
 @pytest.mark.parametrize("cls, kw", [(DiLoCo, {}), (DiLoCo, dict(values="int8", quant_block=16)),
-                                     (NoLoCo, dict(max_grad_norm=None))])
+                                     (NoLoCo, dict(max_grad_norm=None)),
+                                     (SparseLoCo, dict(topk=2, chunk=8, quant_block=16))])
 def test_state_dict_while_in_flight_resumes_bit_for_bit(cls, kw):
     H, tau = 3, 2
 
@@ -166,7 +217,7 @@ def test_state_dict_while_in_flight_resumes_bit_for_bit(cls, kw):
 
 
 def test_delay_zero_is_the_blocking_optimizer_and_refuses_a_delayed_checkpoint():
-    for cls in (DiLoCo, NoLoCo):
+    for cls in (DiLoCo, NoLoCo, SparseLoCo):
         runs = []
         for kw in ({}, dict(delay=0)):
             model = tiny_model()
@@ -184,7 +235,7 @@ def test_delay_zero_is_the_blocking_optimizer_and_refuses_a_delayed_checkpoint()
 
 
 def test_nonfinite_outer_message_is_refused_at_the_merge_and_changes_nothing():
-    for cls in (DiLoCo, NoLoCo):
+    for cls in (DiLoCo, NoLoCo, SparseLoCo):
         model = tiny_model()
         opt = cls(model.parameters(), INNER, sync_every=2, delay=1)
         params = list(model.parameters())
@@ -194,7 +245,7 @@ def test_nonfinite_outer_message_is_refused_at_the_merge_and_changes_nothing():
         train(model, opt, 0, range(2))  # the outer step starts with a NaN in θ: zeros and the flag
         with torch.no_grad():
             params[0].view(-1)[0] = 0.0  # finite again: step 3's gradient is fine, its merge is not
-        outer_keys = ("slow", "momentum") if cls is DiLoCo else ("slow", "delta")
+        outer_keys = {DiLoCo: ("slow", "momentum"), NoLoCo: ("slow", "delta"), SparseLoCo: ("slow", "error")}[cls]
         before = {k: [state_view(opt.state[p][k]).clone() for p in params] for k in outer_keys}
         with pytest.raises(NonFiniteGradientError, match="outer step was refused"):
             train(model, opt, 0, [2])
@@ -220,6 +271,8 @@ class _StubLink:
         (DiLoCo, dict(delay=True), "delay"),
         (NoLoCo, dict(sync_every=3, delay=3), "must be below sync_every H=3"),
         (NoLoCo, dict(delay="1"), "delay"),
+        (SparseLoCo, dict(sync_every=5, delay=5), "must be below sync_every H=5"),
+        (SparseLoCo, dict(delay=-2), "delay"),
     ],
 )
 def test_bad_delays(cls, kwargs, needle):
@@ -232,7 +285,7 @@ def outer_delay(method: str, **hp) -> int:
 
 
 def test_overlap_and_delay_from_specs_and_hyperparameters():
-    for method in ("diloco", "noloco"):
+    for method in ("diloco", "noloco", "sparseloco"):
         assert outer_delay(method, sync_every=10) == 0
         assert outer_delay(method, sync_every=10, overlap=True, delay=0) == 1
         assert outer_delay(method, sync_every=10, overlap=False, delay=3) == 3
@@ -242,7 +295,7 @@ def test_overlap_and_delay_from_specs_and_hyperparameters():
         with pytest.raises(ValueError, match="delay"):
             outer_delay(method, sync_every=10, delay=2.5)  # e.g. from --hp JSON
     for spec in ("diloco:H=10,overlap=true", "noloco:H=10,overlap=true", "diloco:H=10,delay=3",
-                 "noloco:H=10,n=2,overlap=true,delay=2"):
+                 "noloco:H=10,n=2,overlap=true,delay=2", "sparseloco:H=10,overlap=true"):
         assert parse_method_spec(spec).hp.sync_every == 10
     assert parse_method_spec("diloco:H=10,overlap=true").hp.overlap is True
     for spec, needle in (("diloco:H=3,delay=3", "below sync_every H=3"), ("noloco:H=1,overlap=true", "H=1"),
@@ -261,7 +314,7 @@ def _local_overlap_2x2(rank: int, ckpt_dir: str) -> dict:
 
     # (a) τ = 1 against blocking over 24 steps (H = 4): losses finite and close, the same bytes.
     H = 4
-    for name, cls in (("diloco", DiLoCo), ("noloco", NoLoCo)):
+    for name, cls in (("diloco", DiLoCo), ("noloco", NoLoCo), ("sparseloco", SparseLoCo)):
         res = {}
         for label, kw in (("blocking", {}), ("tau1", dict(delay=1))):
             model = tiny_sharded(topo)
@@ -370,7 +423,7 @@ def _local_overlap_2x2(rank: int, ckpt_dir: str) -> dict:
 def test_overlapped_outer_steps_on_2x2(tmp_path):
     results = run_ranks(_local_overlap_2x2, world_size=4, ranks_per_node=2, args=(str(tmp_path),), timeout_s=400)
     for rank, r in enumerate(results):
-        for name in ("diloco", "noloco"):
+        for name in ("diloco", "noloco", "sparseloco"):
             d = r[name]
             # The same operations with the same bytes, started at the same steps (after steps 4, 8, ...).
             assert d["ops_equal"] and d["op_steps"] == [3, 7, 11, 15, 19, 23], (name, d["op_steps"])
@@ -380,7 +433,10 @@ def test_overlapped_outer_steps_on_2x2(tmp_path):
             first = sum(losses["blocking"][:4]) / 4
             blocking, delayed = (sum(losses[k][-8:]) / 8 for k in ("blocking", "tau1"))
             assert blocking < 0.9 * first and delayed < 0.9 * first, (name, first, blocking, delayed)
-            assert abs(delayed - blocking) < 0.15 * blocking, (name, blocking, delayed)
+            if name == "sparseloco":  # 2-bit top-2 of 128 on the tiny model: noisy either way; not worse
+                assert delayed < 1.15 * blocking, (name, blocking, delayed)
+            else:
+                assert abs(delayed - blocking) < 0.15 * blocking, (name, blocking, delayed)
         s = r["shaped"]
         for label in s:
             assert s[label]["kinds"][1] and not s[label]["kinds"][0] and not s[label]["kinds"][2], (label, s[label])

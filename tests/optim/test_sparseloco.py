@@ -136,7 +136,7 @@ def test_reset_replica_state_and_bad_arguments():
         assert torch.equal(p.detach(), state_view(opt.state[p]["slow"]))
         assert not state_view(opt.state[p]["error"]).any()
     assert opt.communicates_next() is True  # step 4 is an outer step
-    for kwargs, needle in [(dict(delay=1), "delay"), (dict(topk=9, chunk=8), "topk"), (dict(decay=1.0), "decay"),
+    for kwargs, needle in [(dict(sync_every=30, delay=30), "delay"), (dict(topk=9, chunk=8), "topk"), (dict(decay=1.0), "decay"),
                            (dict(outer_lr=0.0), "outer_lr"), (dict(values="int8"), "values"),
                            (dict(transform="fft"), "transform"), (dict(quant_block=0), "quant_block")]:
         with pytest.raises(ValueError, match=needle):
