@@ -146,3 +146,29 @@ def test_faults_plan_a_fault_free_twin_and_ft_both_plans_off_and_on():
 def test_bad_fault_tolerance_settings_are_named_before_anything_starts(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         make_config(steps=50, model="t5-tiny", **kwargs)
+
+
+def test_frontier_preset_is_long_enough_for_local_methods_and_spans_the_bytes_axis() -> None:
+    """Every local-step variant takes >= 30 outer steps and ends on an outer step; one pass over the data at
+    most; a SparseLoCo variant sends, by its byte formula, >= 1,000x fewer bytes per step than AdamW."""
+    from lowband.optim.sparseloco import sparseloco_message_nbytes
+    from lowband.train.config import TrainConfig
+    from lowband.train.data.sources import default_corpus_path
+    from lowband.train.methods import family_of
+
+    config = bench.config_from_args(bench_args("--preset", "frontier"))
+    assert config.preset == "frontier" and len(config.seeds) >= 2 and config.data is None
+    local = [m for m in config.methods if family_of(m.name) == "local"]
+    assert {m.name for m in local} == {"diloco", "noloco", "sparseloco"}
+    for m in local:
+        H = m.hp.sync_every
+        assert config.steps % H == 0 and config.steps // H >= 30, (str(m), config.steps, H)
+    assert all("lr" in m.given for m in config.methods), [str(m) for m in config.methods]  # tuned, not defaults
+    global_batch = TrainConfig().schedule.batch_size * config.nodes * config.ranks_per_node
+    pairs = len(__import__("json").loads(default_corpus_path().read_text())) - TrainConfig().data.val_size
+    assert config.steps * global_batch <= pairs, (config.steps * global_batch, pairs)
+    # t5-mini at vocab 8192 under S = 2: per node the two ranks' shards; AdamW sends 4n bytes per node and step.
+    n = 1_967_872
+    best = min(2 * sparseloco_message_nbytes([n // 2], chunk=m.hp.chunk, topk=m.hp.topk, values=m.hp.values)
+               / m.hp.sync_every for m in local if m.name == "sparseloco")
+    assert 4 * n / best >= 1000, 4 * n / best
