@@ -206,8 +206,9 @@ FRONTIER_PRESET = Preset(
     ),
     why="t5-mini on the embedded Wikipedia pairs (64/16 tokens), 300 steps of a global batch of 32 (one pass "
         "over the data) with warm-up and cosine decay, 2 seeds, 2 nodes × 2 ranks at 1 Gbit/s (bytes and loss "
-        "do not depend on the link); the local-step methods at H = 10, 30 outer steps each; learning rates "
-        "from the quality preset's sweep, SparseLoCo's from a 300-step sweep at these settings.",
+        "do not depend on the link); the local-step methods at H = 10, 30 outer steps each; AdamW's and "
+        "SparseLoCo's learning rates from a 300-step sweep at these settings, the others' from the quality "
+        "preset's 200-step sweep.",
     facts="The loss axis matters from about 7.5 down: the targets' unigram cross-entropy is 6.84 nats "
           "(t5-mini's tokenizer on the embedded Wikipedia pairs, 16 target tokens).",
     lrs_tuned_on="t5-mini on the embedded Wikipedia pairs (64/16 tokens; docs/time-to-quality.md)",

@@ -76,18 +76,19 @@ def _colours(labels: Sequence[str]) -> dict[str, Any]:
     return {name: cmap(i % cmap.N) for i, name in enumerate(names)}
 
 
-def _legend(ax: Any, entries: int) -> None:
-    if entries > 8:
+def _legend(ax: Any, entries: int, *, outside: bool = False) -> None:
+    """The legend: inside the axes, or right of them when it is long (or ``outside``: points carry labels)."""
+    if outside or entries > 8:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     else:
         ax.legend(fontsize=8)
 
 
-def _figure(entries: int = 0) -> tuple[Any, Any]:
+def _figure(entries: int = 0, *, wide: bool = False) -> tuple[Any, Any]:
     """A figure on the Agg canvas, outside pyplot: no global backend switch, nothing to close."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(9.5 if entries > 8 else 7.5, 4.8))
+    fig = Figure(figsize=(9.5 if wide or entries > 8 else 7.5, 4.8))
     return fig, fig.add_subplot()
 
 
@@ -350,7 +351,7 @@ def _frontier_plot(runs: Sequence[RunRecord], path: Path) -> None:
     points, reference, left_out = frontier(runs)
     drawable = [p for p in points if p.bits > 0]  # a log axis has no place for a variant that sent nothing
     colours = _colours([p.variant.method for p in drawable])
-    fig, ax = _figure(len(colours) + 3)
+    fig, ax = _figure(len(colours) + 3, wide=True)  # the legend goes right of the labelled points
     for method, colour in colours.items():  # the legend's marker for a method, whatever its first point is
         ax.plot([], [], "o", color=colour, label=display_name(method))
     for p in drawable:
@@ -386,7 +387,7 @@ def _frontier_plot(runs: Sequence[RunRecord], path: Path) -> None:
         ax.set_xlim(drawable[0].bits / 2, drawable[-1].bits * 4)  # room for the labels right of the points
         span = max(max(highs) - min(lows), 1e-3)
         ax.set_ylim(min(lows) - 0.08 * span, max(highs) + 0.12 * span)
-        _legend(ax, len(colours) + 3)
+        _legend(ax, len(colours) + 3, outside=True)
     else:
         _empty(ax, "no variant with a byte count")
     ax.set_xlabel("bits sent per parameter per step (log): 8 × bytes a node sends to other nodes per step "
