@@ -176,7 +176,7 @@ QUALITY_PRESET = Preset(
 #   each takes 30 outer steps, and 300 is a multiple of 10 (the last inner steps are merged).
 #   Validation every 30 steps (one point per 3 outer steps; 10 points per curve).
 # - 1 Gbit/s: bytes and loss do not depend on the link, and AdamW's 7.9 MB all-reduce per step
-#   then costs ~0.06 s instead of ~0.6 s, so 14 runs of 300 steps fit in the budget. Time to
+#   then costs ~0.06 s instead of ~0.6 s, so 16 runs of 300 steps fit in the budget. Time to
 #   quality is the quality preset's question (100 Mbit/s); here the modelled plots give it.
 # - The variants span the bytes axis: AdamW (32 bits per parameter and step), DiLoCo H=10 fp32
 #   (3.2), FlexDeMo Top-8 (1.5), Top-1 (0.19), NoLoCo H=10 (6.4; with 2 replicas its group is

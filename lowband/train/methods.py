@@ -266,17 +266,25 @@ class FlexDeMoConfig(MethodConfig):
         return FlexDeMo(params, link=link, **self.as_dict())
 
 
+def _overlap_fields(owner: type) -> dict[str, Any]:
+    """``overlap`` and ``delay``: the fields every outer-step method's config has."""
+    return dict(
+        overlap=option(False, "overlap the outer exchange with the next inner step: merge it 1 inner step after "
+                       "it starts, i.e. delay 1 unless delay is given (true/false)"),
+        delay=option(_signature_default(owner, "delay"), "inner steps tau (1 <= tau < H) between the start of an "
+                     "outer exchange and its merge (0: blocking)", minimum=0),
+    )
+
+
 def _local_fields(owner: type, inner: Mapping[str, float]) -> dict[str, Any]:
+    """DiLoCo's and NoLoCo's shared fields: the inner AdamW, the dense outer formats, overlap."""
     return dict(
         lr=_lr(inner["lr"]),
         weight_decay=option(inner["weight_decay"], "the inner optimizer's weight decay", minimum=0.0),
         values=option(_signature_default(owner, "values"), "wire format of the outer messages",
                   choices=OUTER_VALUE_FORMATS),
         quant_block=option(_signature_default(owner, "quant_block"), "elements per scale for int8/int4", minimum=1),
-        overlap=option(False, "overlap the outer exchange with the next inner step: merge it 1 inner step after "
-                       "it starts, i.e. delay 1 unless delay is given (true/false)"),
-        delay=option(_signature_default(owner, "delay"), "inner steps tau (1 <= tau < H) between the start of an "
-                     "outer exchange and its merge (0: blocking)", minimum=0),
+        **_overlap_fields(owner),
     )
 
 
@@ -310,7 +318,7 @@ class _LocalConfig(MethodConfig):
 
 _DILOCO = _local_fields(DiLoCo, DILOCO_INNER_DEFAULTS)
 _NOLOCO = _local_fields(NoLoCo, NOLOCO_INNER_DEFAULTS)
-_SPARSELOCO = _local_fields(SparseLoCo, SPARSELOCO_INNER_DEFAULTS)
+_SPARSELOCO = _overlap_fields(SparseLoCo)
 
 
 @dataclass(frozen=True, kw_only=True)
