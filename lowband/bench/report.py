@@ -35,6 +35,7 @@ from lowband.bench.config import (
 from lowband.bench.methods import SHARD_SWEEP, column_labels
 from lowband.bench.plots import FRONTIER_PLOT_FILE, has_frontier, write_plots
 from lowband.bench.quality import REFERENCE
+from lowband.bench.recommend import recommendation_section
 from lowband.bench.record import RunRecord
 from lowband.train.methods import METHODS, demo_method, display_name, family_of, reference_method
 from lowband.units import format_bandwidth
@@ -684,6 +685,7 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str] = ()) -> st
     if not runs:
         out += ["No run was recorded.", ""]
         return "\n".join(out)
+    out += recommendation_section(results)
 
     top = [p for p in plots if Path(p).name != FRONTIER_PLOT_FILE]  # the frontier heads its own section
     if top:
