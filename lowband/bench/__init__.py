@@ -37,6 +37,7 @@ from lowband.bench.config import (
     plan_runs,
 )
 from lowband.bench.methods import METHODS, BenchMethod, accepted_params, parse_method_list, parse_method_spec
+from lowband.bench.timebudget import default_time_budget
 from lowband.cluster import signals_as_exit
 
 __all__ = [
@@ -136,6 +137,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "or @45s: seconds after the start); each method then also runs fault-free under fault tolerance, "
              "and the report sets the faulted run beside its twin. Implies --ft on",
     )  # fmt: skip
+    parser.add_argument(
+        "--time-budget", default=None, metavar="SECONDS|auto|off",
+        help="equal wall-clock time: every method trains for the same training-clock time (start-up and "
+             "validation excluded) on the given link, up to 4 x --steps steps. auto: the reference (adamw) runs "
+             "--steps steps first, then every other method gets its measured training time. Default: auto for a "
+             "plain bench whose --methods hold adamw (no --preset, --ft or --faults), else off (--steps steps each)",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -168,6 +176,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     settings.update({k: v for k, v in given.items() if v is not None})
     if args.train_args:
         settings["train_args"] = (*settings["train_args"], *shlex.split(args.train_args))
+    time_budget = getattr(args, "time_budget", None)
+    if time_budget is None:
+        time_budget = default_time_budget(settings["methods"], preset=preset, ft=args.ft, faults=args.faults)
     return make_config(
         **settings,
         shards=args.shards,
@@ -182,6 +193,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         entry=args.entry,
         ft=args.ft,
         faults=args.faults,
+        time_budget=time_budget,
     )
 
 

@@ -27,6 +27,7 @@ from lowband.bench.methods import (
     shown_params,
     train_hp_args,
 )
+from lowband.bench.timebudget import check_time_budget, parse_time_budget, reference_first
 from lowband.optim.outer import unmerged_tail_note
 from lowband.train.methods import MethodConfig
 from lowband.units import format_bandwidth, parse_bandwidth, parse_duration, parse_int_list, split_list
@@ -308,6 +309,8 @@ class BenchConfig:
         run_timeout_s: wall-clock limit of one run.
         entry: module (``python -m ENTRY train ...``) or ``.py`` script each node runs.
         train_args: extra ``lowband train`` arguments for every run.
+        time_budget: training-clock seconds of every run, ``"auto"`` (the reference's measured
+            training time; :mod:`lowband.bench.timebudget`), or None: ``steps`` steps each.
     """
 
     methods: tuple[BenchMethod, ...]
@@ -328,6 +331,7 @@ class BenchConfig:
     preset: str | None = None
     ft: str = "off"
     faults: tuple = ()  # lowband.bench.faults.FaultEvent
+    time_budget: float | str | None = None
 
     @property
     def seed(self) -> int:
@@ -355,6 +359,7 @@ class BenchConfig:
             "train_args": list(self.train_args),
             "ft": self.ft,
             "faults": [str(e) for e in self.faults],
+            "time_budget": self.time_budget,
         }
 
 
@@ -487,6 +492,7 @@ def make_config(
     train_args: str | Sequence[str] = (),
     ft: str = "off",
     faults: str | None = None,
+    time_budget: float | str | None = None,
 ) -> BenchConfig:
     """Check everything a user gave and build a :class:`BenchConfig`.
 
@@ -563,6 +569,9 @@ def make_config(
                                  f"methods have goes in their specs (e.g. diloco:H=10), not in --train-args") from None
         if data is not None:
             _check_data_columns(data, model, train_config)
+    budget = parse_time_budget(time_budget)
+    check_time_budget(budget, specs, ft=ft, faults=faults or ())
+    specs = reference_first(specs, budget)  # under "auto" the reference runs first: it sets the budget
     fault_events = _check_fault_tolerance(specs, ft=ft, faults=faults, nodes=nodes, steps=steps, entry=entry,
                                           ranks_per_node=ranks_per_node)
     return BenchConfig(
@@ -584,6 +593,7 @@ def make_config(
         train_args=entry_args,
         ft=ft,
         faults=fault_events,
+        time_budget=budget,
     )
 
 
@@ -644,6 +654,8 @@ class RunPlan:
     seed: int = DEFAULT_SEED
     ft: bool = False  # under fault tolerance (one torchrun per node, torchft)
     faults: tuple = ()  # the fault plan this run carries out (its twin runs without)
+    steps: int | None = None  # the run's (most) steps, when not the bench's (a time budget's cap)
+    time_budget_s: float | None = None  # training-clock budget (lowband.bench.timebudget.budget_plan)
 
     @property
     def params(self) -> dict[str, Any]:
@@ -672,7 +684,9 @@ class RunPlan:
         from lowband.train.methods import canonical_names
 
         tables: dict[str, dict[str, Any]] = {
-            "model": {"name": config.model, "shards": self.shards}, "schedule": {"steps": config.steps},
+            "model": {"name": config.model, "shards": self.shards},
+            "schedule": {"steps": self.steps or config.steps,
+                         **({"time_budget_s": self.time_budget_s} if self.time_budget_s is not None else {})},
             "run": {"seed": self.seed, "out": str(out_dir)}, "data": {"path": config.data},
         }
         for table, body in train_overrides(config.train_args).items():
@@ -687,7 +701,9 @@ class RunPlan:
     def train_args(self, config: BenchConfig, out_dir: Path) -> list[str]:
         """Arguments after the entry module: ``train --method M ... --out OUT_DIR``."""
         argv = ["train", "--method", self.method, *train_hp_args(self.params)]
-        argv += ["--model", config.model, "--steps", str(config.steps), "--seed", str(self.seed)]
+        argv += ["--model", config.model, "--steps", str(self.steps or config.steps), "--seed", str(self.seed)]
+        if self.time_budget_s is not None:
+            argv += ["--time-budget", f"{self.time_budget_s:.3f}"]
         if config.data is not None:
             argv += ["--data", config.data]
         argv += ["--out", str(out_dir), *config.train_args]

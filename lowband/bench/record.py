@@ -57,7 +57,11 @@ class RunRecord:
     model: str | None = None
     """The model's name."""
     steps: int | None = None
-    """Training steps of the run."""
+    """Training steps of the run (the steps it ran: under a time budget, where the budget stopped it)."""
+    time_budget_s: float | None = None
+    """The training-clock budget it ran under (``--time-budget``), or None for a run of a set step count."""
+    max_steps: int | None = None
+    """Under a time budget: the most steps it could take (its ``schedule.steps``); else None."""
     seed: int | None = None
     """The run's seed: model init, data order, dropout."""
     data: str | None = None

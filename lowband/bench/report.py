@@ -37,6 +37,7 @@ from lowband.bench.plots import FRONTIER_PLOT_FILE, has_frontier, write_plots
 from lowband.bench.quality import REFERENCE
 from lowband.bench.recommend import recommendation_section
 from lowband.bench.record import RunRecord
+from lowband.bench.timebudget import equal_time_rows, equal_time_section
 from lowband.train.methods import METHODS, demo_method, display_name, family_of, reference_method
 from lowband.units import format_bandwidth
 
@@ -611,6 +612,9 @@ def console_summary(results: Mapping[str, Any]) -> str:
     """What ``lowband bench`` prints at the end: emulation, the per-run table, failures."""
     headers, rows = run_rows(results)
     parts = [*emulation_lines(results), "", text_table(headers, rows)]
+    if any(r.time_budget_s is not None for r in results["runs"]):
+        parts += ["", f"At equal training time (--time-budget {(results.get('config') or {}).get('time_budget')}):",
+                  text_table(*equal_time_rows(results))]  # fmt: skip
     if results.get("target_loss") is not None:
         parts += ["", f"Time to target {results['target_loss']:.4f} ({results.get('target_source')}; "
                       "interpolated between validations; training clock):",
@@ -686,6 +690,7 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str] = ()) -> st
         out += ["No run was recorded.", ""]
         return "\n".join(out)
     out += recommendation_section(results)
+    out += equal_time_section(results, markdown_table)  # --time-budget: the first table
 
     top = [p for p in plots if Path(p).name != FRONTIER_PLOT_FILE]  # the frontier heads its own section
     if top:

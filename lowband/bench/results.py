@@ -30,7 +30,8 @@ Top level::
                     "shards" (list or null), "steps", "model", "data", "emulation" (as asked:
                     auto|netns|shaped), "latency_s", "nodes", "ranks_per_node", "seeds" (list),
                     "target_loss" (as given, or null), "preset" (name or null), "run_timeout_s",
-                    "entry", "train_args"}
+                    "entry", "train_args", "ft", "faults", "time_budget" (seconds, "auto" or
+                    null: lowband.bench.timebudget)}
     target_loss     the loss every run is timed to: AdamW's final validation loss in this
                     bench (its best variant, mean over seeds; a one-seed variant only when
                     no AdamW variant ran at several) or the --target-loss given; null
@@ -166,7 +167,7 @@ def _merge_link_ops(summaries: Sequence[RunSummary]) -> dict[str, OpTally]:
 
 _POINT_KEYS = ("step", "epoch", "tokens", "train_time_s", "wall_s", "val_loss")
 #: Run-record fields copied from rank 0's summary as they are.
-_FROM_RANK0 = ("outer_steps", "shards", "replicas", "num_params", "model", "batch_size", "train_time_s")
+_FROM_RANK0 = ("steps", "outer_steps", "shards", "replicas", "num_params", "model", "batch_size", "train_time_s")
 #: Run-record fields that are the mean over the ranks' summaries.
 _MEAN_OVER_RANKS = ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_time_s", "sync_time_s")
 

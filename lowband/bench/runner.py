@@ -45,6 +45,7 @@ from lowband.bench.results import (
     truncate_error,
     write_results,
 )
+from lowband.bench.timebudget import budget_plan
 from lowband.cluster import (
     EmulatedNetwork,
     cleanup_leftovers,
@@ -192,7 +193,8 @@ def _new_record(plan: RunPlan, config: BenchConfig, *, out_dir: Path, mode: str)
     return RunRecord(
         id=plan.id, label=plan.label, method=plan.method, spec=plan.spec, params=dict(plan.params),
         topk=plan.topk, chunk=plan.chunk, shards=plan.shards, nodes=plan.nodes, ranks_per_node=plan.ranks_per_node,
-        replicas=plan.world_size // plan.shards, model=config.model, steps=config.steps, seed=plan.seed,
+        replicas=plan.world_size // plan.shards, model=config.model, steps=plan.steps or config.steps, seed=plan.seed,
+        time_budget_s=plan.time_budget_s, max_steps=plan.steps if plan.time_budget_s is not None else None,
         data=config.data, bandwidth_bps=plan.bandwidth_bps,
         latency_s=plan.latency_s, emulation=mode, status="failed",
         run_dir=str(run_dir.relative_to(out_dir)),
@@ -450,6 +452,7 @@ def run_bench(
                 results["emulation"]["links"].append(_link_info(bw, net))
                 write_results(out_dir, results)
                 for plan in group:
+                    plan = budget_plan(plan, config, results["runs"])  # --time-budget: its steps and budget
                     if bar is not None:
                         bar.set_description(f"run {plan.index + 1}/{len(plans)} {plan.label} seed {plan.seed}")
                     record = _new_record(plan, config, out_dir=out_dir, mode=mode)
@@ -459,7 +462,8 @@ def run_bench(
                     try:
                         metrics = out_dir / "runs" / plan.id / (
                             f"node{_steady_node(plan)}/metrics.jsonl" if plan.ft else "metrics.jsonl")
-                        with _StepProgress(bar, metrics, done_before):
+                        with _StepProgress(bar, metrics, done_before, steps=config.steps,
+                                           budget_s=plan.time_budget_s):
                             _run_one(plan, config, record, out_dir=out_dir, mode=mode, net=net, launcher=launcher)
                     except (KeyboardInterrupt, SystemExit):
                         record.error = INTERRUPTED
@@ -490,8 +494,11 @@ def run_bench(
 class _StepProgress:
     """While a run trains, move the bench's step bar from rank 0's ``metrics.jsonl`` (every 2 s)."""
 
-    def __init__(self, bar: Any, metrics: Path, done_before: int, *, interval_s: float = 2.0) -> None:
+    def __init__(self, bar: Any, metrics: Path, done_before: int, *, steps: int, budget_s: float | None = None,
+                 interval_s: float = 2.0) -> None:  # fmt: skip
         self.bar, self.metrics, self.done_before, self.interval_s = bar, metrics, done_before, interval_s
+        # A run's share of the bar is ``steps``; under a time budget it moves with the training clock.
+        self.steps, self.budget_s = steps, budget_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -509,7 +516,9 @@ class _StepProgress:
             except json.JSONDecodeError:
                 continue
             if rec.get("type") == "train":
-                return int(rec["step"])
+                if self.budget_s:
+                    return int(self.steps * min(1.0, float(rec.get("train_time_s", 0.0)) / self.budget_s))
+                return min(int(rec["step"]), self.steps)
         return None
 
     def _poll(self) -> None:

@@ -6,7 +6,8 @@
       method           RunMethod: name, hp (the method's typed MethodConfig, lowband.train.methods)
       model            ModelConfig: name, precision, activation_checkpointing, shards
       data             DataConfig (lowband.train.data): files, columns, token lengths, vocabulary, split
-      schedule         ScheduleConfig: steps, batch_size, grad_accum, lr_schedule, warmup_steps, min_lr_ratio
+      schedule         ScheduleConfig: steps, batch_size, grad_accum, lr_schedule, warmup_steps, min_lr_ratio,
+                       time_budget_s
       link             LinkConfig: bandwidth_bps, latency_s
       checkpoint       CheckpointConfig: every, at_end, resume
       run              RunConfig: seed, val_every, val_batches, out, tensorboard, progress, memory_profile
@@ -80,6 +81,12 @@ class ScheduleConfig:
                               "--min-lr-ratio × lr)", flag="--schedule", choices=("constant", "cosine"))
     warmup_steps: int = option(0, "of the schedule")
     min_lr_ratio: float = option(0.1, "of the cosine schedule")
+    time_budget_s: float | None = option(
+        None, "stop at the first step whose training clock (start-up and validation excluded) exceeds this, e.g. "
+        "90 or 90s; --steps is then the most steps, and the lr schedule runs to the budget: its progress is the "
+        "further of step / --steps and training clock / budget (DiLoCo, NoLoCo, SparseLoCo: at the end of the "
+        "outer window the budget ran out in). Default: none", flag="--time-budget",
+        type=lambda t: parse_duration(t, what="--time-budget"), metavar="SECONDS")
 
 
 @dataclass(kw_only=True)
@@ -235,6 +242,11 @@ class TrainConfig:
             raise ValueError(f"--link-bandwidth must be > 0 bit/s, got {self.link.bandwidth_bps}")
         if not self.link.latency_s >= 0:
             raise ValueError(f"--link-latency must be >= 0 s, got {self.link.latency_s}")
+        if s.time_budget_s is not None and not s.time_budget_s > 0:
+            raise ValueError(f"--time-budget must be > 0 s, got {s.time_budget_s}; leave it out for no budget")
+        if s.time_budget_s is not None and self.fault_tolerance.lighthouse is not None:
+            raise ValueError("--time-budget is not supported with fault tolerance (--ft-lighthouse): nodes that "
+                             "die and join cannot agree on one training clock; give --steps instead")
         if not 0.0 <= s.min_lr_ratio <= 1.0:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {s.min_lr_ratio}")
         if self.fault_tolerance.lighthouse is not None:

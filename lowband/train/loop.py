@@ -47,6 +47,7 @@ from lowband.link import Link
 from lowband.memory import PhaseMemory
 from lowband.topology import Topology
 from lowband.traffic import OpTally, merge_tallies
+from lowband.train.budget import TimeBudget
 from lowband.train.config import ScheduleConfig, TrainConfig
 from lowband.train.methods import METHODS, method_shards
 from lowband.train.schedule import warmup_cosine_factor
@@ -183,6 +184,7 @@ class Trainer:
         self.ft = None  # lowband.ft.FaultTolerance under --ft-lighthouse
         self._healed_to: int | None = None
         self.next_step = 0
+        self.steps_done = cfg.schedule.steps  # the steps trained: fewer when --time-budget stops the run
         # Window quorum (NoLoCo under fault tolerance): a peer may copy this node's state at any moment of
         # an outer window, from torchft's quorum thread; it takes this lock, which each inner step holds
         # while it changes the weights, the optimizer, the schedule and the step.
@@ -261,6 +263,7 @@ class Trainer:
         # The training clock and token count (see the module docstring); a resumed run goes on from
         # the checkpoint's, so its curves continue the interrupted run's.
         self.clock: dict[str, float] = {"train_time_s": 0.0, "tokens": 0}
+        self.budget = TimeBudget.of(cfg.schedule, self.device)  # --time-budget: lowband.train.budget
 
     def _resume(self) -> None:
         cfg, out, model, optimizer, scheduler, link = (self.cfg, self.out, self.model, self.optimizer,
@@ -409,7 +412,7 @@ class Trainer:
         summary = RunSummary(
             rank=self.rank, node=topo.node_of(self.rank), method=cfg.method.name, hp=hp, topk=hp.get("topk"),
             chunk=hp.get("chunk"), shards=topo.shards, nodes=topo.num_nodes, ranks_per_node=topo.ranks_per_node,
-            replicas=topo.replicas, steps=cfg.schedule.steps, start_step=self.start_step, model=cfg.model.name,
+            replicas=topo.replicas, steps=self.steps_done, start_step=self.start_step, model=cfg.model.name,
             num_params=self.spec.num_params, data=self.data.name, batch_size=cfg.schedule.batch_size,
             grad_accum=cfg.schedule.grad_accum, precision=cfg.model.precision,
             activation_checkpointing=cfg.model.activation_checkpointing,
@@ -443,9 +446,9 @@ class Trainer:
             else:
                 self._run_steps()
             self.optimizer.flush()  # an overlapped exchange still in flight: apply it
-            self.evaluate(cfg.schedule.steps)
+            self.evaluate(self.steps_done)
             if cfg.checkpoint.at_end or cfg.checkpoint.every:
-                self.checkpoint(cfg.schedule.steps)
+                self.checkpoint(self.steps_done)
         finally:
             if self.bar is not None:
                 self.bar.close()
@@ -470,11 +473,16 @@ class Trainer:
                 if step >= cfg.schedule.steps:
                     break
             first = False
+            window_end = not self.local or self.optimizer.communicates_next()
             self.train_step(step)
             step = step + 1
             if quorum and self.ft_cfg.async_quorum:  # a node that healed during the step goes on from the peer's
                 step = self._membership_done(step, trained=True)
+            if self.budget is not None and self.budget.stops(self.clock["train_time_s"], self.scheduler,
+                                                             window_end=window_end):
+                break
             self._after_step(step)
+        self.steps_done = step
 
     def _after_step(self, done: int) -> None:
         """Validate and checkpoint where due once ``done`` steps are trained."""

@@ -48,10 +48,13 @@ FAKE_TRAINER = textwrap.dedent(
         per_rank = per_rank * 2 / shards  # smaller shards: more of them cross per node
         comm = per_rank * per_node * 8 / bw
         node = rank // per_node
+        total = steps  # the loss falls over the run's (most) steps
+        if cfg.schedule.time_budget_s is not None:  # stop at the first step past the budget, as the trainer does
+            steps = min(steps, int(cfg.schedule.time_budget_s // (0.1 + comm)) + 1)
         # Loss falls with the step, faster for FlexDeMo-family methods (so targets are reached at known steps).
         rate = 1.5 if method in ("flexdemo", "demo") else 1.0
         history = [{"step": s, "epoch": 0, "tokens": 100 * s, "train_time_s": (0.1 + comm) * s, "wall_s": 0.5 * s,
-                    "val_loss": 5.0 - rate * s / steps} for s in range(0, steps + 1, max(1, steps // 3))]
+                    "val_loss": 5.0 - rate * s / total} for s in [*range(0, steps, max(1, steps // 3)), steps]]
         summary = {
             "rank": rank, "node": node, "method": method, "topk": topk, "chunk": chunk, "shards": shards,
             "nodes": world // per_node, "ranks_per_node": per_node, "replicas": world // shards,
@@ -116,6 +119,11 @@ def in_process_launcher(fake_main, calls: list):
 
 
 def bench_args(*argv: str) -> argparse.Namespace:
+    """Parsed ``lowband bench`` options; equal steps (``--time-budget off``) unless the test gives a budget,
+    so tests of other things keep their step counts (the CLI's default is ``auto``: tests/bench/test_timebudget.py)."""
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    argv = list(argv)
+    if "--time-budget" not in argv:
+        argv += ["--time-budget", "off"]
+    return parser.parse_args(argv)

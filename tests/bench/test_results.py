@@ -68,7 +68,7 @@ def test_aggregation_of_rank_summaries(tmp_path: Path, fake_trainer: Path) -> No
 #: for the people and tools that read it.
 RUN_KEYS = (
     "id", "label", "method", "spec", "params", "hyperparameters", "batch_size", "topk", "chunk", "shards", "nodes",
-    "ranks_per_node", "replicas", "model", "steps", "seed", "data", "num_params", "bandwidth_bps", "latency_s",
+    "ranks_per_node", "replicas", "model", "steps", "time_budget_s", "max_steps", "seed", "data", "num_params", "bandwidth_bps", "latency_s",
     "emulation", "status", "error", "wall_time_s", "step_time_s", "compute_time_s", "comm_time_s",
     "exposed_comm_time_s", "sync_time_s", "outer_steps", "inter_node_bytes_per_step",
     "inter_node_bytes_per_step_by_node", "measured_wire_bytes_per_step", "measured_wire_bytes_per_step_by_node",
@@ -83,7 +83,7 @@ def _full_record() -> RunRecord:
     return RunRecord(
         id="00-flexdemo-top8-s2-100mbit-seed0", label="FlexDeMo Top8", method="flexdemo", spec="flexdemo:topk=8",
         params={"topk": 8, "shards": 2}, hyperparameters={"lr": 0.001, "topk": 8, "chunk": 128}, batch_size=8,
-        topk=8, chunk=128, shards=2, nodes=2, ranks_per_node=2, replicas=2, model="t5-tiny", steps=6, seed=0,
+        topk=8, chunk=128, shards=2, nodes=2, ranks_per_node=2, replicas=2, model="t5-tiny", steps=6, time_budget_s=1.5, max_steps=24, seed=0,
         data="fake", num_params=1234, bandwidth_bps=1e8, latency_s=0.005, emulation="netns", status="ok",
         error="none really", wall_time_s=12.5, step_time_s=0.13, compute_time_s=0.1, comm_time_s=0.03,
         exposed_comm_time_s=0.03, sync_time_s=0.5, outer_steps=3, inter_node_bytes_per_step=375000.0,
