@@ -19,7 +19,8 @@ import logging
 import sys
 from pathlib import Path
 
-from lowband.bench.config import (
+from lowband.bench.config import BenchConfig, make_config
+from lowband.bench.defaults import (
     DEFAULT_BANDWIDTHS,
     DEFAULT_ENTRY,
     DEFAULT_METHODS,
@@ -30,13 +31,10 @@ from lowband.bench.config import (
     DEFAULT_SEED,
     DEFAULT_STEPS,
     EMULATION_MODES,
-    PRESETS,
-    BenchConfig,
-    RunPlan,
-    make_config,
-    plan_runs,
 )
 from lowband.bench.methods import METHODS, BenchMethod, accepted_params, parse_method_list, parse_method_spec
+from lowband.bench.plan import RunPlan, plan_runs
+from lowband.bench.presets import PRESETS
 from lowband.bench.timebudget import default_time_budget
 from lowband.cluster import signals_as_exit
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from lowband.bench.quality import variants
 from lowband.bench.record import RunRecord
+from lowband.bench.tables import markdown_table
 
 __all__ = ["ft_section", "fault_plot", "FAULT_PLOT_FILE"]
 
@@ -142,8 +143,6 @@ def cost_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 
 def ft_section(results: Mapping[str, Any]) -> list[str]:
-    from lowband.bench.report import markdown_table
-
     out: list[str] = []
     headers, rows = fault_rows(results)
     if rows:

@@ -7,7 +7,8 @@ For each bandwidth the runner builds the emulated link once and runs every metho
   links; the link's TCP throughput is measured once (:func:`~lowband.cluster.measure_throughput`)
   and each run's interface byte counters are read before and after it;
 - ``shaped`` (anywhere): all nodes on loopback, and every rank's link shapes its own traffic
-  as the ``--link-bandwidth`` / ``--link-latency`` flags of its command say (:func:`_shaping_args`).
+  as the ``--link-bandwidth`` / ``--link-latency`` flags of its command say
+  (:func:`~lowband.bench.plan.shaping_args`).
 
 Each run is ``python -m lowband train ...`` on every node through
 :func:`~lowband.cluster.launch_nodes` (one torchrun per node). A run that crashes or times out is
@@ -32,7 +33,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from lowband.bench.config import BenchConfig, RunPlan, plan_runs
+from lowband.bench.config import BenchConfig
+from lowband.bench.plan import RunPlan, plan_runs, run_command
 from lowband.bench.quality import annotate_time_to_target
 from lowband.bench.record import RunRecord
 from lowband.bench.report import error_headline
@@ -177,16 +179,6 @@ def _entry_kwargs(entry: str) -> dict[str, Any]:
     return {"module": entry}
 
 
-def _shaping_args(plan: RunPlan, mode: str) -> list[str]:
-    """The shaping flags of a run's ``lowband train`` command: named on it, never taken from the environment.
-
-    Shaped mode: every rank's link shapes to the bandwidth. Both modes: tbf has no delay, so the
-    link adds the per-message latency in-process.
-    """
-    args = ["--link-bandwidth", f"{plan.bandwidth_bps:.0f}"] if mode == "shaped" else []
-    return [*args, "--link-latency", f"{plan.latency_s:g}"]
-
-
 def _new_record(plan: RunPlan, config: BenchConfig, *, out_dir: Path, mode: str) -> RunRecord:
     """The run's record before it runs: failed, until :func:`_run_one` says otherwise."""
     run_dir = out_dir / "runs" / plan.id
@@ -199,26 +191,9 @@ def _new_record(plan: RunPlan, config: BenchConfig, *, out_dir: Path, mode: str)
         latency_s=plan.latency_s, emulation=mode, status="failed",
         run_dir=str(run_dir.relative_to(out_dir)),
         logs=[str((run_dir / "logs" / f"node{i}.log").relative_to(out_dir)) for i in range(plan.nodes)],
-        command=_command(plan, config, run_dir, mode),
+        command=run_command(plan, config, run_dir, mode),
         error=STOPPED_DURING_RUN,
     )  # fmt: skip
-
-
-def _command(plan: RunPlan, config: BenchConfig, run_dir: Path, mode: str) -> list[str]:
-    """``train --config RUN_DIR/config.toml --out RUN_DIR``: the run's complete configuration
-    (:meth:`RunPlan.train_config`) goes to its ranks in the file, which also re-runs the row. Another
-    entry than lowband's own gets ``lowband train`` arguments (it may take flags of its own)."""
-    from lowband.bench.config import DEFAULT_ENTRY
-    from lowband.train import jobfile
-
-    if config.entry != DEFAULT_ENTRY:
-        return plan.train_args(config, run_dir.resolve()) + _shaping_args(plan, mode)
-    cfg = plan.train_config(config, run_dir.resolve(), shaped=mode == "shaped")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir.resolve() / "config.toml"
-    path.write_text(jobfile.dumps(cfg))
-    resume = cfg.checkpoint.resume
-    return ["train", "--config", str(path), "--out", cfg.run.out, *(["--resume", resume] if resume else [])]
 
 
 def _run_one(

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lowband.bench import quality
 from lowband.bench.quality import REFERENCE
 from lowband.bench.record import RunRecord
+from lowband.bench.tables import markdown_table
 from lowband.train.methods import reference_method
 from lowband.units import format_bandwidth, parse_duration, split_list
 
@@ -178,9 +179,8 @@ def equal_time_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[st
     return headers, rows
 
 
-def equal_time_section(results: Mapping[str, Any], table: Callable[[Sequence[str], Sequence[Sequence[str]]], str],
-                       ) -> list[str]:  # fmt: skip
-    """``report.md``'s first table when the bench ran under a time budget ([] otherwise); ``table`` renders it."""
+def equal_time_section(results: Mapping[str, Any]) -> list[str]:
+    """``report.md``'s first table when the bench ran under a time budget ([] otherwise)."""
     runs = results.get("runs") or []
     if not _has_budget(runs):
         return []
@@ -198,6 +198,6 @@ def equal_time_section(results: Mapping[str, Any], table: Callable[[Sequence[str
         f"between validations. The lr schedule runs to the budget (its progress: the further of step / most steps "
         f"and clock / budget). All figures measured on this machine.",
         "",
-        table(*equal_time_rows(results)),
+        markdown_table(*equal_time_rows(results)),
         "",
     ]

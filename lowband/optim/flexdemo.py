@@ -2,29 +2,22 @@
 
 Paper: "FlexDeMo: Decoupled Momentum Optimization for Hybrid Sharded Data Parallel Training"
 (From et al., 2025); DeMo: Peng, Quesnelle, Kingma, "Decoupled Momentum Optimization" (2024).
+
+The optimizer is here; its parts are beside it: the layout of a param group in blocks of chunk rows
+(:mod:`lowband.optim.flexdemo_blocks`), the 2-D tile path (:mod:`lowband.optim.flexdemo_tiles`) and
+the overlapped exchange (:mod:`lowband.optim.flexdemo_overlap`), none of which imports this module.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lowband.compress import (
-    WireFormat,
-    dct_basis,
-    dct_basis_2d,
-    from_tiles,
-    idct_sparse,
-    num_tiles,
-    to_tiles,
-    topk_per_chunk,
-)
+from lowband.compress import WireFormat, idct_sparse, topk_per_chunk
 from lowband.link import Link
 from lowband.optim._common import (
     NONFINITE_POLICIES,
@@ -37,6 +30,27 @@ from lowband.optim._common import (
     replica_state_like,
     run_closure,
     state_view,
+)
+from lowband.optim.flexdemo_blocks import (
+    BlockPlan,
+    Seg,
+    Work,
+    Workspace,
+    gather_block,
+    make_plan,
+    scatter_views,
+    view_block,
+)
+from lowband.optim.flexdemo_overlap import OverlapMixin
+from lowband.optim.flexdemo_tiles import (
+    add_tiled_updates,
+    basis_of,
+    is_tiled,
+    num_rows,
+    row_width,
+    tiled_flat,
+    untile_deltas,
+    width_name,
 )
 from lowband.optim.protocol import OptimizerStats
 
@@ -61,186 +75,7 @@ _NOT_COUNTED = 2
 _VIEW_MIN_ELEMENTS = 1 << 16
 
 
-class _Seg(NamedTuple):
-    """One block of a parameter group's chunk rows (``rows`` rows, the group's rows ``row0`` onwards).
-
-    ``view``: whole chunks of one parameter, elements [start, stop) of its flat shard, used in place.
-    Otherwise a packed block: the pieces (param, start, stop, pad, offset) of one or more parameters,
-    each zero-padded by ``pad`` elements to whole chunks and copied in at ``offset``.
-    """
-
-    view: bool
-    pieces: tuple[tuple[int, int, int, int, int], ...]
-    rows: int
-    row0: int
-    dtype: torch.dtype  # of its parameters (a packed block holds one dtype)
-
-
-class _Plan(NamedTuple):
-    """How one param group's parameters (those with a gradient this step) are laid out in chunk rows.
-
-    Parameter t has ``rows[t]`` chunks (its shard zero-padded to whole chunks on its own), rows
-    ``sum(rows[:t])`` onwards of the group's (Σ rows, c) matrix; the blocks in ``segs`` cover those rows
-    in order, each at most ``_BLOCK_ELEMENTS // c`` rows.
-    """
-
-    wire: WireFormat
-    rows: tuple[int, ...]
-    segs: tuple[_Seg, ...]
-    nbytes: int
-
-
-def _make_plan(wire: WireFormat, numels: list[int], dtypes: list[torch.dtype]) -> _Plan:
-    chunk = wire.chunk
-    per_block = max(1, _BLOCK_ELEMENTS // chunk)
-    view_min_rows = max(1, min(per_block, _VIEW_MIN_ELEMENTS // chunk))
-    segs: list[_Seg] = []
-    pack: list[tuple[int, int, int, int, int]] = []
-    pack_rows, pack_row0, pack_dtype = 0, 0, None
-    row = 0
-
-    def close() -> None:
-        nonlocal pack, pack_rows
-        if pack:
-            segs.append(_Seg(False, tuple(pack), pack_rows, pack_row0, pack_dtype))
-        pack, pack_rows = [], 0
-
-    for t, n in enumerate(numels):
-        full = n // chunk
-        start = 0
-        if full >= view_min_rows:
-            close()
-            for r0 in range(0, full, per_block):
-                r = min(per_block, full - r0)
-                segs.append(_Seg(True, ((t, r0 * chunk, (r0 + r) * chunk, 0, 0),), r, row, dtypes[t]))
-                row += r
-            start = full * chunk
-        while start < n:  # the rest goes into packed blocks, split at a block's capacity
-            if pack and (pack_rows == per_block or dtypes[t] != pack_dtype):
-                close()
-            if not pack:
-                pack_row0, pack_dtype = row, dtypes[t]
-            take = min(-(-(n - start) // chunk), per_block - pack_rows)
-            stop = min(n, start + take * chunk)
-            pack.append((t, start, stop, take * chunk - (stop - start), pack_rows * chunk))
-            pack_rows += take
-            row += take
-            start = stop
-    close()
-    rows = tuple(-(-n // chunk) for n in numels)
-    assert row == sum(rows), (row, rows)
-    return _Plan(wire, rows, tuple(segs), wire.payload_nbytes_many(rows))
-
-
-def _gather(seg: _Seg, flats: list[torch.Tensor | None], chunk: int, like: torch.Tensor,
-            out: torch.Tensor) -> torch.Tensor:
-    """A packed block's (rows, chunk) copy of ``flats`` (None: zeros), each piece zero-padded, into ``out``."""
-    parts = []
-    for t, start, stop, pad, _ in seg.pieces:
-        src = flats[t]
-        parts.append(src[start:stop] if src is not None else like.new_zeros(stop - start))
-        if pad:
-            parts.append(like.new_zeros(pad))
-    return torch.cat(parts, out=out.view(-1)).view(seg.rows, chunk)
-
-
-def _view_block(seg: _Seg, flats: list[torch.Tensor], chunk: int) -> torch.Tensor:
-    """A view block's (rows, chunk) rows of its parameter's flat tensor in ``flats``, in place."""
-    t, start, stop, _, _ = seg.pieces[0]
-    return flats[t][start:stop].view(seg.rows, chunk)
-
-
-def _scatter_views(seg: _Seg, flats: list[torch.Tensor | None], block: torch.Tensor):
-    """(destination, source) views: each piece of ``flats`` and its place in a packed block."""
-    src = block.reshape(-1)
-    dst, out = [], []
-    for t, start, stop, _, offset in seg.pieces:
-        if flats[t] is not None:
-            dst.append(flats[t][start:stop])
-            out.append(src[offset:offset + stop - start])
-    return dst, out
-
-
-class _Workspace:
-    """Buffers for a step's block temporaries, reused block after block and dropped with the step.
-
-    A fresh tensor of a block's size for every temporary of every block costs the allocator (glibc
-    hands large blocks back to the system and page-faults them in again); a reused buffer does not.
-    """
-
-    def __init__(self, plan: _Plan) -> None:
-        self._bufs: dict = {}
-        self._elements = max((seg.rows for seg in plan.segs), default=0) * plan.wire.chunk  # the largest block
-
-    def __call__(self, name: str, rows: int, chunk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        n = rows * chunk
-        key = (name, dtype, device)
-        buf = self._bufs.get(key)
-        if buf is None or buf.numel() < n:
-            buf = self._bufs[key] = torch.empty(max(n, self._elements), dtype=dtype, device=device)
-        return buf[:n].view(rows, chunk)
-
-
-class _Work(NamedTuple):
-    """A param group's share of a step: parameters with a gradient, their layout, and their transform.
-
-    ``tile`` 0: each shard's flat elements in 1-D chunks; t > 0: each shard's matrix in t × t tiles,
-    transformed with the 2-D DCT (a group with ``tile`` set gives two: its matrices, then the rest).
-    """
-
-    group: dict
-    params: list
-    plan: _Plan
-    tile: int
-
-
-def _width(group: dict) -> int:
-    """Elements per chunk row of a param group: t² for t × t tiles, else the chunk size."""
-    return group["tile"] ** 2 if group["tile"] else group["chunk"]
-
-
-def _width_name(tile: int, width: int) -> str:
-    return f"tile²={width}" if tile else f"chunk={width}"
-
-
-def _matrix(x: torch.Tensor) -> torch.Tensor:
-    """A shard (ndim >= 2) as the matrix its tiles cut: dim 0 (FSDP2's row split) by the other dims
-    flattened (a conv weight's (out, in·kh·kw)); a view."""
-    return x.view(x.shape[0], math.prod(x.shape[1:]))
-
-
-def _tiled(x: torch.Tensor) -> bool:
-    """Whether a group with ``tile`` set cuts this shard in tiles: matrices (and higher dims) do,
-    1-D and 0-D tensors (biases, norms' gains) go in 1-D chunks of t² elements."""
-    return x.dim() >= 2
-
-
-def _num_rows(x: torch.Tensor, group: dict) -> int:
-    """Chunk rows (chunks or tiles) of a local shard in a param group."""
-    tile = group["tile"]
-    if tile and _tiled(x):
-        return num_tiles(x.shape[0], math.prod(x.shape[1:]), tile)
-    return -(-x.numel() // _width(group))
-
-
-def _add_untiled(mat: torch.Tensor, tiles: torch.Tensor, tile: int, alpha: float) -> None:
-    """mat ← mat + alpha·(``tiles`` untiled): one strided pass, or (a ragged edge) through an untiled copy."""
-    rows, cols = mat.shape
-    rt, ct = -(-rows // tile), -(-cols // tile)
-    if rows == rt * tile and cols == ct * tile:
-        mat.view(rt, tile, ct, tile).add_(tiles.view(rt, ct, tile, tile).transpose(1, 2), alpha=alpha)
-    else:
-        mat.add_(from_tiles(tiles, mat.shape), alpha=alpha)
-
-
-def _basis(w: _Work, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The transform of a work's chunk rows: B_t ⊗ B_t for tiles, the 1-D DCT-II of c otherwise."""
-    if w.tile:
-        return dct_basis_2d(w.tile, dtype, device)
-    return dct_basis(w.plan.wire.chunk, dtype, device)
-
-
-class FlexDeMo(Optimizer):
+class FlexDeMo(OverlapMixin, Optimizer):
     r"""Decoupled momentum with compressed exchange of its fast components.
 
     For each parameter shard x with gradient g (after FSDP's intra-node reduce-scatter, the mean
@@ -400,7 +235,7 @@ class FlexDeMo(Optimizer):
             raise ValueError(f"tile must be an integer >= 0 (0: 1-D chunks), got {tile!r}")
         width = tile * tile if tile else chunk
         if not isinstance(topk, int) or not 1 <= topk <= width:
-            raise ValueError(f"topk must be an integer in [1, {_width_name(tile, width)}], got {topk!r}")
+            raise ValueError(f"topk must be an integer in [1, {width_name(tile, width)}], got {topk!r}")
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
         if not weight_decay >= 0.0:
@@ -427,8 +262,8 @@ class FlexDeMo(Optimizer):
         for group in self.param_groups:
             if not isinstance(group["tile"], int) or group["tile"] < 0:
                 raise ValueError(f"tile must be an integer >= 0 (0: 1-D chunks), got {group['tile']!r}")
-            if not 1 <= group["topk"] <= _width(group):
-                raise ValueError(f"topk must be in [1, {_width_name(group['tile'], _width(group))}], "
+            if not 1 <= group["topk"] <= row_width(group):
+                raise ValueError(f"topk must be in [1, {width_name(group['tile'], row_width(group))}], "
                                  f"got {group['topk']}")
             if not 0.0 <= group["decay"] < 1.0:
                 raise ValueError(f"decay must be in [0, 1), got {group['decay']}")
@@ -450,28 +285,29 @@ class FlexDeMo(Optimizer):
             return None
         return topo.shard_group()
 
-    def _plan(self, group: dict, params: list, tile: int) -> _Plan:
+    def _plan(self, group: dict, params: list, tile: int) -> BlockPlan:
         """The layout of ``params`` (tile > 0: their tiled copies, whole tiles, so no padding rows)."""
-        wire = WireFormat(_width(group), group["topk"], group["values"])
+        wire = WireFormat(row_width(group), group["topk"], group["values"])
         shards = [local(p) for p in params]
-        numels = [_num_rows(x, group) * wire.chunk if tile else x.numel() for x in shards]
+        numels = [num_rows(x, group) * wire.chunk if tile else x.numel() for x in shards]
         key = (id(group), wire, tile, _BLOCK_ELEMENTS, _VIEW_MIN_ELEMENTS,
                tuple((id(p), n, x.dtype) for p, n, x in zip(params, numels, shards, strict=True)))
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 64:
                 self._plans.clear()
-            plan = self._plans[key] = _make_plan(wire, numels, [x.dtype for x in shards])
+            plan = self._plans[key] = make_plan(wire, numels, [x.dtype for x in shards],
+                                                block_elements=_BLOCK_ELEMENTS, view_min_elements=_VIEW_MIN_ELEMENTS)
         return plan
 
-    def _works(self, group: dict) -> list[_Work]:
+    def _works(self, group: dict) -> list[Work]:
         """A group's parameters with a gradient: one work, or with ``tile`` set its matrices (tiles),
         then its other parameters (1-D chunks of t²), each with its own transform."""
         params = [p for p in group["params"] if p.grad is not None]
         tile = group["tile"]
-        parts = [(params, 0)] if not tile else [([p for p in params if _tiled(local(p))], tile),
-                                                 ([p for p in params if not _tiled(local(p))], 0)]
-        return [_Work(group, ps, self._plan(group, ps, t), t) for ps, t in parts if ps]
+        parts = [(params, 0)] if not tile else [([p for p in params if is_tiled(local(p))], tile),
+                                                 ([p for p in params if not is_tiled(local(p))], 0)]
+        return [Work(group, ps, self._plan(group, ps, t), t) for ps, t in parts if ps]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
@@ -483,7 +319,7 @@ class FlexDeMo(Optimizer):
 
         # Flat gradients, per work; phase 1 writes the momentum over them (the step's scratch). Tiles:
         # a tiled copy of each gradient (tiles are not views of the row-major storage) is the scratch.
-        grads = [[to_tiles(_matrix(local(p.grad)), w.tile).view(-1) if w.tile else local(p.grad).reshape(-1)
+        grads = [[tiled_flat(local(p.grad), w.tile) if w.tile else local(p.grad).reshape(-1)
                   for p in w.params] for w in work]
         if self.overlap:
             self._settle()
@@ -491,23 +327,7 @@ class FlexDeMo(Optimizer):
         device = grads[0][0].device if grads else torch.device("cpu")
         message = self._message(picks, device)
         if self.overlap:
-            # Keep δ as it was until every replica accepted this step (known at the next step).
-            backups = [(p, state_view(self.state[p]["delta"]).clone(), self.state[p]["step"].clone())
-                       if self.state.get(p) else (p, None, None) for w in work for p in w.params] \
-                if picks is not None else []
-            if picks is not None:
-                self._commit(work, grads, picks)
-            handle = self.link.all_gather(message, async_op=True) if self.link is not None else message.unsqueeze(0)
-            agreed = lrs = None
-            if self.overlap_apply == "local":
-                # The parameters every replica agrees on, to step with the mean once it arrives; until
-                # then this replica steps with its own update, decoded from its message as the mean of
-                # one replica would be (a copy: the all-gather is reading the message).
-                agreed = {p: local(p).clone() for w in work for p in w.params}
-                lrs = [w.group["lr"] for w in work]  # the mean is applied with them, as the blocking step
-                if picks is not None:
-                    self._apply(work, message.unsqueeze(0).clone())
-            self._flight = (handle, work, backups, agreed, lrs)
+            self._start_overlapped(work, grads, picks, message)
             return loss
         counted = self.link is None or self.link.participating
         if not counted:  # healing during this step (fault tolerance, async quorum): send nothing that counts
@@ -548,83 +368,6 @@ class FlexDeMo(Optimizer):
             if "delta" in st:
                 state_view(st["delta"]).zero_()
 
-    # ------------------------------------------------------------------ overlap
-    def _settle(self) -> None:
-        """overlap: finish the step in flight (or the one a checkpoint drained): apply or refuse it."""
-        if self._flight is not None:
-            handle, work, backups, agreed, lrs = self._flight
-            self._flight = None
-            gathered = handle if isinstance(handle, torch.Tensor) else handle.wait()
-            if agreed is not None:  # "local": back to the agreed parameters, then the blocking step from there
-                torch._foreach_copy_([local(p) for p in agreed], list(agreed.values()))
-            if bool(gathered[:, -1].any()):
-                self._roll_back(backups)
-                self._refused(gathered)  # raises, or counts the skip
-                return
-            self._apply(work, gathered, lrs=lrs)
-            return
-        status = self._drained_status()
-        params = [p for p, st in self.state.items() if "pending_status" in st]
-        if status == 1:
-            for group in self.param_groups:
-                pending = [p for p in group["params"] if "pending_status" in self.state.get(p, {})]
-                if pending:
-                    self._apply_update(group, [local(p) for p in pending],
-                                       [state_view(self.state[p]["pending"]) for p in pending])
-        for p in params:
-            self.state[p].pop("pending", None)
-            self.state[p].pop("pending_status", None)
-        if status == 2:
-            self._refused(torch.ones(1, 1, dtype=torch.uint8))
-
-    def _drained_status(self) -> int:
-        for st in self.state.values():
-            if "pending_status" in st:
-                return int(round(float(st["pending_status"].item())))
-        return 0
-
-    def _roll_back(self, backups: list) -> None:
-        for p, delta, step in backups:
-            if delta is None:
-                self.state.pop(p, None)
-            else:
-                state_view(self.state[p]["delta"]).copy_(delta)
-                self.state[p]["step"].copy_(step)
-
-    def _drain(self) -> None:
-        """overlap: wait for the step in flight and keep its outcome in the state (for a checkpoint).
-
-        Accepted: every parameter's decoded update (sign applied, as :meth:`_apply` would add it)
-        goes to ``state["pending"]`` (per replica, like δ) with ``pending_status`` 1; refused: δ is
-        rolled back and ``pending_status`` is 2. The next :meth:`step` applies (or refuses) it.
-        """
-        if self._flight is None:
-            # Nothing in flight: the same keys (status 0), so that every checkpoint has one layout.
-            for p, st in self.state.items():
-                if st and "pending_status" not in st:
-                    st["pending"] = replica_state_like(p, self._topology)
-                    st["pending_status"] = torch.tensor(0.0)
-            return
-        handle, work, backups, agreed, lrs = self._flight
-        self._flight = None
-        gathered = handle if isinstance(handle, torch.Tensor) else handle.wait()
-        refused = bool(gathered[:, -1].any())
-        if refused:
-            self._roll_back(backups)
-        if agreed is not None:
-            # "local": settled now, so that the parameters (which the checkpoint keeps once, not per
-            # replica) are the agreed ones on every replica; only a refusal is left for the next step.
-            torch._foreach_copy_([local(p) for p in agreed], list(agreed.values()))
-            if not refused:
-                self._apply(work, gathered, lrs=lrs)
-        for p, st in self.state.items():
-            if st:
-                st["pending"] = replica_state_like(p, self._topology)
-                st["pending_status"] = torch.tensor(2.0 if refused else 0.0 if agreed is not None else 1.0)
-        if agreed is None and not refused:
-            self._apply(work, gathered, into={p: state_view(self.state[p]["pending"]) for w in work
-                                              for p in w.params if self.state.get(p)})
-
     @torch.no_grad()
     def flush(self) -> None:
         """overlap: apply the step still in flight now (at the end of training). No-op otherwise."""
@@ -653,7 +396,7 @@ class FlexDeMo(Optimizer):
         super().load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ phases
-    def _compress(self, work: list[_Work], grads: list[list[torch.Tensor]]) -> list | None:
+    def _compress(self, work: list[Work], grads: list[list[torch.Tensor]]) -> list | None:
         """Phase 1: this step's momentum, compressed, without changing any state (the momentum is
         written over the flat gradients ``grads``, the step's scratch; δ and the parameters are untouched).
 
@@ -693,12 +436,12 @@ class FlexDeMo(Optimizer):
             state = self.state.get(p)
             delta = state_view(state["delta"]) if state else None
             if delta is not None and tile:
-                delta = to_tiles(_matrix(delta), tile)
+                delta = tiled_flat(delta, tile)
             out.append(delta.view(-1) if delta is not None else None)
         return out
 
-    def _block_momentum(self, seg: _Seg, deltas: list, gflats: list, group: dict, chunk: int,
-                        ws: _Workspace) -> torch.Tensor:
+    def _block_momentum(self, seg: Seg, deltas: list, gflats: list, group: dict, chunk: int,
+                        ws: Workspace) -> torch.Tensor:
         """Phase 1's β·δ + lr·g of one block (rows, chunk), written over the gradient, δ unchanged.
 
         The gradient is this step's scratch: the momentum goes into its storage (a view block's rows
@@ -708,36 +451,36 @@ class FlexDeMo(Optimizer):
         """
         decay, lr = group["decay"], group["lr"]
         if seg.view:
-            g_blk = _view_block(seg, gflats, chunk)
+            g_blk = view_block(seg, gflats, chunk)
             if deltas[seg.pieces[0][0]] is None:  # before the first step δ = 0: β·0 + lr·g
                 return g_blk.mul_(lr)
-            m = torch.mul(_view_block(seg, deltas, chunk), decay,
+            m = torch.mul(view_block(seg, deltas, chunk), decay,
                           out=ws("m", seg.rows, chunk, g_blk.dtype, g_blk.device))
             return torch.add(m, g_blk, alpha=lr, out=g_blk)
         like = gflats[seg.pieces[0][0]]
-        m = _gather(seg, deltas, chunk, like, out=ws("m", seg.rows, chunk, like.dtype, like.device))
-        g = _gather(seg, gflats, chunk, like, out=ws("g", seg.rows, chunk, like.dtype, like.device))
+        m = gather_block(seg, deltas, chunk, like, out=ws("m", seg.rows, chunk, like.dtype, like.device))
+        g = gather_block(seg, gflats, chunk, like, out=ws("g", seg.rows, chunk, like.dtype, like.device))
         m.mul_(decay).add_(g, alpha=lr)
-        torch._foreach_copy_(*_scatter_views(seg, gflats, m))
+        torch._foreach_copy_(*scatter_views(seg, gflats, m))
         return m
 
-    def _block_committed(self, seg: _Seg, gflats: list, chunk: int, ws: _Workspace) -> torch.Tensor:
+    def _block_committed(self, seg: Seg, gflats: list, chunk: int, ws: Workspace) -> torch.Tensor:
         """The commit's view of a block's momentum, as phase 1 left it in the gradient's storage."""
         if seg.view:
-            return _view_block(seg, gflats, chunk)
+            return view_block(seg, gflats, chunk)
         like = gflats[seg.pieces[0][0]]  # a packed block: its pieces again, zero-padded as in phase 1
-        return _gather(seg, gflats, chunk, like, out=ws("m", seg.rows, chunk, like.dtype, like.device))
+        return gather_block(seg, gflats, chunk, like, out=ws("m", seg.rows, chunk, like.dtype, like.device))
 
-    def _topk_of_momentum(self, w: _Work, gflats: list[torch.Tensor]):
+    def _topk_of_momentum(self, w: Work, gflats: list[torch.Tensor]):
         """Top-k DCT coefficients of β·δ + lr·g over the group's chunk rows, block by block (the momentum
         written over the flat gradients ``gflats``, δ unchanged)."""
         group, chunk = w.group, w.plan.wire.chunk
         deltas = self._flats(w.params, w.tile)
         picks = []
-        ws = _Workspace(w.plan)
+        ws = Workspace(w.plan)
         for seg in w.plan.segs:
             m = self._block_momentum(seg, deltas, gflats, group, chunk, ws).float()
-            basis_t = _basis(w, m.dtype, m.device).T
+            basis_t = basis_of(w, m.dtype, m.device).T
             coeffs = torch.mm(m, basis_t, out=ws("X", seg.rows, chunk, m.dtype, m.device))  # the DCT
             picks.append(topk_per_chunk(coeffs, group["topk"], workspace=ws("A", seg.rows, chunk, m.dtype, m.device)))
         if not picks:  # only empty shards (FSDP2 gives the last ranks nothing of a tiny parameter)
@@ -779,35 +522,33 @@ class FlexDeMo(Optimizer):
         log.warning("non-finite gradient: step skipped (%d skipped so far)", self.skipped_steps)
         return True
 
-    def _commit(self, work: list[_Work], grads: list[list[torch.Tensor]], picks: list) -> None:
+    def _commit(self, work: list[Work], grads: list[list[torch.Tensor]], picks: list) -> None:
         """Phase 2 (every replica accepted the step): δ ← β·δ + lr·g − q, with q what was sent.
 
         β·δ + lr·g is read back from ``grads``, where phase 1 wrote it: exactly what was compressed."""
         self._count_step(work)
         for w, gflats, (idx, sent_vals, _) in zip(work, grads, picks, strict=True):
             chunk = w.plan.wire.chunk
-            basis = _basis(w, sent_vals.dtype, sent_vals.device)
+            basis = basis_of(w, sent_vals.dtype, sent_vals.device)
             deltas = self._flats(w.params)
             if w.tile:  # δ is written in tiles over the tiled scratch (block by block, each read before it is
                 # written; whole tiles, so every element), then untiled into δ
                 deltas, untiled = gflats, deltas
-            ws = _Workspace(w.plan)
+            ws = Workspace(w.plan)
             for seg in w.plan.segs:
                 m = self._block_committed(seg, gflats, chunk, ws)
                 rows = slice(seg.row0, seg.row0 + seg.rows)
                 q = idct_sparse(idx[rows], sent_vals[rows], chunk, basis=basis,
                                 out=ws("q", seg.rows, chunk, sent_vals.dtype, sent_vals.device))
                 if seg.view:
-                    torch.sub(m, q.to(m.dtype), out=_view_block(seg, deltas, chunk))
+                    torch.sub(m, q.to(m.dtype), out=view_block(seg, deltas, chunk))
                 else:  # a packed copy: write its pieces back
                     m.sub_(q.to(m.dtype))
-                    torch._foreach_copy_(*_scatter_views(seg, deltas, m))
+                    torch._foreach_copy_(*scatter_views(seg, deltas, m))
             if w.tile:
-                for p, t, d in zip(w.params, deltas, untiled, strict=True):
-                    shape = _matrix(local(p)).shape
-                    from_tiles(t.view(-1, chunk), shape, out=d.view(shape))
+                untile_deltas(w.params, deltas, untiled, chunk)
 
-    def _count_step(self, work: list[_Work]) -> None:
+    def _count_step(self, work: list[Work]) -> None:
         """Count the step in every parameter's state (created here at the first step: step 0, δ = 0)."""
         steps = []
         for w in work:
@@ -819,7 +560,7 @@ class FlexDeMo(Optimizer):
                 steps.append(state["step"])
         torch._foreach_add_(steps, 1.0)
 
-    def _apply(self, work: list[_Work], gathered: torch.Tensor, into: dict | None = None,
+    def _apply(self, work: list[Work], gathered: torch.Tensor, into: dict | None = None,
                lrs: list[float] | None = None) -> None:
         """Phase 3: decode the mean over replicas and step (or, ``into``, store the update per parameter).
 
@@ -843,8 +584,8 @@ class FlexDeMo(Optimizer):
             else:
                 sinks = [x.view(-1) if x is not None else None for x in targets]
             vals = vals.div_(replicas)  # (Σ_r v_r)/R·B[i] as (Σ_r v_r/R)·B[i]: the same floats for R = 2^j
-            basis = _basis(w, vals.dtype, vals.device)
-            ws = _Workspace(plan)
+            basis = basis_of(w, vals.dtype, vals.device)
+            ws = Workspace(plan)
             for seg in plan.segs:  # block by block, so that the temporaries stay one block's size
                 rows = slice(seg.row0, seg.row0 + seg.rows)
                 update = idct_sparse(idx[:, rows], vals[:, rows], chunk, basis=basis,
@@ -855,7 +596,7 @@ class FlexDeMo(Optimizer):
                     t, start, stop, _, _ = seg.pieces[0]
                     dst, src = ([sinks[t][start:stop]], [update.view(-1)]) if sinks[t] is not None else ([], [])
                 else:
-                    dst, src = _scatter_views(seg, sinks, update)
+                    dst, src = scatter_views(seg, sinks, update)
                 if not dst:
                     continue
                 if into is None and not w.tile:
@@ -863,30 +604,16 @@ class FlexDeMo(Optimizer):
                 else:
                     torch._foreach_copy_(dst, src)
             if w.tile:
-                for x, buf in zip(targets, sinks, strict=True):
-                    if x is None:
-                        continue
-                    mat = _matrix(x)
-                    if into is None:
-                        _add_untiled(mat, buf.view(-1, chunk), w.tile, -lr)
-                    else:
-                        from_tiles(buf.view(-1, chunk), mat.shape, out=mat)
+                add_tiled_updates(targets, sinks, w.tile, chunk, lr, add=into is None)
             if into is None and group["weight_decay"] > 0:
                 torch._foreach_mul_([local(p) for p in w.params], 1.0 - lr * group["weight_decay"])
-
-    def _apply_update(self, group: dict, xs: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
-        """x ← x − lr·u (element-wise, as :meth:`_apply` adds it), then weight decay: a drained update."""
-        lr = group["lr"]
-        torch._foreach_add_([x.view(-1) for x in xs], [u.reshape(-1) for u in updates], alpha=-lr)
-        if group["weight_decay"] > 0:
-            torch._foreach_mul_(xs, 1.0 - lr * group["weight_decay"])
 
     # ------------------------------------------------------------------ accounting
     def payload_bytes(self) -> int:
         """Bytes of this rank's message per step (before the all-gather multiplies it)."""
         total = 0
         for group in self.param_groups:
-            wire = WireFormat(_width(group), group["topk"], group["values"])
+            wire = WireFormat(row_width(group), group["topk"], group["values"])
             for p in group["params"]:
-                total += wire.payload_nbytes(_num_rows(local(p), group))
+                total += wire.payload_nbytes(num_rows(local(p), group))
         return total

@@ -59,7 +59,7 @@ def _hp_value(method: str, name: str, text: str) -> Any:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``lowband train``'s flags: one per key of the job's tables, from its field's metadata
-    (:func:`jobfile.option`), grouped by table; one per hyper-parameter of any method; ``--config``.
+    (:func:`lowband.train.fields.option`), grouped by table; one per hyper-parameter of any method; ``--config``.
     A flag's dest is ``table.key``; every non-boolean key is also spelled ``--table.key``."""
     d = TrainConfig()
     for table, cls in jobfile.sections().items():

@@ -13,7 +13,7 @@
       run              RunConfig: seed, val_every, val_batches, out, tensorboard, progress, memory_profile
       fault_tolerance  FaultToleranceJob: lighthouse, node, max_nodes, timeout_s, quorum, start_nodes
 
-Every field of a table is declared once, with :func:`lowband.train.jobfile.option`: its default, its
+Every field of a table is declared once, with :func:`lowband.train.fields.option`: its default, its
 help and its ``lowband train`` flag; the job file's tables and keys (:mod:`lowband.train.jobfile`),
 the flags and ``--help`` (:mod:`lowband.train.cli`) are derived from these classes. A table's
 fields without help (DataConfig's ``kind`` and ``seed``) are not part of the job: the trainer sets
@@ -26,19 +26,21 @@ Build one in code from its tables, as a job file has them::
 
 from __future__ import annotations
 
+import functools
 import logging
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lowband.train.data.config import DataConfig
-from lowband.train.jobfile import option
+from lowband.train.fields import job_fields, option
 from lowband.train.methods import METHODS, MethodConfig, method_config
 from lowband.units import parse_bandwidth, parse_duration
 
 __all__ = ["CheckpointConfig", "DataConfig", "FaultToleranceJob", "LinkConfig", "ModelConfig", "RunConfig",
-           "RunMethod", "ScheduleConfig", "TrainConfig"]
+           "RunMethod", "ScheduleConfig", "TrainConfig", "sections"]
 
 log = logging.getLogger(__name__)
 
@@ -167,19 +169,17 @@ class TrainConfig:
         """The config from its tables by field name, as :func:`lowband.train.jobfile.loads` gives them
         (``method``: ``name`` and the hyper-parameters by field name or alias); tables and keys not given
         keep their defaults. A bad value is a ValueError that names it."""
-        from lowband.train import jobfile
-
-        unknown = set(tables) - set(jobfile.sections())
+        unknown = set(tables) - set(sections())
         if unknown:
-            raise ValueError(f"unknown table(s) {', '.join(sorted(unknown))}; the tables are: {', '.join(jobfile.sections())}")
+            raise ValueError(f"unknown table(s) {', '.join(sorted(unknown))}; the tables are: {', '.join(sections())}")
         kwargs: dict[str, Any] = {}
-        for table, cls_ in jobfile.sections().items():
+        for table, cls_ in sections().items():
             body = dict(tables.get(table, {}))
             if table == "method":
                 name = body.pop("name", RunMethod.name)
                 kwargs[table] = RunMethod(name=name, hp=body)
                 continue
-            keys = jobfile.job_fields(cls_)
+            keys = job_fields(cls_)
             bad = set(body) - set(keys)
             if bad:
                 raise ValueError(f"[{table}] has no key {', '.join(sorted(bad))}; its keys are: {', '.join(keys)}")
@@ -191,13 +191,11 @@ class TrainConfig:
     def tables(self) -> dict[str, dict[str, Any]]:
         """Every table by field name: the inverse of :meth:`from_tables` (``method``: name and every
         hyper-parameter, defaults included)."""
-        from lowband.train import jobfile
-
         out: dict[str, dict[str, Any]] = {"method": {"name": self.method.name, **self.method.hp.as_dict()}}
-        for table, cls_ in jobfile.sections().items():
+        for table, cls_ in sections().items():
             if table != "method":
                 section = getattr(self, table)
-                out[table] = {k: getattr(section, k) for k in jobfile.job_fields(cls_)}
+                out[table] = {k: getattr(section, k) for k in job_fields(cls_)}
         return out
 
     def ft_config(self):
@@ -279,3 +277,9 @@ def replace(cfg: TrainConfig, **tables: Mapping[str, Any]) -> TrainConfig:
         merged.setdefault(table, {}).update(body)
     return TrainConfig.from_tables(merged)
 
+
+@functools.cache
+def sections() -> dict[str, type]:
+    """table -> the class of its TrainConfig field, in order (``method``: RunMethod, whose keys are its
+    ``name`` and the method's hyper-parameters)."""
+    return dict(typing.get_type_hints(TrainConfig))

@@ -25,8 +25,6 @@ Left out of the written file: where the run writes (``[run] out``) and what it r
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import types
 import typing
 from collections.abc import Mapping
@@ -35,16 +33,12 @@ from typing import Any
 
 import tomllib
 
-__all__ = ["TITLES", "check_value", "dumps", "job_fields", "load", "loads", "option", "sections"]
+from lowband.train.config import sections
+from lowband.train.fields import field_types, job_fields, option
 
-
-def option(default: Any, help: str, *, flag: str | None = None, type: Any = None, choices: tuple | None = None,
-           metavar: str | None = None) -> Any:
-    """A job configuration field (:mod:`lowband.train.config`) with what its ``lowband train`` flag needs: its help, and where they are not
-    the field's own, its flag (default ``--field-name``; a bool field that defaults to True gets a
-    ``--no-...`` flag that turns it off), the type that parses it (default: the field's) and its metavar."""
-    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "type": type,
-                                                        "choices": choices, "metavar": metavar})
+# job_fields, option (lowband.train.fields) and sections (lowband.train.config) are re-exported: the job
+# file's tables are those of TrainConfig, and its keys the fields declared with option.
+__all__ = ["TITLES", "check_value", "dumps", "field_types", "job_fields", "load", "loads", "option", "sections"]
 
 
 #: each table's title in ``lowband train --help``
@@ -57,27 +51,6 @@ TITLES = {
 
 #: (table, key) a written file leaves out (see the module's docstring)
 _NOT_WRITTEN = (("run", "out"), ("checkpoint", "resume"))
-
-
-@functools.cache
-def sections() -> dict[str, type]:
-    """table -> the class of its TrainConfig field, in order (``method``: RunMethod, whose keys are its
-    ``name`` and the method's hyper-parameters)."""
-    from lowband.train.config import TrainConfig
-
-    return dict(typing.get_type_hints(TrainConfig))
-
-
-@functools.cache
-def job_fields(cls: type) -> tuple[str, ...]:
-    """The keys of a table: its class's fields that have a help text (the others are set by the trainer)."""
-    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("help"))
-
-
-@functools.cache
-def field_types(cls: type) -> dict[str, Any]:
-    """A table class's field types (resolved annotations)."""
-    return typing.get_type_hints(cls)
 
 
 def check_value(table: str, key: str, value: Any, *, where: str = "") -> Any:

@@ -49,6 +49,7 @@ from lowband.topology import Topology
 from lowband.traffic import OpTally, merge_tallies
 from lowband.train.budget import TimeBudget
 from lowband.train.config import ScheduleConfig, TrainConfig
+from lowband.train.ft_state import load_optimizer_local_state, local_tensor, optimizer_local_state
 from lowband.train.methods import METHODS, method_shards
 from lowband.train.schedule import warmup_cosine_factor
 from lowband.train.summary import RunSummary
@@ -603,7 +604,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "params": {n: local_state(p) for n, p in self._shards.items()},
             "buffers": {n: local_state(b) for n, b in self.model.named_buffers()},
-            "optimizer": [_optimizer_local_state(o) for o in self.optimizer.state_owners()],
+            "optimizer": [optimizer_local_state(o) for o in self.optimizer.state_owners()],
         }
 
     def _ft_load(self, state: dict) -> int:
@@ -613,7 +614,7 @@ class Trainer:
         load_local_state(dict(self._shards), state["params"], what="parameters")
         load_local_state(dict(self.model.named_buffers()), state["buffers"], what="buffers")
         for owner, peer in zip(self.optimizer.state_owners(), state["optimizer"], strict=True):
-            _load_optimizer_local_state(owner, peer, self.topology)
+            load_optimizer_local_state(owner, peer, self.topology)
         self.scheduler.load_state_dict(state["scheduler"])
         self.optimizer.reset_replica_state()
         self.clock = {"train_time_s": float(state["trainer"]["train_time_s"]), "tokens": int(state["trainer"]["tokens"])}
@@ -636,18 +637,12 @@ class Trainer:
         h = hashlib.sha256()
         for name, p in self.model.named_parameters():
             h.update(name.encode())
-            h.update(_local(p).detach().cpu().contiguous().numpy().tobytes())
+            h.update(local_tensor(p).detach().cpu().contiguous().numpy().tobytes())
         record = {"rank": self.rank, "node": self.ft_cfg.node, "replicas": self.ft.last_members,
                   "committed_steps": self.ft.committed_steps, "dropped_steps": self._dropped(),
                   "healed": self.ft.healed_at, "quorum_s": self.ft.quorum_s, "commit_s": self.ft.commit_s,
                   "param_sha256": h.hexdigest(), "steps": self.cfg.schedule.steps}
         (self.out / f"ft_rank{self.rank}.json").write_text(json.dumps(record, indent=1))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _reshard(model: torch.nn.Module) -> None:
@@ -657,44 +652,6 @@ def _reshard(model: torch.nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-
-
-def _optimizer_local_state(opt) -> dict:
-    from lowband.ft import local_state
-
-    params = [p for g in opt.param_groups for p in g["params"]]
-    return {"state": {i: local_state(dict(opt.state[p])) for i, p in enumerate(params) if opt.state.get(p)},
-            "groups": [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in opt.param_groups]}
-
-
-def _load_optimizer_local_state(opt, peer: dict, topology: Topology) -> None:
-    """Load a peer's optimizer state (local tensors) into ``opt``, creating state this replica has not made yet."""
-    from torch.distributed.tensor import DTensor
-
-    from lowband.ft import load_local_state
-    from lowband.optim._common import replica_state_like, state_view
-
-    params = [p for g in opt.param_groups for p in g["params"]]
-    if len(peer["groups"]) != len(opt.param_groups):
-        raise ValueError("healing: the peer's optimizer has another number of parameter groups")
-    for group, theirs in zip(opt.param_groups, peer["groups"], strict=True):
-        group.update(theirs)
-    for i, entries in peer["state"].items():
-        p = params[int(i)]
-        st = opt.state[p]
-        lp = _local(p)
-        for k, v in entries.items():
-            if isinstance(st.get(k), torch.Tensor):
-                load_local_state(st[k], v, what=f"optimizer state {k}")
-            elif isinstance(v, torch.Tensor) and tuple(v.shape) == (1, *lp.shape):
-                r = replica_state_like(p, topology, dtype=v.dtype)
-                state_view(r).copy_(v[0])
-                st[k] = r
-            elif isinstance(v, torch.Tensor) and v.shape == lp.shape and isinstance(p, DTensor):
-                st[k] = DTensor.from_local(v.to(lp.device).clone(), p.device_mesh, p.placements, run_check=False,
-                                           shape=p.shape, stride=p.stride())
-            else:
-                st[k] = v.clone() if isinstance(v, torch.Tensor) else v
 
 
 def run_training(cfg: TrainConfig) -> RunSummary:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 import lowband.bench as bench
-from lowband.bench.config import PRESETS, make_config, plan_runs
+from lowband.bench.config import PRESETS, make_config
+from lowband.bench.plan import plan_runs
 from tests.bench.fake_trainer import bench_args
 
 

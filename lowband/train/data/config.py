@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from lowband.train.jobfile import option
+from lowband.train.fields import option
 from lowband.train.tokenizer import SpecialIds
 
 __all__ = ["KINDS", "LABEL_PAD", "Data", "DataConfig", "Split", "describe"]

@@ -1,0 +1,169 @@
+"""The package's shape, read from its source with ast (no import, no process).
+
+Two rules a reviewer asked for (issue 28, item 7):
+  * no import circle anywhere in lowband/: no module imports, at any depth (module level or
+    inside a function), a module that imports it back. A package's __init__ counts as that
+    package's module; `from lowband.x import y` where y is a submodule imports lowband.x.y,
+    where y is a name defined in lowband.x it imports lowband.x.
+  * no module over MAX_LINES lines.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "lowband"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+MAX_LINES = 700
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every .py under lowband/."""
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest prefix of dotted `name` that is a module of the package."""
+    parts = name.split(".")
+    while parts:
+        cand = ".".join(parts)
+        if cand in modules:
+            return cand
+        parts.pop()
+    return None
+
+
+def _imports(mod: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every lowband module `mod` imports, at any depth of its source."""
+    is_pkg = path.name == "__init__.py"
+    pkg = mod if is_pkg else mod.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):
+                    target = _resolve(alias.name, modules)
+                    if target:
+                        found.add(target)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                if node.level > 1:
+                    base = base[: len(base) - (node.level - 1)]
+                base_name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base_name = node.module or ""
+            if not (base_name == PACKAGE or base_name.startswith(PACKAGE + ".")):
+                continue
+            for alias in node.names:
+                sub = f"{base_name}.{alias.name}"
+                target = sub if sub in modules else _resolve(base_name, modules)
+                if target:
+                    found.add(target)
+    found.discard(mod)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {mod: _imports(mod, path, modules) for mod, path in modules.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan), as a path."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    comps: list[list[str]] = []
+    counter = [0]
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+
+    cycles = []
+    for comp in comps:
+        members = set(comp)
+        start = comp[0]
+        # Shortest path back to start inside the component (BFS).
+        prev: dict[str, str] = {}
+        frontier = [start]
+        seen = {start}
+        path = None
+        while frontier and path is None:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v] & members):
+                    if w == start:
+                        path = [start]
+                        u = v
+                        while u != start:
+                            path.append(u)
+                            u = prev[u]
+                        path = [start, *reversed(path[1:]), start]
+                        break
+                    if w not in seen:
+                        seen.add(w)
+                        prev[w] = v
+                        nxt.append(w)
+                if path:
+                    break
+            frontier = nxt
+        cycles.append({"modules": comp, "cycle": path})
+    return cycles
+
+
+def test_the_graph_sees_function_level_and_relative_imports():
+    graph = import_graph()
+    assert "lowband.cli" in graph
+    # Sanity: the graph is not empty and resolves imports into the package.
+    assert any(graph.values())
+
+
+def test_no_import_circle():
+    cycles = find_cycles(import_graph())
+    msg = "\n".join(
+        f"circle among {c['modules']}: {' -> '.join(c['cycle'])}" for c in cycles
+    )
+    assert not cycles, "import circles in lowband/:\n" + msg
+
+
+def test_no_module_over_max_lines():
+    over = {
+        str(path.relative_to(ROOT.parent)): n
+        for path in sorted(ROOT.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not over, f"modules over {MAX_LINES} lines: {over}"
