@@ -142,6 +142,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "--steps steps first, then every other method gets its measured training time. Default: auto for a "
              "plain bench whose --methods hold adamw (no --preset, --ft or --faults), else off (--steps steps each)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tune", action="store_true",
+        help="first a short lr search per method variant on this model and data (successive halving over "
+             "lr x 1/3, 1, 3 around its preset or default lr, a quarter then half of --steps, one seed; cached "
+             "under $LOWBAND_CACHE/tune), then the main runs at the chosen lrs. Its cost is printed before it "
+             "starts. An lr given in a spec (adamw:lr=0.01) is kept, not searched",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -218,6 +225,13 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"lowband bench: error: {exc}", file=sys.stderr)
         return 2
+    from lowband.bench import tune
+
+    searches = tune.plan_searches(config) if getattr(args, "tune", False) else []
+    if searches:
+        print(f"lowband bench: {tune.cost_line(config, searches)}", file=sys.stderr, flush=True)
+    elif not getattr(args, "tune", False) and (warning := tune.preset_lr_warning(config)):
+        print(f"lowband bench: note: {warning}", file=sys.stderr, flush=True)
     plans = plan_runs(config)
     prepare_out_dir(out_dir)
     print(
@@ -226,8 +240,17 @@ def main(args: argparse.Namespace) -> int:
     )  # fmt: skip
     try:
         with signals_as_exit():  # nodes run in sessions of their own: cleanup must run
+            extra = {"lr_sources": tune.lr_sources(config)}
+            if searches:
+                searches = tune.run_searches(config, searches, out_dir, run=lambda c, d: run_bench(
+                    c, d, mode=mode, reason=reason, command=list(sys.argv), progress=not args.no_progress))
+                config, sources = tune.apply_tuning(config, searches)
+                extra = {"lr_sources": sources, "tuning": [s.as_dict() for s in searches]}
+                print(f"lowband bench: lr search done; main runs: {' '.join(map(str, config.methods))}",
+                      file=sys.stderr, flush=True)
             results = run_bench(
-                config, out_dir, mode=mode, reason=reason, command=list(sys.argv), progress=not args.no_progress
+                config, out_dir, mode=mode, reason=reason, command=list(sys.argv), progress=not args.no_progress,
+                extra=extra,
             )
     except (KeyboardInterrupt, SystemExit) as exc:
         try:

@@ -43,6 +43,7 @@ from lowband.bench.recommend import recommendation_section
 from lowband.bench.record import RunRecord
 from lowband.bench.tables import MISSING, markdown_table, number_cell, text_table
 from lowband.bench.timebudget import equal_time_rows, equal_time_section
+from lowband.bench.tune import tuning_section, write_tune_plots
 from lowband.train.methods import demo_method, display_name, family_of
 from lowband.units import format_bandwidth
 
@@ -270,8 +271,8 @@ def preset_lines(cfg: Mapping[str, Any]) -> list[str]:
         out += [f"**Learning rates not tuned here.** The preset's lrs were tuned on {preset.lrs_tuned_on}, not on "
                 f"this run's {cfg.get('model')} on {data_name(cfg.get('data'))}: no method is known to run at its "
                 "best lr here, and a method that trails may only have the wrong lr. To tune them, give each method "
-                "at several lrs, e.g. `--methods adamw:lr=0.001 adamw:lr=0.003 adamw:lr=0.01 ...` (the bench has no "
-                "separate lr-sweep option): the report marks each method's best lr with ★.", ""]
+                "at several lrs, e.g. `--methods adamw:lr=0.001 adamw:lr=0.003 adamw:lr=0.01 ...` (the report marks "
+                "each method's best lr with ★), or add `--tune`: a short lr search per method on this data first.", ""]
     return out
 
 
@@ -296,13 +297,15 @@ def render_markdown(results: Mapping[str, Any], plots: Sequence[str] = ()) -> st
     out += recommendation_section(results)
     out += equal_time_section(results)  # --time-budget: the first table
 
-    top = [p for p in plots if Path(p).name != FRONTIER_PLOT_FILE]  # the frontier heads its own section
+    # The frontier heads its own section, the lr searches theirs.
+    top = [p for p in plots if Path(p).name != FRONTIER_PLOT_FILE and not Path(p).name.startswith("tune-")]
     if top:
         out += [f"![{Path(p).stem}]({Path(p).name})" for p in top] + [""]
     out += quality_section(results)
     out += frontier_section(results, [Path(p).name for p in plots])
     out += hiding_section(results)
     out += ft_section(results)
+    out += tuning_section(results, [Path(p).name for p in plots])  # where each lr came from; --tune's searches
     out += ["## Table 1: seconds per step by link bandwidth", "",
             "Median seconds per training step (warm-up excluded), as in the FlexDeMo paper's Table 1.", ""]  # fmt: skip
     out += [markdown_table(*table1(results)), ""]
@@ -345,7 +348,7 @@ def write_report(
     out_dir = Path(out_dir)
     plot_writer = plot_writer or write_plots
     try:
-        plots = plot_writer(results, out_dir)
+        plots = [*plot_writer(results, out_dir), *write_tune_plots(results, out_dir)]
     except Exception:  # noqa: BLE001 - a broken plot must not lose the tables
         log.exception("writing the plots failed; report.md is written without them")
         plots = []

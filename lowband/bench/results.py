@@ -47,6 +47,8 @@ Top level::
                                     shaped mode,
                                 "note": how the rate is enforced / why it was not measured}]}
     runs            list of run records (below), in the order they ran
+    lr_sources      {spec: where its lr came from: given | preset default | method default | tuned here (...)}
+    tuning          --tune only: one lr search per variant (lowband.bench.tune.LrSearch as a dict)
 
 A run record is :class:`lowband.bench.record.RunRecord` (its fields are documented there): a JSON
 object with one key per field, in field order; in memory ``results["runs"]`` is a list of

@@ -364,6 +364,7 @@ def run_bench(
     progress: bool = True,
     launcher: Callable[..., Any] | None = None,
     on_run: Callable[[RunRecord], None] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run every planned run of ``config``; write and return the results (see lowband.bench.results).
 
@@ -376,6 +377,7 @@ def run_bench(
         progress: show a tqdm progress bar on stderr.
         launcher: a stand-in for :func:`lowband.cluster.launch_nodes` (same signature); None for it.
         on_run: called with each finished run record.
+        extra: more top-level keys of results.json (``--tune``: ``tuning``, ``lr_sources``).
 
     Ctrl-C / SIGTERM: processes and namespaces are cleaned up, results.json is written with
     ``interrupted: true``, and the interrupt propagates.
@@ -396,6 +398,7 @@ def run_bench(
         "emulation": {"mode": mode, "reason": reason, "nodes": config.nodes,
                       "ranks_per_node": config.ranks_per_node, "latency_s": latency, "links": []},  # fmt: skip
         "runs": [],
+        **(extra or {}),
     }
     _remove_leftovers("lb")
     write_results(out_dir, results)

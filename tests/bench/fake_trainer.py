@@ -55,6 +55,12 @@ FAKE_TRAINER = textwrap.dedent(
         rate = 1.5 if method in ("flexdemo", "demo") else 1.0
         history = [{"step": s, "epoch": 0, "tokens": 100 * s, "train_time_s": (0.1 + comm) * s, "wall_s": 0.5 * s,
                     "val_loss": 5.0 - rate * s / total} for s in [*range(0, steps, max(1, steps // 3)), steps]]
+        if env.get("FAKE_BEST_LR"):  # the loss grows with the lr's distance (in decades) from this one
+            import math
+
+            lr = float(getattr(cfg.method.hp, "lr", None) or 1e-3)
+            offset = 0.2 * math.log10(lr / float(env["FAKE_BEST_LR"])) ** 2
+            history = [{**h, "val_loss": h["val_loss"] + offset} for h in history]
         summary = {
             "rank": rank, "node": node, "method": method, "topk": topk, "chunk": chunk, "shards": shards,
             "nodes": world // per_node, "ranks_per_node": per_node, "replicas": world // shards,

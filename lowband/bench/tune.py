@@ -1,0 +1,354 @@
+"""``lowband bench --tune``: a short, budgeted learning-rate search per method variant on the user's data.
+
+For every variant whose lr was not given on the command line (a preset's lr or the method's default:
+the grid's centre), before the main runs:
+
+- **Successive halving over a log grid.** Round 1 trains the centre × ``GRID`` (1/3, 1, 3) for
+  ``ROUNDS[0]`` (a quarter) of ``--steps`` at the first seed; the ``KEEP`` (2) lowest final
+  validation losses go on to round 2 at ``ROUNDS[1]`` (half) of ``--steps``; the lowest there is
+  chosen. The runs are real bench runs (:func:`lowband.bench.runner.run_bench`, equal steps, at the
+  bench's fastest link: the loss per step does not depend on the link), written under ``OUT/tune/``.
+- **What is claimed.** "best of the search" only when the chosen lr lies inside the grid (a lower
+  and a higher lr were tried and ended worse); at the grid's edge it is "lowest at the grid's edge"
+  (a better lr may lie beyond), and when every search run failed the centre is kept. One seed: a
+  search tells which lr trains best here at this seed, not a seed spread.
+- **Cost, announced before it starts**: runs × steps and an estimated time (MODELLED:
+  ``EST_RUN_OVERHEAD_S`` per run for start-up and validation plus ``EST_STEP_S`` per step; the
+  progress bar then gives the measured time left of each round).
+- **Cache.** ``$LOWBAND_CACHE/tune/KEY.json`` (default ``~/.cache/lowband``), KEY a hash of the model,
+  the data's content (a SHA-256 of the file's bytes, or of the embedded corpus), the method and
+  its other hyper-parameters, the centre, the steps, the nodes and ranks, the ``--train-args`` and
+  the grid: a re-run with the same settings reuses the search instead of running it.
+
+Where every lr came from (given / preset default / method default / tuned here) is in
+``results.json``'s ``lr_sources`` and the report's "Learning rates" section, with a plot per
+searched variant (``tune-N.png``: final loss against lr).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lowband.bench.config import BenchConfig
+from lowband.bench.methods import BenchMethod
+from lowband.bench.presets import PRESETS
+from lowband.bench.tables import markdown_table
+
+__all__ = [
+    "GRID",
+    "KEEP",
+    "ROUNDS",
+    "LrSearch",
+    "apply_tuning",
+    "cost_line",
+    "lr_sources",
+    "preset_lr_warning",
+    "plan_searches",
+    "run_searches",
+    "tuning_section",
+    "write_tune_plots",
+]
+
+log = logging.getLogger(__name__)
+
+#: Factors of the grid's centre (a log grid).
+GRID: tuple[float, ...] = (1 / 3, 1.0, 3.0)
+#: Fractions of --steps of each round of successive halving.
+ROUNDS: tuple[float, ...] = (0.25, 0.5)
+#: Variants kept after round 1.
+KEEP = 2
+#: MODELLED cost of one search run besides its steps (start-up, validation, exit) and of one step, on 2 CPU cores.
+EST_RUN_OVERHEAD_S = 25.0
+EST_STEP_S = 0.5
+TUNED, GIVEN, PRESET, DEFAULT = "tuned here", "given", "preset default", "method default"
+
+
+@dataclasses.dataclass(kw_only=True)
+class LrSearch:
+    """One variant's lr search: its spec without the lr, the grid, what each run ended at, the lr chosen."""
+
+    spec: str  # the variant as the bench names it (the main runs' spec, before tuning)
+    centre: float
+    centre_source: str  # PRESET or DEFAULT
+    key: str
+    points: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # {"lr", "round", "steps", "val_loss"}
+    chosen: float | None = None
+    claim: str = ""  # "best" | "edge" | "failed"
+    cached: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+
+def _lr(spec: BenchMethod) -> float | None:
+    lr = getattr(spec.hp, "lr", None)
+    return float(lr) if lr is not None else None
+
+
+def _source(spec: BenchMethod, config: BenchConfig) -> str:
+    preset = PRESETS.get(config.preset or "")
+    if preset is not None and str(spec) in preset.settings.get("methods", ()):
+        return PRESET
+    return GIVEN if "lr" in spec.given else DEFAULT
+
+
+def lr_sources(config: BenchConfig) -> dict[str, str]:
+    """``{spec: where its lr came from}`` for a bench without a search (:func:`apply_tuning` gives them with one)."""
+    return {str(spec): _source(spec, config) for spec in config.methods}
+
+
+def _tuned_source(s: LrSearch) -> str:
+    what = {"best": "best of the search", "edge": "lowest at the grid's edge"}[s.claim]
+    return f"{TUNED} ({what}{', from the cache' if s.cached else ''}; centre: {s.centre_source} {s.centre:g})"
+
+
+def _parse(text: str) -> BenchMethod:
+    from lowband.bench.methods import parse_method_spec
+
+    return parse_method_spec(text)
+
+
+def _spec_at(spec: BenchMethod, lr: float) -> BenchMethod:
+    given = spec.given if "lr" in spec.given else (*spec.given, "lr")
+    return dataclasses.replace(spec, hp=dataclasses.replace(spec.hp, lr=float(f"{lr:.3g}")), given=given, nseeds=None)
+
+
+def _data_digest(data: str | None) -> str:
+    if data is None:
+        from lowband.train.data.sources import default_corpus_path
+
+        path = default_corpus_path()
+    else:
+        path = Path(data)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _key(spec: BenchMethod, config: BenchConfig, digest: str) -> str:
+    hp = {k: repr(v) for k, v in dataclasses.asdict(spec.hp).items() if k != "lr"}
+    what = {"model": config.model, "data": digest, "method": spec.name, "hp": hp, "centre": _lr(spec),
+            "shards": spec.shards, "steps": config.steps, "nodes": config.nodes,
+            "ranks_per_node": config.ranks_per_node, "train_args": list(config.train_args), "grid": list(GRID),
+            "rounds": list(ROUNDS), "keep": KEEP, "seed": config.seeds[0]}  # fmt: skip
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _cache_dir() -> Path:
+    from lowband.train.tokenizer import cache_root
+
+    return cache_root() / "tune"
+
+
+def plan_searches(config: BenchConfig) -> list[LrSearch]:
+    """One search per variant whose lr was not given on the command line (and whose method has an lr)."""
+    digest = _data_digest(config.data)
+    out, seen = [], set()
+    for spec in config.methods:
+        if _lr(spec) is None or _source(spec, config) == GIVEN or str(spec) in seen:
+            continue
+        seen.add(str(spec))
+        key = _key(spec, config, digest)
+        search = LrSearch(spec=str(spec), centre=_lr(spec), centre_source=_source(spec, config), key=key)
+        cached = _cache_dir() / f"{key}.json"
+        if cached.is_file():
+            try:
+                body = json.loads(cached.read_text())
+                search = dataclasses.replace(search, points=body["points"], chosen=body["chosen"],
+                                             claim=body["claim"], cached=True)  # fmt: skip
+            except (ValueError, KeyError, TypeError):
+                log.warning("ignoring an unreadable tuning cache %s", cached)
+        out.append(search)
+    return out
+
+
+def _round_steps(config: BenchConfig) -> list[int]:
+    return [max(1, round(config.steps * f)) for f in ROUNDS]
+
+
+def cost_line(config: BenchConfig, searches: Sequence[LrSearch]) -> str:
+    """The search's cost in words: runs × steps and a MODELLED time; what the cache covers."""
+    todo = [s for s in searches if not s.cached]
+    steps = _round_steps(config)
+    runs_per = len(GRID) + KEEP
+    steps_per = len(GRID) * steps[0] + KEEP * steps[1]
+    est = len(todo) * (runs_per * EST_RUN_OVERHEAD_S + steps_per * EST_STEP_S)
+    text = (f"lr search (--tune): {len(searches)} variant(s), {len(searches) - len(todo)} from the cache; to run: "
+            f"{len(todo)} × ({len(GRID)} lrs × {steps[0]} steps + {KEEP} × {steps[1]} steps) = {len(todo) * runs_per} "
+            f"runs, {len(todo) * steps_per} steps")
+    if todo:
+        text += (f", about {est / 60:.0f} min (estimated: {EST_RUN_OVERHEAD_S:g} s per run for start-up and validation "
+                 f"+ {EST_STEP_S:g} s per step)")
+    return text + "."
+
+
+def preset_lr_warning(config: BenchConfig) -> str | None:
+    """Before a preset runs on a model or data its lrs were not tuned on, without --tune: a line that says so."""
+    from lowband.bench.presets import lrs_tuned_here
+
+    preset = PRESETS.get(config.preset or "")
+    if preset is None or not preset.lrs_tuned_on or lrs_tuned_here(preset, config.as_dict()):
+        return None
+    return (f"the {preset.name} preset's lrs were tuned on {preset.lrs_tuned_on}, not on this {config.model} on "
+            f"{'the embedded corpus' if config.data is None else Path(config.data).name}: a method that trails may "
+            "only have the wrong lr here. Add --tune to search them on this data first.")
+
+
+def _search_config(config: BenchConfig, specs: Sequence[BenchMethod], steps: int) -> BenchConfig:
+    return dataclasses.replace(config, methods=tuple(specs), steps=steps, seeds=config.seeds[:1],
+                               bandwidths_bps=(max(config.bandwidths_bps),), time_budget=None, target_loss=None,
+                               preset=None, ft="off", faults=())  # fmt: skip
+
+
+def _run_round(config: BenchConfig, spec: BenchMethod, lrs: Sequence[float], steps: int, out_dir: Path,
+               run: Callable[..., dict[str, Any]]) -> dict[float, float | None]:  # fmt: skip
+    h = getattr(spec.hp, "sync_every", None)
+    if h:  # a whole number of outer windows, at least one: an outer step must merge the replicas
+        steps = max(h, math.ceil(steps / h) * h)
+    specs = [_spec_at(spec, lr) for lr in lrs]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = run(_search_config(config, specs, steps), out_dir)
+    losses: dict[float, float | None] = {}
+    for s, lr in zip(specs, lrs, strict=True):
+        rec = next((r for r in results["runs"] if r.spec == str(s)), None)
+        ok = rec is not None and rec.status == "ok" and rec.val_loss is not None and math.isfinite(rec.val_loss)
+        losses[lr] = float(rec.val_loss) if ok else None
+    return losses
+
+
+def run_searches(config: BenchConfig, searches: Sequence[LrSearch], out_dir: Path,
+                 run: Callable[..., dict[str, Any]]) -> list[LrSearch]:  # fmt: skip
+    """Run the searches not in the cache (``run(config, out_dir)``: the runner), cache them; returns them all."""
+    import time
+
+    steps = _round_steps(config)
+    done = []
+    todo = [s for s in searches if not s.cached]
+    t0 = time.monotonic()
+    for i, search in enumerate(searches):
+        if search.cached:
+            done.append(search)
+            continue
+        n = todo.index(search) + 1
+        spec = _parse(search.spec)
+        slug = re.sub(r"[^a-z0-9]+", "-", search.spec.lower()).strip("-")
+        lrs = [float(f"{search.centre * f:.3g}") for f in GRID]
+        print(f"lr search {n}/{len(todo)}: {search.spec}, round 1: lr {', '.join(f'{x:g}' for x in lrs)} at "
+              f"{steps[0]} steps", file=sys.stderr, flush=True)
+        first = _run_round(config, spec, lrs, steps[0], out_dir / "tune" / f"{i:02d}-{slug}" / "round1", run)
+        points = [{"lr": lr, "round": 1, "steps": steps[0], "val_loss": v} for lr, v in first.items()]
+        ranked = sorted((v, lr) for lr, v in first.items() if v is not None)
+        chosen, claim = search.centre, "failed"
+        if ranked:
+            keep = [lr for _, lr in ranked[:KEEP]]
+            print(f"lr search {n}/{len(todo)}: {search.spec}, round 2: lr {', '.join(f'{x:g}' for x in keep)} at "
+                  f"{steps[1]} steps", file=sys.stderr, flush=True)
+            second = _run_round(config, spec, keep, steps[1], out_dir / "tune" / f"{i:02d}-{slug}" / "round2", run)
+            points += [{"lr": lr, "round": 2, "steps": steps[1], "val_loss": v} for lr, v in second.items()]
+            finals = sorted((v, lr) for lr, v in second.items() if v is not None) or ranked
+            chosen = finals[0][1]
+            claim = "best" if min(lrs) < chosen < max(lrs) else "edge"
+        search = dataclasses.replace(search, points=points, chosen=chosen, claim=claim)
+        if claim != "failed":
+            cache = _cache_dir()
+            cache.mkdir(parents=True, exist_ok=True)
+            (cache / f"{search.key}.json").write_text(json.dumps(search.as_dict(), indent=1))
+        done.append(search)
+        spent = time.monotonic() - t0
+        print(f"lr search {n}/{len(todo)}: {search.spec}: chosen {search.chosen:g} ({search.claim}); {spent:.0f} s so "
+              f"far, about {spent / n * (len(todo) - n):.0f} s left (measured)", file=sys.stderr, flush=True)
+    return done
+
+
+def apply_tuning(config: BenchConfig, searches: Sequence[LrSearch]) -> tuple[BenchConfig, dict[str, str]]:
+    """The configuration with every searched variant at its chosen lr (a failed search keeps its lr), and
+    ``{spec: where its lr came from}`` for its specs."""
+    by_spec = {s.spec: s for s in searches if s.chosen is not None and s.claim != "failed"}
+    methods, sources = [], {}
+    for m in config.methods:
+        s = by_spec.get(str(m))
+        new = m if s is None else dataclasses.replace(_spec_at(m, s.chosen), nseeds=m.nseeds)
+        methods.append(new)
+        sources[str(new)] = _source(m, config) if s is None else _tuned_source(s)
+    return dataclasses.replace(config, methods=tuple(methods)), sources
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def _plot_name(i: int) -> str:
+    return f"tune-{i}.png"
+
+
+def write_tune_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
+    """One plot per searched variant: final validation loss against lr (log axis), per round; the chosen lr marked."""
+    searches = results.get("tuning") or []
+    if not searches:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for i, s in enumerate(searches):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for rnd, marker in ((1, "o"), (2, "s")):
+            pts = sorted((p["lr"], p["val_loss"]) for p in s["points"] if p["round"] == rnd and p["val_loss"] is not None)
+            if pts:
+                steps = next(p["steps"] for p in s["points"] if p["round"] == rnd)
+                ax.plot(*zip(*pts, strict=True), marker=marker, label=f"round {rnd}: {steps} steps")
+        if s.get("chosen") is not None and s.get("claim") != "failed":
+            ax.axvline(s["chosen"], color="grey", linestyle=":", label=f"chosen {s['chosen']:g}")
+        ax.set_xscale("log")
+        ax.set_xlabel("lr")
+        ax.set_ylabel("final validation loss")
+        ax.set_title(s["spec"], fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = Path(out_dir) / _plot_name(i)
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def tuning_section(results: Mapping[str, Any], plots: Sequence[str] = ()) -> list[str]:
+    """``report.md``'s "Learning rates" section: where every lr came from, and each search ([] without sources)."""
+    sources = results.get("lr_sources") or {}
+    searches = results.get("tuning") or []
+    if not sources and not searches:
+        return []
+    out = ["## Learning rates", "",
+           "Where each variant's lr came from: *given* on the command line, a *preset default* (tuned on the "
+           "preset's own model and data), the *method default*, or *tuned here* by `--tune` (successive halving "
+           f"over lr × {', '.join(f'{f:.3g}' for f in GRID)} around the centre, the best {KEEP} again at "
+           "twice the steps, one seed, on this model and data). \"Best of the search\" only where a lower and a higher "
+           "lr were tried and ended worse.", ""]  # fmt: skip
+    if sources:
+        out += [markdown_table(["Variant", "lr from"], [[k, v] for k, v in sources.items()]), ""]
+    for i, s in enumerate(searches):
+        rows = [[f"{p['lr']:g}", str(p["round"]), str(p["steps"]),
+                 "failed" if p["val_loss"] is None else f"{p['val_loss']:.4f}"] for p in s["points"]]
+        verdict = {"best": f"chosen {s['chosen']:g}, the best of the search",
+                   "edge": f"chosen {s['chosen']:g}, the lowest loss but at the grid's edge: a better lr may lie "
+                           "beyond it, so no best lr is claimed",
+                   "failed": f"every search run failed: the centre {s['centre']:g} is kept"}.get(s["claim"], "")
+        out += [f"### lr search: {s['spec']}" + (" (from the cache)" if s.get("cached") else ""), "",
+                f"Centre {s['centre']:g} ({s['centre_source']}); {verdict}.", ""]
+        if _plot_name(i) in plots:
+            out += [f"![lr search]({_plot_name(i)})", ""]
+        out += [markdown_table(["lr", "round", "steps", "final val loss"], rows), ""]
+    return out

@@ -1,0 +1,99 @@
+"""lowband/bench/tune.py: --tune's lr search (successive halving), its cache, and where each lr came from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import lowband.bench as bench
+import lowband.bench.runner as runner
+from lowband.bench import tune
+from lowband.bench.results import load_results
+from tests.bench.fake_trainer import bench_args, in_process_launcher, load_fake
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    path = tmp_path / "cache"
+    monkeypatch.setenv("LOWBAND_CACHE", str(path))
+    return path
+
+
+def _bench(tmp_path, fake_trainer, monkeypatch, capsys, name: str, *argv: str):
+    calls: list = []
+    monkeypatch.setattr(runner, "launch_nodes", in_process_launcher(load_fake(fake_trainer), calls))
+    out = tmp_path / name
+    argv = ("--steps", "12", "--model", "t5-tiny", "--emulation", "shaped", "--out", str(out), "--no-progress", *argv)
+    assert bench.main(bench_args(*argv)) == 0
+    return load_results(out), out, calls, capsys.readouterr()
+
+
+@pytest.mark.timeout(180)
+def test_tune_searches_each_variant_uses_the_chosen_lr_says_where_it_came_from_and_reuses_its_cache(
+        tmp_path, fake_trainer, monkeypatch, capsys, cache) -> None:  # fmt: skip
+    monkeypatch.setenv("FAKE_BEST_LR", "0.001")  # the fake's loss is lowest at lr 1e-3 (adamw's default: the centre)
+    results, out, calls, io = _bench(tmp_path, fake_trainer, monkeypatch, capsys, "first",
+                                     "--methods", "adamw", "adamw:lr=0.01,nseeds=1", "--tune")
+    # The cost is announced before the first search run; the given lr (adamw:lr=0.01) is not searched.
+    assert "lr search (--tune): 1 variant(s), 0 from the cache; to run: 1 × (3 lrs × 3 steps + 2 × 6 steps) = 5 runs, " \
+           "21 steps, about" in io.err and "(estimated:" in io.err
+    assert io.err.index("lr search (--tune)") < io.err.index("lr search 1/1: adamw, round 1: lr 0.000333, 0.001, 0.003")
+    assert len(calls) == 5 + 2
+    (search,) = results["tuning"]
+    assert search["chosen"] == 0.001 and search["claim"] == "best" and not search["cached"]
+    assert [(p["lr"], p["round"], p["steps"]) for p in search["points"]] == [
+        (0.000333, 1, 3), (0.001, 1, 3), (0.003, 1, 3), (0.001, 2, 6), (0.003, 2, 6)]
+    main = [r.spec for r in results["runs"]]
+    assert main == ["adamw:lr=0.001", "adamw:lr=0.01,nseeds=1"]
+    assert results["lr_sources"] == {
+        "adamw:lr=0.001": "tuned here (best of the search; centre: method default 0.001)",
+        "adamw:lr=0.01,nseeds=1": "given"}
+    report = (out / "report.md").read_text()
+    assert "## Learning rates" in report and "| adamw:lr=0.01,nseeds=1 | given |" in report
+    assert "Centre 0.001 (method default); chosen 0.001, the best of the search." in report
+    assert "![lr search](tune-0.png)" in report and (out / "tune-0.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "tune" / "00-adamw" / "round1" / "results.json").is_file()
+    # Again with the same model, data, method and steps: the cache answers, no search run starts.
+    results, out, calls, io = _bench(tmp_path, fake_trainer, monkeypatch, capsys, "again",
+                                     "--methods", "adamw", "adamw:lr=0.01,nseeds=1", "--tune")
+    assert "1 variant(s), 1 from the cache; to run: 0 ×" in io.err and len(calls) == 2
+    assert results["tuning"][0]["cached"] and "(from the cache)" in (out / "report.md").read_text()
+    assert len(list((cache / "tune").glob("*.json"))) == 1
+
+
+@pytest.mark.timeout(180)
+def test_a_lowest_loss_at_the_grids_edge_is_not_called_best(tmp_path, fake_trainer, monkeypatch, capsys,
+                                                            cache) -> None:  # fmt: skip
+    monkeypatch.setenv("FAKE_BEST_LR", "0.1")
+    results, out, _, _ = _bench(tmp_path, fake_trainer, monkeypatch, capsys, "edge", "--methods", "adamw", "--tune")
+    (search,) = results["tuning"]
+    assert search["chosen"] == 0.003 and search["claim"] == "edge"
+    assert "lowest at the grid's edge" in results["lr_sources"]["adamw:lr=0.003"]
+    assert "a better lr may lie beyond it, so no best lr is claimed" in (out / "report.md").read_text()
+
+
+def test_the_cache_key_follows_the_datas_content_not_its_path(tmp_path, cache) -> None:
+    a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    rows = "\n".join(json.dumps({"source": f"text {i}", "target": f"t {i}"}) for i in range(40))
+    a.write_text(rows)
+    b.write_text(rows)
+    c.write_text(rows + "\n" + json.dumps({"source": "one more", "target": "x"}))
+
+    def key(path, **kw):
+        cfg = bench.make_config(methods="adamw", model="t5-tiny", data=str(path), **kw)
+        (search,) = tune.plan_searches(cfg)
+        return search.key
+
+    assert key(a) == key(b) != key(c)
+    assert key(a) != key(a, steps=80) and key(a) != key(a, nodes=3)
+
+
+def test_a_preset_on_other_data_says_before_it_starts_that_its_lrs_were_tuned_elsewhere() -> None:
+    args = bench_args("--preset", "quality", "--model", "t5-tiny")
+    warning = tune.preset_lr_warning(bench.config_from_args(args))
+    assert warning is not None and "tuned on t5-mini" in warning and "Add --tune" in warning
+    assert tune.preset_lr_warning(bench.config_from_args(bench_args("--preset", "quality"))) is None
+    sources = tune.lr_sources(bench.config_from_args(bench_args("--preset", "quality")))
+    assert sources["adamw:lr=0.03"] == "preset default"
