@@ -215,7 +215,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         with signals_as_exit():  # nodes run in sessions of their own: cleanup must run
             results = run_bench(
-                config, out_dir, mode=mode, reason=reason, command=list(sys.argv), progress=not args.no_progress
+                config, out_dir, mode=mode, reason=reason, command=list(sys.argv), progress=not args.no_progress,
+                plans=plans,
             )
     except (KeyboardInterrupt, SystemExit) as exc:
         try:
