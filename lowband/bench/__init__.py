@@ -245,12 +245,14 @@ def main(args: argparse.Namespace) -> int:
                 searches = tune.run_searches(config, searches, out_dir, run=lambda c, d: run_bench(
                     c, d, mode=mode, reason=reason, command=list(sys.argv), progress=not args.no_progress))
                 config, sources = tune.apply_tuning(config, searches)
+                plans = plan_runs(config)  # the same runs, at the chosen lrs
                 extra = {"lr_sources": sources, "tuning": [s.as_dict() for s in searches]}
                 print(f"lowband bench: lr search done; main runs: {' '.join(map(str, config.methods))}",
                       file=sys.stderr, flush=True)
             results = run_bench(
                 config, out_dir, mode=mode, reason=reason, command=list(sys.argv), progress=not args.no_progress,
                 extra=extra,
+                plans=plans,
             )
     except (KeyboardInterrupt, SystemExit) as exc:
         try:

@@ -1,10 +1,9 @@
-"""The plan of a bench: one :class:`RunPlan` per training run, and each run's job file.
+"""The plan of a bench: one :class:`RunPlan` per training run.
 
 :func:`plan_runs` expands a validated configuration (:class:`~lowband.bench.config.BenchConfig`)
 into its runs (every method at every bandwidth and seed; FlexDeMo-family methods at every
-``--shards`` value). :func:`run_command` turns one plan into what its nodes run: the run's complete
-``TrainConfig`` (:meth:`RunPlan.train_config`) written to ``RUN_DIR/config.toml``
-(:mod:`lowband.train.jobfile`), or ``lowband train`` arguments for another entry than lowband's own.
+``--shards`` value); the runner (:mod:`lowband.bench.runner`) runs them, and what a run's nodes are
+given (its ``TrainConfig`` in ``RUN_DIR/config.toml``) is :mod:`lowband.bench.jobs`'.
 """
 
 from __future__ import annotations
@@ -15,20 +14,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lowband.bench import jobs
 from lowband.bench.config import BenchConfig
-from lowband.bench.defaults import DEFAULT_ENTRY, DEFAULT_SEED
+from lowband.bench.defaults import DEFAULT_SEED
 from lowband.bench.methods import (
     METHODS,
     SHARD_SWEEP,
     canonical_method,
     method_label,
     shown_params,
-    train_hp_args,
 )
 from lowband.train.methods import MethodConfig
 from lowband.units import format_bandwidth
 
-__all__ = ["RunPlan", "plan_runs", "run_command", "shaping_args"]
+__all__ = ["RunPlan", "plan_runs"]
 
 
 def _bandwidth_slug(bandwidth_bps: float) -> str:
@@ -80,39 +79,12 @@ class RunPlan:
         return self.nodes * self.ranks_per_node
 
     def train_config(self, config: BenchConfig, out_dir: Path, *, shaped: bool):
-        """The run's TrainConfig: the bench's settings and this run's, then ``config.train_args`` (the
-        user's, which win), then the link (bandwidth when shaped in-process, latency always)."""
-        import dataclasses
-
-        from lowband.train.cli import train_overrides
-        from lowband.train.config import RunMethod, TrainConfig
-        from lowband.train.methods import canonical_names
-
-        tables: dict[str, dict[str, Any]] = {
-            "model": {"name": config.model, "shards": self.shards},
-            "schedule": {"steps": self.steps or config.steps,
-                         **({"time_budget_s": self.time_budget_s} if self.time_budget_s is not None else {})},
-            "run": {"seed": self.seed, "out": str(out_dir)}, "data": {"path": config.data},
-        }
-        for table, body in train_overrides(config.train_args).items():
-            tables.setdefault(table, {}).update(body)
-        user_hp = canonical_names(self.method, {k: v for k, v in tables.pop("method").items() if k != "name"})
-        tables["link"] = {**tables.get("link", {}), "latency_s": self.latency_s}
-        if shaped:
-            tables["link"]["bandwidth_bps"] = self.bandwidth_bps
-        method = RunMethod(name=self.method, hp=dataclasses.replace(self.hp, **user_hp))
-        return dataclasses.replace(TrainConfig.from_tables(tables), method=method)
+        """The run's TrainConfig (:func:`lowband.bench.jobs.train_config`)."""
+        return jobs.train_config(self, config, out_dir, shaped=shaped)
 
     def train_args(self, config: BenchConfig, out_dir: Path) -> list[str]:
-        """Arguments after the entry module: ``train --method M ... --out OUT_DIR``."""
-        argv = ["train", "--method", self.method, *train_hp_args(self.params)]
-        argv += ["--model", config.model, "--steps", str(self.steps or config.steps), "--seed", str(self.seed)]
-        if self.time_budget_s is not None:
-            argv += ["--time-budget", f"{self.time_budget_s:.3f}"]
-        if config.data is not None:
-            argv += ["--data", config.data]
-        argv += ["--out", str(out_dir), *config.train_args]
-        return argv
+        """``lowband train`` arguments of the run (:func:`lowband.bench.jobs.train_args`)."""
+        return jobs.train_args(self, config, out_dir)
 
 
 def _slug(text: str) -> str:
@@ -170,29 +142,3 @@ def plan_runs(config: BenchConfig) -> list[RunPlan]:
                     )  # fmt: skip
                 )
     return plans
-
-
-def shaping_args(plan: RunPlan, mode: str) -> list[str]:
-    """The shaping flags of a run's ``lowband train`` command: named on it, never taken from the environment.
-
-    Shaped mode: every rank's link shapes to the bandwidth. Both modes: tbf has no delay, so the
-    link adds the per-message latency in-process.
-    """
-    args = ["--link-bandwidth", f"{plan.bandwidth_bps:.0f}"] if mode == "shaped" else []
-    return [*args, "--link-latency", f"{plan.latency_s:g}"]
-
-
-def run_command(plan: RunPlan, config: BenchConfig, run_dir: Path, mode: str) -> list[str]:
-    """``train --config RUN_DIR/config.toml --out RUN_DIR``: the run's complete configuration
-    (:meth:`RunPlan.train_config`) goes to its ranks in the file, which also re-runs the row. Another
-    entry than lowband's own gets ``lowband train`` arguments (it may take flags of its own)."""
-    from lowband.train import jobfile
-
-    if config.entry != DEFAULT_ENTRY:
-        return plan.train_args(config, run_dir.resolve()) + shaping_args(plan, mode)
-    cfg = plan.train_config(config, run_dir.resolve(), shaped=mode == "shaped")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir.resolve() / "config.toml"
-    path.write_text(jobfile.dumps(cfg))
-    resume = cfg.checkpoint.resume
-    return ["train", "--config", str(path), "--out", cfg.run.out, *(["--resume", resume] if resume else [])]

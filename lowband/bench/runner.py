@@ -8,7 +8,7 @@ For each bandwidth the runner builds the emulated link once and runs every metho
   and each run's interface byte counters are read before and after it;
 - ``shaped`` (anywhere): all nodes on loopback, and every rank's link shapes its own traffic
   as the ``--link-bandwidth`` / ``--link-latency`` flags of its command say
-  (:func:`~lowband.bench.plan.shaping_args`).
+  (:func:`~lowband.bench.jobs.shaping_args`).
 
 Each run is ``python -m lowband train ...`` on every node through
 :func:`~lowband.cluster.launch_nodes` (one torchrun per node). A run that crashes or times out is
@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from lowband.bench.config import BenchConfig
-from lowband.bench.plan import RunPlan, plan_runs, run_command
+from lowband.bench.jobs import run_command
+from lowband.bench.plan import RunPlan, plan_runs
 from lowband.bench.quality import annotate_time_to_target
 from lowband.bench.record import RunRecord
 from lowband.bench.report import error_headline
@@ -364,6 +365,7 @@ def run_bench(
     progress: bool = True,
     launcher: Callable[..., Any] | None = None,
     on_run: Callable[[RunRecord], None] | None = None,
+    plans: list[RunPlan] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run every planned run of ``config``; write and return the results (see lowband.bench.results).
@@ -377,6 +379,7 @@ def run_bench(
         progress: show a tqdm progress bar on stderr.
         launcher: a stand-in for :func:`lowband.cluster.launch_nodes` (same signature); None for it.
         on_run: called with each finished run record.
+        plans: ``config``'s runs as :func:`~lowband.bench.plan.plan_runs` gives them (None: planned here).
         extra: more top-level keys of results.json (``--tune``: ``tuning``, ``lr_sources``).
 
     Ctrl-C / SIGTERM: processes and namespaces are cleaned up, results.json is written with
@@ -385,7 +388,7 @@ def run_bench(
     if mode is None:
         mode, reason = choose_emulation(config.emulation)
     launcher = launch_nodes if launcher is None else launcher
-    plans = plan_runs(config)
+    plans = plan_runs(config) if plans is None else plans
     latency = config.latency_s  # added in-process by the link in both modes (tbf has no delay)
     results: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,

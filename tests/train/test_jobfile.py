@@ -131,8 +131,8 @@ def test_a_missing_file_says_what_a_job_file_is(tmp_path):
 @pytest.mark.parametrize("shaped", [True, False])
 def test_the_bench_builds_each_runs_config_as_its_command_line_would_and_the_users_args_win(tmp_path, shaped):
     from lowband.bench.config import make_config
+    from lowband.bench.jobs import shaping_args as _shaping_args
     from lowband.bench.plan import plan_runs
-    from lowband.bench.plan import shaping_args as _shaping_args
     from lowband.train.cli import parse_train_args
 
     config = make_config(methods="diloco:H=5,noloco:H=2,n=2", bandwidths="100mbit,1gbit",
