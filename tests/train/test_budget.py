@@ -98,3 +98,37 @@ def test_a_budgeted_run_stops_on_its_training_clock_validates_and_records_its_st
         assert train[-1]["lr"] < train[0]["lr"]  # the cosine schedule ran toward the budget
         if name == "diloco":
             assert n % 3 == 0, f"DiLoCo H=3 stopped at step {n}, inside an outer window"
+
+
+class _Outer:
+    """An optimizer stand-in whose every H-th step is an outer step (as DiLoCo's ``communicates_next``)."""
+
+    def __init__(self, h: int) -> None:
+        self.h, self.inner = h, 0
+
+    def communicates_next(self) -> bool:
+        return (self.inner + 1) % self.h == 0
+
+
+@pytest.mark.parametrize(("local", "h", "expected"), [(False, 1, 4), (True, 3, 6)])
+def test_the_loop_stops_at_the_first_step_past_the_budget_or_at_the_end_of_that_outer_window(local, h, expected):
+    from lowband.train.loop import Trainer
+
+    t = Trainer.__new__(Trainer)  # the loop alone: steps that each take 1 s of training clock
+    t.cfg = TrainConfig.from_tables({"schedule": {"steps": 50, "time_budget_s": 3.5}})
+    t.start_step, t.ft, t.local, t.optimizer = 0, None, local, _Outer(h)
+    t.clock = {"train_time_s": 0.0, "tokens": 0}
+    t.scheduler = _scheduler()
+    t.budget = TimeBudget.of(t.cfg.schedule)
+    validated = []
+
+    def step(s: int) -> None:
+        t.clock["train_time_s"] += 1.0
+        t.optimizer.inner += 1
+        t.scheduler.step()
+
+    t.train_step, t._after_step = step, validated.append
+    t._run_steps()
+    # 4 s > 3.5 s after step 4; DiLoCo H=3 goes on to its outer step at 6. No validation at the stopping step
+    # (run() validates there once).
+    assert t.steps_done == expected and validated == list(range(1, expected))
