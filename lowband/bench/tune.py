@@ -325,6 +325,14 @@ def write_tune_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
     return paths
 
 
+def _lr_text(spec: str) -> str:
+    try:
+        lr = _lr(_parse(spec))
+    except ValueError:  # a spec this lowband no longer reads (an old results.json)
+        return "-"
+    return "-" if lr is None else f"{lr:g}"
+
+
 def tuning_section(results: Mapping[str, Any], plots: Sequence[str] = ()) -> list[str]:
     """``report.md``'s "Learning rates" section: where every lr came from, and each search ([] without sources)."""
     sources = results.get("lr_sources") or {}
@@ -338,7 +346,7 @@ def tuning_section(results: Mapping[str, Any], plots: Sequence[str] = ()) -> lis
            "twice the steps, one seed, on this model and data). \"Best of the search\" only where a lower and a higher "
            "lr were tried and ended worse.", ""]  # fmt: skip
     if sources:
-        out += [markdown_table(["Variant", "lr from"], [[k, v] for k, v in sources.items()]), ""]
+        out += [markdown_table(["Variant", "lr", "lr from"], [[k, _lr_text(k), v] for k, v in sources.items()]), ""]
     for i, s in enumerate(searches):
         rows = [[f"{p['lr']:g}", str(p["round"]), str(p["steps"]),
                  "failed" if p["val_loss"] is None else f"{p['val_loss']:.4f}"] for p in s["points"]]

@@ -51,7 +51,7 @@ def test_tune_searches_each_variant_uses_the_chosen_lr_says_where_it_came_from_a
         "adamw:lr=0.001": "tuned here (best of the search; centre: method default 0.001)",
         "adamw:lr=0.01,nseeds=1": "given"}
     report = (out / "report.md").read_text()
-    assert "## Learning rates" in report and "| adamw:lr=0.01,nseeds=1 | given |" in report
+    assert "## Learning rates" in report and "| adamw:lr=0.01,nseeds=1 | 0.01 | given |" in report
     assert "Centre 0.001 (method default); chosen 0.001, the best of the search." in report
     assert "![lr search](tune-0.png)" in report and (out / "tune-0.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "tune" / "00-adamw" / "round1" / "results.json").is_file()
