@@ -208,6 +208,7 @@ def main(args: argparse.Namespace) -> int:
     Returns 0 when every run succeeded, 1 when some failed, 2 on bad input (nothing was
     started), 130 when interrupted (what was done is written).
     """
+    from lowband.bench.data_passes import data_passes_note
     from lowband.bench.report import console_summary, write_report
     from lowband.bench.results import load_results
     from lowband.bench.runner import (
@@ -222,9 +223,12 @@ def main(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         out_dir = check_out_dir(args.out if args.out is not None else default_out_dir())
         mode, reason = choose_emulation(config.emulation)
+        passes = data_passes_note(config)  # the data-size guard, before the first run
     except ValueError as exc:
         print(f"lowband bench: error: {exc}", file=sys.stderr)
         return 2
+    if passes:
+        print(f"lowband bench: warning: {passes}", file=sys.stderr, flush=True)
     from lowband.bench import tune
 
     searches = tune.plan_searches(config) if getattr(args, "tune", False) else []

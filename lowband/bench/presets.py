@@ -161,7 +161,7 @@ def sequence_lengths(model: str, train_args: Sequence[str]) -> str:
     from lowband.train.models import MODEL_SIZES
 
     data = parse_train_args(train_args, known_only=True).data
-    causal = f"{data.max_len} tokens per text"
+    causal = f"{data.max_len} tokens per text" if data.packing == "lines" else f"blocks of {data.max_len} packed tokens"
     seq2seq = f"{data.max_source_len} source / {data.max_target_len} target tokens"
     size = MODEL_SIZES.get(model)
     if size is None:

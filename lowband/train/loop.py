@@ -291,7 +291,7 @@ class Trainer:
         self.clock = {"train_time_s": float(resumed.get("train_time_s", 0.0)), "tokens": int(resumed.get("tokens", 0))}
 
     def _open_outputs(self) -> None:
-        from lowband.train.data import steps_per_epoch
+        from lowband.train.data import passes_note, steps_per_epoch
 
         cfg = self.cfg
         self.step_batch = cfg.schedule.batch_size * cfg.schedule.grad_accum  # examples per rank per optimizer step
@@ -312,6 +312,10 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.toml").write_text(jobfile.dumps(cfg))
         self.steps_per_epoch = steps_per_epoch(self.data, world_size=self.data_world, batch_size=self.step_batch)
+        note = passes_note(self.data, steps=cfg.schedule.steps, world_size=self.data_world,
+                           batch_size=cfg.schedule.batch_size, grad_accum=cfg.schedule.grad_accum)
+        if note and self.rank == 0:  # before step 0: the data-size guard
+            log.warning("%s", note)
         self.bar = None
         if self.rank == 0 and cfg.run.progress:
             from tqdm import tqdm
@@ -323,7 +327,7 @@ class Trainer:
     # ------------------------------------------------------------------ phases
     def train_step(self, step: int) -> float:
         """Optimizer step ``step`` (0-based) on this rank; record it; return its training loss."""
-        from lowband.train.data import epoch_of, train_batch
+        from lowband.train.data import epoch_of, real_tokens, train_batch
         from lowband.train.step import split_batch, train_step
 
         cfg, kind, t = self.cfg, self.spec.kind, self.tally
@@ -334,7 +338,7 @@ class Trainer:
         # Dropout masks as a function of (seed, step, rank): a resumed run repeats them exactly.
         torch.manual_seed((cfg.run.seed * 1_000_003 + step) * self.world + self.rank)
         t0 = time.perf_counter()
-        self.clock["tokens"] += _batch_tokens(batch, seq2seq=kind == "seq2seq")
+        self.clock["tokens"] += real_tokens(batch, kind=kind)
         dropped0 = self._dropped()
         loss = train_step(self.model, self.optimizer, split_batch(batch, cfg.schedule.grad_accum, kind=kind), kind=kind,
                           profile=self.profile)
@@ -657,14 +661,6 @@ def _reshard(model: torch.nn.Module) -> None:
 def run_training(cfg: TrainConfig) -> RunSummary:
     """Train on this rank (``Trainer(cfg).run()``); return this rank's summary."""
     return Trainer(cfg).run()
-
-
-def _batch_tokens(batch: dict[str, torch.Tensor], *, seq2seq: bool) -> int:
-    """Non-padding tokens of a batch: the input tokens, plus the target tokens of a seq2seq model."""
-    n = int(batch["attention_mask"].sum())
-    if seq2seq:
-        n += int((batch["labels"] != -100).sum())
-    return n
 
 
 def _log_topology_change(extra: dict, topology: Topology, *, cfg: TrainConfig) -> None:

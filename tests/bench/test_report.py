@@ -162,7 +162,7 @@ def test_the_report_describes_the_data_and_model_that_ran_not_the_presets(tmp_pa
     data = tmp_path / "my_texts.txt"
     data.write_text("one text\nanother text\n")
     head = _head(_config("--preset", "quality", "--data", str(data), "--model", "gpt-mini"))
-    assert "Model gpt-mini on `my_texts.txt`, 128 tokens per text, 140 steps, seeds 0, 1" in head
+    assert "Model gpt-mini on `my_texts.txt`, blocks of 128 packed tokens, 140 steps, seeds 0, 1" in head
     assert "from the preset: methods, link, steps, seeds, train args" in head
     assert "overridden on the command line: model gpt-mini (preset: t5-mini); data `my_texts.txt` " \
            "(preset: the embedded corpus)" in head

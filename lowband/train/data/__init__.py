@@ -7,7 +7,12 @@ description; causal examples are the extracts. Nothing is copied into this repos
 
 A user's data are local files read through ``datasets``: ``.jsonl``/``.json``, ``.csv``/``.tsv``
 with a source and a target column (seq2seq) or a text column (causal), or a ``.txt`` file with
-one example per line (causal).
+one document per non-empty line (causal).
+
+Causal text is packed by default (``DataConfig.packing = "blocks"``, :mod:`~lowband.train.data.packing`):
+the documents, each ended by ``</s>``, are cut into full blocks of ``max_len`` tokens, the last
+partial block dropped, as transformers' ``run_clm`` does; ``"lines"`` keeps one padded example per
+document. The validation documents are split off before packing. Seq2seq pairs are never packed.
 
 Batches are a pure function of (step, rank, world size, batch size, seed): each epoch has its
 own seeded permutation of the training examples, a global batch is ``world_size * batch_size``
@@ -24,22 +29,27 @@ The package, one module per concern (the public names are importable from ``lowb
   :class:`Data` (what was loaded), :func:`describe`;
 - :mod:`~lowband.train.data.sources`: raw examples from the default corpus or a user's file;
 - :mod:`~lowband.train.data.token_cache`: token ids, computed once and cached on disk;
+- :mod:`~lowband.train.data.packing`: documents packed into full blocks;
 - :mod:`~lowband.train.data.load`: the train/validation split and :func:`load_data` (memoised in
   the process);
-- :mod:`~lowband.train.data.batching`: the deterministic training batches and validation batches.
+- :mod:`~lowband.train.data.batching`: the deterministic training batches and validation batches,
+  the passes a run makes over the data (:func:`passes_note`), the real tokens of a batch.
 """
 
 from lowband.train.data.batching import (
     batch_indices,
     collate,
     epoch_of,
+    passes_note,
+    passes_over_data,
+    real_tokens,
     steps_per_epoch,
     train_batch,
     val_batch_count,
     val_batches,
 )
-from lowband.train.data.config import KINDS, LABEL_PAD, Data, DataConfig, Split, describe
-from lowband.train.data.load import DEFAULT_VAL_CAP, DEFAULT_VAL_FRACTION, load_data
+from lowband.train.data.config import KINDS, LABEL_PAD, PACKINGS, Data, DataConfig, Split, describe
+from lowband.train.data.load import DEFAULT_VAL_CAP, DEFAULT_VAL_FRACTION, load_data, training_examples
 from lowband.train.data.sources import (
     ACCEPTED_EXTENSIONS,
     DEFAULT_FILE,
@@ -58,6 +68,7 @@ __all__ = [
     "DEFAULT_VAL_FRACTION",
     "KINDS",
     "LABEL_PAD",
+    "PACKINGS",
     "Data",
     "DataConfig",
     "Split",
@@ -70,8 +81,12 @@ __all__ = [
     "describe",
     "epoch_of",
     "load_data",
+    "passes_note",
+    "passes_over_data",
+    "real_tokens",
     "steps_per_epoch",
     "train_batch",
+    "training_examples",
     "val_batch_count",
     "val_batches",
 ]

@@ -15,7 +15,8 @@ import torch
 
 from lowband.train.data.config import LABEL_PAD, Data, Split
 
-__all__ = ["batch_indices", "collate", "epoch_of", "steps_per_epoch", "train_batch", "val_batch_count", "val_batches"]
+__all__ = ["batch_indices", "collate", "epoch_of", "passes_note", "passes_over_data", "real_tokens", "steps_per_epoch",
+           "train_batch", "val_batch_count", "val_batches"]
 
 def _num_examples(data: Data | int) -> int:
     return data if isinstance(data, int) else len(data.train)
@@ -45,6 +46,77 @@ def steps_per_epoch(data: Data | int, *, world_size: int, batch_size: int) -> in
             f"({world_size} ranks x {batch_size}); lower the batch size or add data"
         )
     return n // global_batch
+
+
+def passes_over_data(data: Data | int, *, steps: int, world_size: int, batch_size: int, grad_accum: int = 1) -> float:
+    """Passes (epochs) a run of ``steps`` steps makes over the training data.
+
+    ``steps × global batch / training examples``, the global batch being ``world_size × batch_size ×
+    grad_accum`` examples (packed causal data: blocks of ``max_len`` tokens).
+
+    Args:
+        data: the data, or the number of training examples.
+        steps: optimizer steps of the run.
+        world_size: ranks that split a global batch.
+        batch_size: examples per rank per micro-batch.
+        grad_accum: micro-batches per optimizer step.
+
+    Returns:
+        The number of passes (1.0: every example once).
+    """
+    return steps * world_size * batch_size * grad_accum / _num_examples(data)
+
+
+def _unit(data: Data | int) -> str:
+    if isinstance(data, int):
+        return "examples"
+    if data.packed:
+        return f"examples (blocks of {data.config.max_len} packed tokens)"
+    return "examples"
+
+
+def passes_note(data: Data | int, *, steps: int, world_size: int, batch_size: int, grad_accum: int = 1,
+                name: str | None = None) -> str | None:
+    """What a run that reads its training data more than once should say before it starts; None otherwise.
+
+    Args:
+        data: the data, or the number of training examples.
+        steps: optimizer steps of the run.
+        world_size: ranks that split a global batch.
+        batch_size: examples per rank per micro-batch.
+        grad_accum: micro-batches per optimizer step.
+        name: the data in words (default: the data's name).
+
+    Returns:
+        The passes (epochs) in words, with the arithmetic and what to change; None within one pass.
+    """
+    n = _num_examples(data)
+    passes = passes_over_data(n, steps=steps, world_size=world_size, batch_size=batch_size, grad_accum=grad_accum)
+    if passes <= 1.0:
+        return None
+    global_batch = world_size * batch_size * grad_accum
+    parts = f"{world_size} rank(s) × batch size {batch_size}" + (f" × grad accum {grad_accum}" if grad_accum > 1 else "")
+    if name is None and not isinstance(data, int):
+        name = data.name
+    of = f" of {name}" if name else ""
+    spe = steps_per_epoch(n, world_size=world_size, batch_size=batch_size * grad_accum)
+    return (f"the training data will be read {passes:.2f} times, {passes:.2f} passes (epochs): {steps:,} steps × a "
+            f"global batch of {global_batch:,} ({parts}) = {steps * global_batch:,} examples, over {n:,} training "
+            f"{_unit(data)}{of}; a new epoch, reshuffled, starts every {spe:,} steps. Later epochs repeat examples "
+            "already trained on: to stay within one pass, lower --steps or the batch, or add data")
+
+
+def real_tokens(batch: dict[str, torch.Tensor], *, kind: str) -> int:
+    """Real (non-padding) tokens of a batch: the input tokens, plus a seq2seq model's target tokens.
+
+    The token counts lowband reports (``tokens`` in ``metrics.jsonl``, the summaries, the bench's
+    results and its plots' token axes) count these: a padded position is not a token trained on.
+    Packed causal blocks have no padding: every position counts.
+    """
+    n = int(batch["attention_mask"].sum())
+    if kind == "seq2seq":
+        n += int((batch["labels"] != LABEL_PAD).sum())
+    return n
 
 
 def epoch_of(step: int, *, data: Data | int, world_size: int, batch_size: int) -> int:

@@ -11,9 +11,11 @@ from tokenizers import Tokenizer
 from lowband.train.fields import option
 from lowband.train.tokenizer import SpecialIds
 
-__all__ = ["KINDS", "LABEL_PAD", "Data", "DataConfig", "Split", "describe"]
+__all__ = ["KINDS", "LABEL_PAD", "PACKINGS", "Data", "DataConfig", "Split", "describe"]
 
 KINDS: tuple[str, ...] = ("seq2seq", "causal")
+#: How causal text becomes examples (:attr:`DataConfig.packing`).
+PACKINGS: tuple[str, ...] = ("blocks", "lines")
 #: The label of a padding position: ignored by the loss.
 LABEL_PAD = -100
 
@@ -32,18 +34,27 @@ class DataConfig:
             example per non-empty line.
         val_path: optional separate validation file (same format); when given, ``val_size`` is
             ignored and all of ``path`` is training data.
-        val_size: validation share: a fraction in (0, 1), a count of examples (int >= 1, default 256),
+        val_size: validation share: a fraction in (0, 1), a count of examples (documents when packed: the
+            split comes before packing; int >= 1, default 256),
             or None for 5 % of the examples capped at 500 (493 of the default corpus's 9,862).
         max_source_len: source tokens per example, ``</s>`` included (paper: 512).
         max_target_len: target tokens per example, ``</s>`` included (paper: 150).
-        max_len: tokens per causal example, ``</s>`` included.
+        max_len: tokens per causal example, ``</s>`` included (``packing="blocks"``: the block length).
+        packing: how causal text becomes examples. ``"blocks"`` (the default): the documents (one
+            per non-empty line of a ``.txt``, one per row of a text column, one per lead paragraph of
+            the embedded corpus) are tokenised whole, each followed by ``</s>``, concatenated and cut
+            into full blocks of ``max_len`` tokens, the last partial block dropped, as transformers'
+            ``run_clm`` (``group_texts``) and nanoGPT do: no padding, and a block spans documents.
+            The validation documents are split off first and packed on their own, so no block
+            straddles train and validation. ``"lines"``: one example per document, truncated to
+            ``max_len`` and padded in the batch. Seq2seq pairs are never packed (this is ignored).
         vocab_size: vocabulary size of the tokenizer lowband trains.
         tokenizer: a user's ``tokenizer.json`` or a directory holding one; None trains one on the
             training text (cached, see :mod:`lowband.train.tokenizer`).
         tokenizer_kind: ``"bpe"`` or ``"unigram"`` for a trained tokenizer.
         seed: seed of the train/validation split.
-        max_examples: keep at most this many examples (after dropping empty ones, before the
-            split); None keeps all. Handy for quick runs.
+        max_examples: keep at most this many examples (documents when packed; after dropping empty
+            ones, before the split); None keeps all. Handy for quick runs.
     """
 
     path: str | None = option(None, "local .jsonl/.csv/.txt file (default: embedded Wikipedia lead paragraph -> "
@@ -57,17 +68,23 @@ class DataConfig:
     val_size: float | int | None = option(256, "validation examples (>= 1) or share (< 1)", type=float)
     max_source_len: int = option(128, "tokens per source, truncated (paper: 512)")
     max_target_len: int = option(32, "tokens per target, truncated (paper: 150)")
-    max_len: int = option(128, "causal LM sequence length")
+    max_len: int = option(128, "causal LM sequence length (packed: the block length)")
+    packing: str = option("blocks", "causal LM text: 'blocks' packs the documents (a .txt's lines, a text column's "
+                          "rows), each ended by </s>, into full blocks of --max-len tokens, the remainder dropped "
+                          "(as run_clm's group_texts); 'lines' keeps one example per document, truncated and "
+                          "padded. Seq2seq pairs are never packed", choices=PACKINGS)
     vocab_size: int = option(8192, "size of the tokenizer trained on the data")
     tokenizer: str | None = option(None, "a tokenizer.json or its directory (default: train one on the data, "
                                    "cached)")
     tokenizer_kind: str = option("bpe", "the kind of tokenizer trained on the data", choices=("bpe", "unigram"))
     seed: int = 0  # not a job key: the trainer sets it from the run's seed
-    max_examples: int | None = option(None, "use at most this many examples")
+    max_examples: int | None = option(None, "use at most this many examples (documents, before packing)")
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown data kind {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"unknown packing {self.packing!r}; choose one of {', '.join(PACKINGS)}")
         for name in ("max_source_len", "max_target_len", "max_len"):
             if getattr(self, name) < 2:
                 raise ValueError(f"{name} must be at least 2 (one token and </s>), got {getattr(self, name)}")
@@ -88,7 +105,8 @@ class Split:
             ending in ``</s>`` (seq2seq: the source).
         target_ids: seq2seq target ids per example (int32 arrays), each ending in ``</s>``; None
             for causal.
-        source_text: untruncated source (seq2seq) or text (causal) per example.
+        source_text: untruncated source (seq2seq) or text (causal) per example; packed causal data:
+            the documents packed into the blocks, in order (not one per block).
         target_text: untruncated reference target per example (seq2seq); None for causal.
     """
 
@@ -131,6 +149,11 @@ class Data:
         return self.tokenizer.get_vocab_size()
 
     @property
+    def packed(self) -> bool:
+        """Whether the examples are packed blocks of ``config.max_len`` tokens (causal, ``packing="blocks"``)."""
+        return self.kind == "causal" and self.config.packing == "blocks"
+
+    @property
     def pad_id(self) -> int:
         """Padding id of inputs."""
         return self.special.pad
@@ -143,7 +166,8 @@ def describe(data: Data) -> dict[str, Any]:
         data: the data.
 
     Returns:
-        Name, kind, sizes, vocab size, and mean token lengths.
+        Name, kind, packing (causal), sizes (packed: blocks, and the documents they hold), vocab
+        size, and mean token lengths.
     """
 
     def mean_len(seqs: list[np.ndarray] | None) -> float | None:
@@ -152,8 +176,10 @@ def describe(data: Data) -> dict[str, Any]:
     return {
         "name": data.name,
         "kind": data.kind,
+        "packing": data.config.packing if data.kind == "causal" else None,
         "train_examples": len(data.train),
         "val_examples": len(data.val),
+        "train_documents": len(data.train.source_text),
         "vocab_size": data.vocab_size,
         "mean_input_tokens": mean_len(data.train.input_ids),
         "mean_target_tokens": mean_len(data.train.target_ids),

@@ -15,7 +15,7 @@ from lowband.train.data.sources import default_corpus_texts, default_examples, r
 from lowband.train.data.token_cache import encode
 from lowband.train.tokenizer import DEFAULT_DATASET_ID, SpecialIds, get_tokenizer, load_tokenizer, special_ids
 
-__all__ = ["DEFAULT_VAL_CAP", "DEFAULT_VAL_FRACTION", "load_data"]
+__all__ = ["DEFAULT_VAL_CAP", "DEFAULT_VAL_FRACTION", "load_data", "training_examples"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +54,39 @@ def _make_split(
             source_text=sources,
             target_text=targets,
         )
+    packed = cfg.packing == "blocks"
     return Split(
-        input_ids=encode(tokenizer, sources, cfg.max_len, special.eos),
+        input_ids=encode(tokenizer, sources, cfg.max_len, special.eos, packed=packed),
         target_ids=None,
         source_text=sources,
         target_text=None,
     )
+
+
+def _check_blocks(data: Data, *, train_docs: int, val_docs: int) -> None:
+    """Packed data: each side must fill at least one block."""
+    for side, split, docs in (("training", data.train, train_docs), ("validation", data.val, val_docs)):
+        if len(split) == 0:
+            raise ValueError(
+                f"the {docs} {side} document(s) hold fewer than --max-len {data.config.max_len} tokens, not one "
+                f"full packed block; give more {side} text, a smaller --max-len, or --packing lines"
+            )
+
+
+def training_examples(cfg: DataConfig) -> int:
+    """How many training examples :func:`load_data` gives for ``cfg``: documents less the validation
+    ones, read without tokenising; packed causal data: the blocks, which needs the token ids (loaded,
+    and cached on disk for the runs that follow).
+
+    Args:
+        cfg: what to load (``kind`` and ``seed`` set as the run sets them).
+
+    Returns:
+        The number of training examples (packed: blocks of ``cfg.max_len`` tokens).
+    """
+    if cfg.kind == "causal" and cfg.packing == "blocks":
+        return len(load_data(cfg).train)
+    return len(_read_split(cfg)[0])
 
 
 def _file_identity(path: str | None) -> tuple[Any, ...]:
@@ -70,6 +97,34 @@ def _file_identity(path: str | None) -> tuple[Any, ...]:
     except OSError:
         return (path,)
     return (str(Path(path).expanduser().resolve()), st.st_size, st.st_mtime_ns)
+
+
+def _read_split(cfg: DataConfig) -> tuple[list[str], list[str] | None, list[str], list[str] | None, str]:
+    """The raw examples (documents), split: (train sources, train targets, val sources, val targets, name)."""
+    if cfg.path is None:
+        if cfg.val_path is not None:
+            raise ValueError(
+                "val_path needs path: give the training file too, or neither for the default data"
+            )
+        sources, targets = default_examples(cfg.kind)
+        name = DEFAULT_DATASET_ID
+    else:
+        sources, targets = read_file(cfg.path, cfg)
+        name = str(cfg.path)
+    if cfg.max_examples is not None:
+        sources = sources[: cfg.max_examples]
+        targets = targets[: cfg.max_examples] if targets is not None else None
+
+    if cfg.val_path is not None:
+        val_sources, val_targets = read_file(cfg.val_path, cfg)
+        train_sources, train_targets = sources, targets
+    else:
+        train_idx, val_idx = _split_indices(len(sources), cfg.val_size, cfg.seed)
+        train_sources = [sources[i] for i in train_idx]
+        val_sources = [sources[i] for i in val_idx]
+        train_targets = [targets[i] for i in train_idx] if targets is not None else None
+        val_targets = [targets[i] for i in val_idx] if targets is not None else None
+    return train_sources, train_targets, val_sources, val_targets, name
 
 
 _CACHE: dict[tuple[Any, ...], Data] = {}
@@ -97,29 +152,7 @@ def load_data(cfg: DataConfig, *, use_cache: bool = True) -> Data:
         return _CACHE[key]
     start = time.perf_counter()
 
-    if cfg.path is None:
-        if cfg.val_path is not None:
-            raise ValueError(
-                "val_path needs path: give the training file too, or neither for the default data"
-            )
-        sources, targets = default_examples(cfg.kind)
-        name = DEFAULT_DATASET_ID
-    else:
-        sources, targets = read_file(cfg.path, cfg)
-        name = str(cfg.path)
-    if cfg.max_examples is not None:
-        sources = sources[: cfg.max_examples]
-        targets = targets[: cfg.max_examples] if targets is not None else None
-
-    if cfg.val_path is not None:
-        val_sources, val_targets = read_file(cfg.val_path, cfg)
-        train_sources, train_targets = sources, targets
-    else:
-        train_idx, val_idx = _split_indices(len(sources), cfg.val_size, cfg.seed)
-        train_sources = [sources[i] for i in train_idx]
-        val_sources = [sources[i] for i in val_idx]
-        train_targets = [targets[i] for i in train_idx] if targets is not None else None
-        val_targets = [targets[i] for i in val_idx] if targets is not None else None
+    train_sources, train_targets, val_sources, val_targets, name = _read_split(cfg)
     loaded = time.perf_counter()
 
     if cfg.tokenizer is not None:
@@ -143,6 +176,8 @@ def load_data(cfg: DataConfig, *, use_cache: bool = True) -> Data:
         config=cfg,
         name=name,
     )
+    if data.packed:
+        _check_blocks(data, train_docs=len(train_sources), val_docs=len(val_sources))
     done = time.perf_counter()
     data.stats = {
         "read_s": loaded - start,
@@ -152,11 +187,13 @@ def load_data(cfg: DataConfig, *, use_cache: bool = True) -> Data:
         "val_examples": len(data.val),
     }
     logger.info(
-        "data %s (%s): %d train / %d val examples, vocab %d; read %.2f s, tokenizer %.2f s, encode %.2f s",
+        "data %s (%s): %d train / %d val %s, vocab %d; read %.2f s, tokenizer %.2f s, encode %.2f s",
         name,
         cfg.kind,
         len(data.train),
         len(data.val),
+        f"blocks of {cfg.max_len} tokens (packed from {len(train_sources)} / {len(val_sources)} documents)"
+        if data.packed else "examples",
         data.vocab_size,
         data.stats["read_s"],
         data.stats["tokenizer_s"],

@@ -1,7 +1,7 @@
 """Token ids, computed once and cached on disk.
 
-Ids are cached under ``$LOWBAND_CACHE/tokens``, keyed by the tokenizer, the texts and the length
-limit, so the many processes of a run or a benchmark do not each re-tokenise; in memory each split
+Ids are cached under ``$LOWBAND_CACHE/tokens``, keyed by the tokenizer, the texts, the length
+limit and the packing (one example per text, or texts packed into blocks), so the many processes of a run or a benchmark do not each re-tokenise; in memory each split
 is one int32 array viewed per example.
 """
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from lowband.train.data.packing import pack
 from lowband.train.tokenizer import cache_root, texts_fingerprint
 from lowband.util import atomic_path
 
@@ -23,6 +24,12 @@ __all__ = ["encode"]
 logger = logging.getLogger(__name__)
 
 _TOKENS_VERSION = 1
+
+
+def _pack_now(tokenizer: Tokenizer, texts: Sequence[str], block: int, eos: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenise whole texts and pack them into blocks (:func:`~lowband.train.data.packing.pack`)."""
+    encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    return pack([e.ids for e in encodings], block, eos)
 
 
 def _encode_now(
@@ -46,18 +53,25 @@ def _encode_now(
 
 
 def encode(
-    tokenizer: Tokenizer, texts: Sequence[str], max_len: int, eos: int, *, use_cache: bool = True
+    tokenizer: Tokenizer, texts: Sequence[str], max_len: int, eos: int, *, use_cache: bool = True,
+    packed: bool = False,
 ) -> list[np.ndarray]:
     """Token ids of each text (truncated, ``</s>`` last) as read-only int32 views of one array.
 
-    Results are cached on disk under ``$LOWBAND_CACHE/tokens`` keyed by a hash of (tokenizer,
-    texts, max_len, eos), so the many processes of a run or a benchmark tokenise once. Files
+    With ``packed``, the texts are documents: tokenised whole, each followed by ``</s>``, and cut
+    into full blocks of ``max_len`` tokens (:func:`~lowband.train.data.packing.pack`); one view per
+    block, the remainder dropped.
+
+    Results are cached on disk under ``$LOWBAND_CACHE/tokens`` keyed by a hash of (packing,
+    tokenizer, texts, max_len, eos), so the many processes of a run or a benchmark tokenise once. Files
     appear by atomic rename; processes that race both compute and write identical files.
     """
     flat: np.ndarray | None = None
     target: Path | None = None
     if use_cache:
-        h = hashlib.sha256(f"v{_TOKENS_VERSION}|{max_len}|{eos}|".encode())
+        # Line-per-text keys keep their old form: caches written before packing existed stay valid.
+        mode = "packed|" if packed else ""
+        h = hashlib.sha256(f"v{_TOKENS_VERSION}|{mode}{max_len}|{eos}|".encode())
         h.update(hashlib.sha256(tokenizer.to_str().encode()).digest())
         h.update(texts_fingerprint(texts).encode())
         target = cache_root() / "tokens" / f"{h.hexdigest()[:32]}.npz"
@@ -65,13 +79,14 @@ def encode(
             try:
                 with np.load(target) as z:
                     flat, offsets = z["flat"], z["offsets"]
-                if len(offsets) != len(texts) + 1:
+                expected = len(flat) // max_len + 1 if packed else len(texts) + 1
+                if len(offsets) != expected:
                     flat = None
             except (OSError, ValueError, KeyError) as exc:  # a damaged file: recompute it
                 logger.warning("ignoring unreadable token cache %s: %s", target, exc)
                 flat = None
     if flat is None:
-        flat, offsets = _encode_now(tokenizer, texts, max_len, eos)
+        flat, offsets = (_pack_now if packed else _encode_now)(tokenizer, texts, max_len, eos)
         if target is not None:
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,7 @@ def test_default_data_loads_and_splits_deterministically(wiki: data_mod.Data) ->
     assert len(other.val) == round(0.1 * n)
     assert set(other.val.source_text) != set(wiki.val.source_text)
     assert other.tokenizer.to_str() == wiki.tokenizer.to_str()  # one tokenizer whatever the split
-    causal = load_data(DataConfig(kind="causal", max_len=64, vocab_size=2048, val_size=0.05))
+    causal = load_data(DataConfig(kind="causal", max_len=64, vocab_size=2048, val_size=0.05, packing="lines"))
     assert len(causal.train) + len(causal.val) == 10_033 and causal.train.target_ids is None
 
 
@@ -216,10 +216,10 @@ def test_user_jsonl_csv_tsv_and_text(tmp_path: Path, fresh_cache: Path) -> None:
 
     tx = tmp_path / "corpus.txt"
     tx.write_text("\n".join(texts[:20]) + "\n\n" + "\n".join(texts[20:]) + "\n", encoding="utf-8")
-    t = load_data(DataConfig(path=str(tx), kind="causal", val_size=4, max_len=8, vocab_size=300))
+    t = load_data(DataConfig(path=str(tx), kind="causal", val_size=4, max_len=8, vocab_size=300, packing="lines"))
     assert len(t.train) + len(t.val) == 40 and t.kind == "causal"
     assert all(len(s) <= 8 and s[-1] == EOS_ID for s in t.train.input_ids)
-    jc = load_data(DataConfig(path=str(jl), kind="causal", val_size=4, vocab_size=300))
+    jc = load_data(DataConfig(path=str(jl), kind="causal", val_size=4, vocab_size=300, packing="lines"))
     assert len(jc.train) + len(jc.val) == 40
 
     vpath = tmp_path / "val.jsonl"

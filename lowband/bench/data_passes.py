@@ -1,0 +1,39 @@
+"""The bench's data-size guard: before its first run, say when the runs read their data more than once.
+
+Every run of a bench reads the same data with the same steps and global batch, so one figure holds
+for all: ``steps × global batch (× grad accumulation) / training examples`` passes (epochs), the
+training examples counted as the runs count them (packed causal text: blocks of ``--max-len``
+tokens; loading them here tokenises once, into the disk cache the runs then read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from lowband.bench.config import DEFAULT_ENTRY, BenchConfig, data_name, plan_runs
+
+__all__ = ["data_passes_note"]
+
+
+def data_passes_note(config: BenchConfig) -> str | None:
+    """The passes the bench's runs make over their training data, in words, when more than one; else None.
+
+    A bench with another entry than lowband's trainer (``--entry``) reads data of its own: None.
+
+    Raises:
+        ValueError: the data cannot be loaded (the runs could not either).
+    """
+    from lowband.train.data import load_data, passes_note, training_examples
+    from lowband.train.models import model_kind
+
+    plans = plan_runs(config)
+    if config.entry != DEFAULT_ENTRY or not plans:
+        return None
+    plan = plans[0]  # the same data, steps and batch for every run; the split by the first seed
+    cfg = plan.train_config(config, Path("."), shaped=True)
+    data_cfg = dataclasses.replace(cfg.data, kind=model_kind(cfg.model.name), seed=cfg.run.seed)
+    packed = data_cfg.kind == "causal" and data_cfg.packing == "blocks"
+    data = load_data(data_cfg) if packed else training_examples(data_cfg)
+    return passes_note(data, steps=cfg.schedule.steps, world_size=plan.world_size, batch_size=cfg.schedule.batch_size,
+                       grad_accum=cfg.schedule.grad_accum, name=data_name(config.data))
