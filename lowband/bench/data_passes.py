@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from lowband.bench.config import DEFAULT_ENTRY, BenchConfig, data_name, plan_runs
+from lowband.bench.config import DEFAULT_ENTRY, BenchConfig, data_name
+from lowband.bench.plan import plan_runs
 
 __all__ = ["data_passes_note"]
 
