@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -37,9 +39,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, local_world: int, port: int, fn, args, kwargs, queue, extra_env) -> None:
+def _worker(rank: int, world: int, local_world: int, store_path: str, fn, args, kwargs, queue, extra_env) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank % local_world), LOCAL_WORLD_SIZE=str(local_world), OMP_NUM_THREADS="1",
         GROUP_RANK=str(rank // local_world),
     )
@@ -49,7 +51,9 @@ def _worker(rank: int, world: int, local_world: int, port: int, fn, args, kwargs
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        # The ranks meet through a file, not a TCP port: a port picked free and released can be taken by
+        # another test's store before rank 0 binds it, and the ranks then wait on a stranger's store.
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
         result = fn(rank, *args, **kwargs)
         queue.put((rank, "ok", result))
     except BaseException as e:  # noqa: BLE001 - reported to the parent with its traceback
@@ -80,11 +84,12 @@ def run_ranks(
     """
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = free_port()
+    store_dir = tempfile.mkdtemp(prefix="lowband-ranks-")
+    store_path = os.path.join(store_dir, "store")
     local_world = ranks_per_node or world_size
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, local_world, port, fn, args, kwargs or {}, queue, env or {}),
-                    daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, local_world, store_path, fn, args, kwargs or {}, queue,
+                                          env or {}), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -128,6 +133,7 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        shutil.rmtree(store_dir, ignore_errors=True)
     return [results[r][1] for r in range(world_size)]
 
 
