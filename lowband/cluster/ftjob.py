@@ -108,9 +108,19 @@ class FaultTolerantJob:
         self.orphans.setdefault(node, []).append(p.pid)  # close() takes it down if the caller did not
         return p
 
-    def _launch(self, node: int, out: Path, log_path: Path) -> subprocess.Popen:
+    def start_foreign(self, node: int, train_args: list[str], name: str) -> subprocess.Popen:
+        """Start a node of ANOTHER job (``train_args`` instead of the job's) in slot ``node`` against this
+        job's Lighthouse, into ``out/{name}`` with its log appended to ``{name}.log``; the caller owns (and
+        waits for) the process."""
+        self.events.append({"event": "start-foreign", "node": node, "name": name, "unix_s": time.time()})
+        p = self._launch(node, self.out / name, self.log_dir / f"{name}.log", train_args=train_args)
+        self.orphans.setdefault(node, []).append(p.pid)  # close() takes it down if the caller did not
+        return p
+
+    def _launch(self, node: int, out: Path, log_path: Path, *, train_args: list[str] | None = None) -> subprocess.Popen:
+        train_args = self.train_args if train_args is None else train_args
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={self.ranks_per_node}", "-m", "lowband.cli", "train", *self.train_args,
+               f"--nproc-per-node={self.ranks_per_node}", "-m", "lowband.cli", "train", *train_args,
                "--ft-lighthouse", self.address, "--ft-node", str(node), "--ft-max-nodes", str(self.nodes),
                "--ft-timeout", f"{self.ft_timeout_s}s", "--out", str(out), "--no-progress"]
         if self.start_nodes is not None:
