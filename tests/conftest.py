@@ -69,3 +69,36 @@ def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: py
     monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", _refuse("spawns a process (multiprocessing)"))
     monkeypatch.setattr(multiprocessing.forkserver.ForkServer, "connect_to_new_process",
                         _refuse("starts a process through multiprocessing's fork server"))
+
+
+# With pytest-xdist (the README's `-n 2`), two workers share this machine's two cores. The tests that
+# start processes keep to one worker, one after another, as without xdist: each spreads its ranks over
+# both cores and some time their peers (heartbeats, timeouts), so two of them at once would only slow
+# each other and load the clocks they watch. The unit and slow layers (one process each) run on the
+# other worker meanwhile, and so do the benches that wait on an emulated link most of their time (a
+# 100 ms latency per message: the cores are mostly idle).
+LINK_BOUND = ("tests/e2e/test_bench.py::test_bench_with_faults_end_to_end",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if item.get_closest_marker(MARKER) is None:
+            continue
+        lane = "link-bound" if item.nodeid.split("[")[0] in LINK_BOUND else "multiprocess"
+        item.add_marker(pytest.mark.xdist_group(lane))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # After every pytest_collection_modifyitems, xdist's included (it appends each test's group to its id).
+    if not session.config.getoption("loadgroup", default=False):  # set on xdist's workers under --dist loadgroup
+        return
+    lost = [item.nodeid for item in session.items if item.get_closest_marker(MARKER) and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"--dist loadgroup did not take the lanes of tests/conftest.py ({lost[0]} has no group): this "
+            f"pytest ({pytest.__version__}) and pytest-xdist do not work together, and multi-process tests "
+            "would run two at once. Install the project's test extras (pip install -e '.[test]', pytest < 9.2) "
+            "or run without -n.")
