@@ -163,6 +163,6 @@ def mean_flag_problem(result: torch.Tensor, members: int) -> str | None:
     count = flag * members
     if not math.isfinite(flag) or not -1e-3 <= count <= members + 1e-3 or abs(count - round(count)) > 1e-3:
         return f"the all-reduced flag is {flag!r}, which no count of 0/1 flags over {members} members gives"
-    if round(count) == 0 and result.numel() > 1 and not bool(torch.isfinite(result[:-1]).all()):
+    if round(count) == 0 and result.numel() > 1 and not bool(torch.isfinite(torch.stack(torch.aminmax(result[:-1]))).all()):
         return "the all-reduced values are not finite although no member flagged its message"
     return None
