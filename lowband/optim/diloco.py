@@ -200,8 +200,11 @@ class DiLoCo(OuterStepOptimizer):
                 return DROP
             if any(bool(m[-1]) for m in gathered):
                 return "pseudo-gradient"
+            mean = self._decoded_mean(gathered, numel)
+            if not self._mean_finite(mean):
+                return DROP
             self._commit_error(flight.message, flight.v, numel)
-            flat[:numel].copy_(self._decoded_mean(gathered, numel))
+            flat[:numel].copy_(mean)
             flat[-1] = 0.0
         elif not self._check_mean(flat):  # one all-reduce: its sum cannot name a sender
             return DROP

@@ -19,7 +19,7 @@ from lowband.compress.check import dense_problems, float_problems
 from lowband.link import Link, LinkHandle, PeerTimeoutError
 from lowband.optim._common import local, replica_state_like, state_view
 from lowband.optim.noloco_groups import noloco_group_size, noloco_groups
-from lowband.optim.outer import InnerOptimizer, OuterFlight, OuterStepOptimizer, check_unit_interval
+from lowband.optim.outer import DROP, InnerOptimizer, OuterFlight, OuterStepOptimizer, check_unit_interval
 
 __all__ = ["NOLOCO_INNER_DEFAULTS", "NoLoCo"]
 
@@ -294,13 +294,16 @@ class NoLoCo(OuterStepOptimizer):
             return "slow weights or pseudo-gradient of a group member"
         # The same summation order on every member: identical means.
         if self.codec.lossy:
-            self._commit_error(flat, flight.v, 2 * numel)
             mean = self._decoded_mean([by_replica[j] for j in members], 2 * numel).to(fp_flat.dtype)
         else:
             mean = by_replica[members[0]][:-1].clone()
             for j in members[1:]:
                 mean.add_(by_replica[j][:-1])
             mean.div_(len(members))
+        if not self._mean_finite(mean):
+            return DROP
+        if self.codec.lossy:
+            self._commit_error(flat, flight.v, 2 * numel)
 
         offset = 0
         for group in self.param_groups:

@@ -43,6 +43,7 @@ from lowband.link import Link, LinkHandle
 from lowband.optim._common import (
     BadMessageTally,
     NonFiniteGradientError,
+    all_finite,
     check_sharded,
     committed,
     grads_nonfinite,
@@ -637,6 +638,17 @@ class OuterStepOptimizer(Optimizer):
             self.bad_messages.record([], [UNATTRIBUTED], "", "")
             return True
         self.bad_messages.record([BadMessage(UNATTRIBUTED, problem)], [UNATTRIBUTED],
+                                 f"{type(self).__name__} outer step {self.outer_steps}",
+                                 "the outer step is dropped (state unchanged)")
+        return False
+
+    def _mean_finite(self, mean: torch.Tensor) -> bool:
+        """The mean of messages that each passed their check is finite, or (values each finite but too
+        large to add up) warned and counted under sender −1: no single sender is to blame by the rules."""
+        if all_finite([mean]):
+            return True
+        self.bad_messages.record([BadMessage(UNATTRIBUTED, "the mean of messages that passed their checks is "
+                                             "not finite (finite values too large to add up)")], [],
                                  f"{type(self).__name__} outer step {self.outer_steps}",
                                  "the outer step is dropped (state unchanged)")
         return False

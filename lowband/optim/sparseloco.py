@@ -212,6 +212,8 @@ class SparseLoCo(OuterStepOptimizer):
         for m in gathered[1:]:
             total.add_(self._decode_dense(m, n_chunks))
         mean = total.reshape(-1)
+        if not self._mean_finite(mean):
+            return DROP
         own = self._decode_dense(flight.message, n_chunks).reshape(-1)
         offset, i = 0, 0
         replicas = len(gathered)

@@ -50,7 +50,8 @@ class _Link:
     def all_gather(self, tensor, *, async_op=False):  # async: the tensor stands for its handle
         if self.peer is None:
             return tensor.unsqueeze(0).clone()
-        return torch.stack([tensor.clone(), self.peer(tensor.clone())])
+        peers = self.peer(tensor.clone())  # one message, or a list: replicas 1, 2, ...
+        return torch.stack([tensor.clone(), *(peers if isinstance(peers, list) else [peers])])
 
     def exchange(self, tensor, peers, *, async_op=False):
         assert not async_op and list(peers) == [1]
@@ -318,3 +319,21 @@ def test_delayed_diloco_fp32_drops_an_impossible_mean():
     _assert_same([state_view(opt.state[p]["slow"]) for p in model.parameters()], _params(tiny_model()))
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert opt.stats().dropped_steps == 1 and opt.stats().bad_messages == {-1: 1}
+
+
+def test_finite_messages_whose_mean_overflows_drop_the_outer_step(caplog):
+    # Each of replicas 1 and 2 passes its check (finite values), but their sum is not finite.
+    codec = SparseCodec(16, 2, "fp32")
+    kw = dict(chunk=16, topk=2, values="fp32")
+
+    def huge(m):
+        m = _sparse_reencode(m, lambda v: _set(v.reshape(-1), 0, 3e38).view_as(v), codec)
+        return [m, m.clone()]
+
+    model, opt = _outer(SparseLoCo, _Link(huge), **kw)
+    with caplog.at_level(logging.WARNING):
+        _train(model, opt, 2)
+    _assert_same([state_view(opt.state[p]["slow"]) for p in model.parameters()], _params(tiny_model()))
+    assert all(torch.isfinite(state_view(opt.state[p]["error"])).all() for p in model.parameters())
+    assert opt.stats().bad_messages == {-1: 1} and opt.stats().dropped_steps == 1
+    assert "not finite" in caplog.text
