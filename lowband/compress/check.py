@@ -75,19 +75,22 @@ def check_messages(messages: torch.Tensor | Sequence[torch.Tensor], *, nbytes: i
     if len(senders) != len(rows):
         raise ValueError(f"{len(rows)} messages but {len(senders)} senders")
     bad: list[tuple[int, BadMessage]] = []
+    sized = [i for i, row in enumerate(rows) if row.dtype == dtype and row.dim() == 1 and row.numel() == nbytes]
+    for i in sorted(set(range(len(rows))) - set(sized)):
+        row = rows[i]
+        bad.append((i, BadMessage(senders[i], f"size: {tuple(row.shape)} {row.dtype}, expected ({nbytes},) {dtype}")))
+    # All flags in one host sync (an all-gather's rows are one tensor).
+    flags = (messages[:, -1] if isinstance(messages, torch.Tensor) and len(sized) == len(rows)
+             else torch.stack([rows[i][-1] for i in sized]) if sized else torch.zeros(0)).tolist()
     clean: list[int] = []
-    for i, (row, sender) in enumerate(zip(rows, senders, strict=True)):
-        if row.dtype != dtype or row.dim() != 1 or row.numel() != nbytes:
-            bad.append((i, BadMessage(sender, f"size: {tuple(row.shape)} {row.dtype}, expected ({nbytes},) {dtype}")))
-            continue
-        flag = row[-1].item()
+    for i, flag in zip(sized, flags, strict=True):
         if (isinstance(flag, float) and not math.isfinite(flag)) or flag not in allowed_flags:
-            bad.append((i, BadMessage(sender, f"flag {flag!r} not in {sorted(allowed_flags)}")))
-            continue
-        if flag == 0:
+            bad.append((i, BadMessage(senders[i], f"flag {flag!r} not in {sorted(allowed_flags)}")))
+        elif flag == 0:
             clean.append(i)
     if payload is not None and clean:
-        reasons = payload(torch.stack([rows[i][:-1] for i in clean]))
+        whole = isinstance(messages, torch.Tensor) and len(clean) == len(rows)
+        reasons = payload(messages[:, :-1] if whole else torch.stack([rows[i][:-1] for i in clean]))
         bad.extend((i, BadMessage(senders[i], r)) for i, r in zip(clean, reasons, strict=True) if r is not None)
     return [b for _, b in sorted(bad, key=lambda ib: ib[0])]
 
