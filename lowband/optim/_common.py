@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lowband.compress.check import BadMessage
 from lowband.link import Link
 from lowband.topology import Topology
 
@@ -26,6 +28,7 @@ __all__ = [
     "param_label",
     "NONFINITE_POLICIES",
     "committed",
+    "BadMessageTally",
 ]
 
 NONFINITE_POLICIES = ("raise", "skip")
@@ -156,3 +159,30 @@ def committed(link: Link | None) -> bool:
     log.warning("a collective between nodes failed: step dropped (state unchanged); the next step runs on the "
                 "nodes that are left")
     return False
+
+
+class BadMessageTally:
+    """Received messages that failed their check, per sender: totals, and bad exchanges in a row.
+
+    ``total[s]`` counts sender s's bad messages over the run; ``in_a_row[s]`` its current run of
+    consecutive checked exchanges with a bad message (reset by a good one), for eviction after N.
+    """
+
+    def __init__(self) -> None:
+        self.total: dict[int, int] = {}
+        self.in_a_row: dict[int, int] = {}
+
+    def record(self, bad: list[BadMessage], checked: Iterable[int], what: str, outcome: str) -> None:
+        """Count ``bad`` among the senders ``checked`` in one exchange and warn, naming each sender.
+
+        ``what``: the exchange (e.g. "FlexDeMo step 12"); ``outcome``: what the step does about it."""
+        senders = {b.sender for b in bad}
+        for s in checked:
+            if s not in senders:
+                self.in_a_row.pop(s, None)
+        for s in senders:
+            self.total[s] = self.total.get(s, 0) + 1
+            self.in_a_row[s] = self.in_a_row.get(s, 0) + 1
+        for b in bad:
+            log.warning("%s: %s; %s (%d bad from this sender, %d in a row)", what, b, outcome,
+                        self.total[b.sender], self.in_a_row[b.sender])

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch.optim import AdamW
 
+from lowband.compress.check import dense_problems
 from lowband.link import Link
 from lowband.optim._common import local, replica_state_like, state_view
-from lowband.optim.outer import InnerOptimizer, OuterFlight, OuterStepOptimizer, check_unit_interval
+from lowband.optim.outer import DROP, InnerOptimizer, OuterFlight, OuterStepOptimizer, check_unit_interval
 
 __all__ = ["DILOCO_INNER_DEFAULTS", "DiLoCo"]
 
@@ -189,12 +190,24 @@ class DiLoCo(OuterStepOptimizer):
     def _end_outer(self, flight: OuterFlight, result: Any) -> str | None:
         flat, numel = flight.fp_flat, flight.numel
         if self.codec.lossy:
-            gathered = result
-            if bool(gathered[:, -1].any()):
+            # Every message is checked (every rank holds the same bytes: the same verdict); a bad one is
+            # left out and the mean is over the others.
+            senders = list(range(result.shape[0]))
+            bad = self._screen(result, senders, nbytes=flight.message.numel(), dtype=torch.uint8,
+                               payload=dense_problems(self.codec, numel))
+            gathered = [result[r] for r in senders if r not in bad]
+            if not gathered:
+                return DROP
+            if any(bool(m[-1]) for m in gathered):
                 return "pseudo-gradient"
+            mean = self._decoded_mean(gathered, numel)
+            if not self._mean_finite(mean):
+                return DROP
             self._commit_error(flight.message, flight.v, numel)
-            flat[:numel].copy_(self._decoded_mean(list(gathered), numel))
+            flat[:numel].copy_(mean)
             flat[-1] = 0.0
+        elif not self._check_mean(flat):  # one all-reduce: its sum cannot name a sender
+            return DROP
         if flat[-1].item() > 0:
             return "pseudo-gradient"
         offset = 0

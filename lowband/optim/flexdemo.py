@@ -18,9 +18,11 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lowband.compress import WireFormat, idct_sparse, topk_per_chunk
+from lowband.compress.check import check_messages, wire_problems
 from lowband.link import Link
 from lowband.optim._common import (
     NONFINITE_POLICIES,
+    BadMessageTally,
     NonFiniteGradientError,
     all_finite,
     check_lr,
@@ -252,6 +254,7 @@ class FlexDeMo(OverlapMixin, Optimizer):
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.dropped_steps = 0  # fault tolerance: steps whose exchange failed somewhere
+        self.bad_messages = BadMessageTally()  # received messages that failed their check, by sender
         self.overlap = bool(overlap)
         self.overlap_apply = overlap_apply
         # overlap: the step whose exchange is in flight: (handle or gathered tensor, work, backups).
@@ -277,6 +280,7 @@ class FlexDeMo(OverlapMixin, Optimizer):
             group.setdefault("tile", 0)
         self.__dict__.setdefault("_plans", {})
         self.__dict__.setdefault("overlap_apply", "stale")  # pickled before "local" existed
+        self.__dict__.setdefault("bad_messages", BadMessageTally())
 
     # ------------------------------------------------------------------ helpers
     def _shard_group(self):
@@ -337,11 +341,12 @@ class FlexDeMo(OverlapMixin, Optimizer):
         if not committed(self.link):
             self.dropped_steps += 1
             return loss
+        gathered = self._screen(work, gathered)  # bad messages are left out (named and counted)
         if bool((gathered[:, -1] == _NOT_COUNTED).any()):
             gathered = gathered[gathered[:, -1] != _NOT_COUNTED]
-            if gathered.shape[0] == 0:  # nobody counted (torchft always keeps a live node at the newest step)
-                self.dropped_steps += 1
-                return loss
+        if gathered.shape[0] == 0:  # nobody counted (torchft always keeps a live node at the newest step)
+            self.dropped_steps += 1
+            return loss
         if self._refused(gathered):
             return loss
         if counted:
@@ -375,7 +380,9 @@ class FlexDeMo(OverlapMixin, Optimizer):
             self._settle()
 
     def stats(self) -> OptimizerStats:
-        return OptimizerStats(dropped_steps=self.dropped_steps, skipped_steps=self.skipped_steps)
+        return OptimizerStats(dropped_steps=self.dropped_steps, skipped_steps=self.skipped_steps,
+                              bad_messages=dict(self.bad_messages.total),
+                              bad_in_a_row=dict(self.bad_messages.in_a_row))
 
     def state_owners(self) -> list[Optimizer]:
         return [self]
@@ -507,6 +514,28 @@ class FlexDeMo(OverlapMixin, Optimizer):
         if self.link is not None:
             return self.link.all_gather(message)
         return message.unsqueeze(0)
+
+    def _screen(self, work: list[Work], gathered: torch.Tensor) -> torch.Tensor:
+        """The gathered messages that pass their check (:mod:`lowband.compress.check`): size, flag in
+        {0, 1, 2}, indices below the chunk (t² for tiles), finite values and sign scales. A bad one is
+        left out of the mean (every rank holds the same bytes: the same verdict), named and counted."""
+        def payload(rows: torch.Tensor) -> list:
+            reasons: list = [None] * rows.shape[0]
+            offset = 0
+            for w in work:
+                part = wire_problems(w.plan.wire, w.plan.rows)(rows[:, offset:offset + w.plan.nbytes])
+                reasons = [a or b for a, b in zip(reasons, part, strict=True)]
+                offset += w.plan.nbytes
+            return reasons
+
+        bad = check_messages(gathered, nbytes=sum(w.plan.nbytes for w in work) + 1, dtype=torch.uint8,
+                             allowed_flags=(0, 1, _NOT_COUNTED), payload=payload)
+        self.bad_messages.record(bad, range(gathered.shape[0]), "FlexDeMo exchange",
+                                 "its message is left out of this step's mean")
+        if not bad:
+            return gathered
+        senders = {b.sender for b in bad}
+        return gathered[[r for r in range(gathered.shape[0]) if r not in senders]]
 
     def _refused(self, gathered: torch.Tensor) -> bool:
         """True if any replica flagged its step; every rank sees the same flags, so all agree."""

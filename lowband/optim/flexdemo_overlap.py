@@ -49,9 +49,13 @@ class OverlapMixin:
             gathered = handle if isinstance(handle, torch.Tensor) else handle.wait()
             if agreed is not None:  # "local": back to the agreed parameters, then the blocking step from there
                 torch._foreach_copy_([local(p) for p in agreed], list(agreed.values()))
-            if bool(gathered[:, -1].any()):
+            gathered = self._screen(work, gathered)  # bad messages left out, named and counted
+            if gathered.shape[0] == 0 or bool(gathered[:, -1].any()):
                 self._roll_back(backups)
-                self._refused(gathered)  # raises, or counts the skip
+                if gathered.shape[0] == 0:
+                    self.dropped_steps += 1
+                else:
+                    self._refused(gathered)  # raises, or counts the skip
                 return
             self._apply(work, gathered, lrs=lrs)
             return
@@ -99,8 +103,8 @@ class OverlapMixin:
             return
         handle, work, backups, agreed, lrs = self._flight
         self._flight = None
-        gathered = handle if isinstance(handle, torch.Tensor) else handle.wait()
-        refused = bool(gathered[:, -1].any())
+        gathered = self._screen(work, handle if isinstance(handle, torch.Tensor) else handle.wait())
+        refused = gathered.shape[0] == 0 or bool(gathered[:, -1].any())
         if refused:
             self._roll_back(backups)
         if agreed is not None:

@@ -8,7 +8,10 @@ equals HSDP's gradient (the mean over all W ranks), so:
 - :class:`DetoFull` is sign-SGD on the fully synchronised gradient (the paper's "Deto-Full").
 
 A NaN/Inf anywhere is detected on every rank through one extra element of the same message:
-the offending rank sends zeros and the flag, so nothing non-finite reaches a peer.
+the offending rank sends zeros and the flag, so nothing non-finite reaches a peer. The mean that
+comes back is checked (an all-reduce cannot say who sent what): a flag no count of 0/1 flags gives,
+or non-finite values with no flag, skip the step on every rank (state unchanged, a warning, and
+``stats().bad_messages[-1]``) instead of stepping with NaN.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ import torch
 import torch.distributed as dist
 from torch.optim import AdamW, Optimizer
 
+from lowband.compress.check import UNATTRIBUTED, BadMessage, mean_flag_problem
 from lowband.link import Link
 from lowband.optim._common import (
     NONFINITE_POLICIES,
+    BadMessageTally,
     NonFiniteGradientError,
     check_lr,
     check_sharded,
@@ -32,7 +37,7 @@ from lowband.optim._common import (
 )
 from lowband.optim.protocol import OptimizerStats
 
-__all__ = ["AdamWFullSync", "DetoFull", "sync_gradients"]
+__all__ = ["AdamWFullSync", "DetoFull", "sync_gradients", "sync_gradients_checked"]
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +45,17 @@ log = logging.getLogger(__name__)
 def sync_gradients(grads: list[torch.Tensor], link: Link | None, *, shard_group=None) -> bool:
     """Average gradient shards over the replicate group in place; return True if any was non-finite.
 
-    One fp32 message: all gradients flattened, plus one flag element. Collective.
+    One fp32 message: all gradients flattened, plus one flag element. Collective. True too when the
+    mean is impossible (:func:`~lowband.compress.check.mean_flag_problem`); :func:`sync_gradients_checked`
+    tells the two apart.
     """
+    return sync_gradients_checked(grads, link, shard_group=shard_group) is not None
+
+
+def sync_gradients_checked(grads: list[torch.Tensor], link: Link | None, *, shard_group=None) -> str | None:
+    """:func:`sync_gradients`: None (the gradients hold the mean), ``"nonfinite"`` (a member flagged a
+    non-finite gradient) or, for a mean that no 0/1 flags and finite values give, what is wrong with it
+    (an all-reduce cannot name its sender). The gradients are changed only on None."""
     bad = any(not torch.isfinite(g).all() for g in grads)
     device = grads[0].device if grads else torch.device("cpu")
     if shard_group is not None and dist.get_world_size(shard_group) > 1:
@@ -49,7 +63,7 @@ def sync_gradients(grads: list[torch.Tensor], link: Link | None, *, shard_group=
         dist.all_reduce(f, op=dist.ReduceOp.MAX, group=shard_group)
         bad = bool(f.item())
     if link is None or link.group_size == 1:
-        return bad
+        return "nonfinite" if bad else None
     numel = sum(g.numel() for g in grads)
     flat = torch.empty(numel + 1, dtype=torch.float32, device=device)
     if bad:
@@ -62,14 +76,17 @@ def sync_gradients(grads: list[torch.Tensor], link: Link | None, *, shard_group=
             offset += g.numel()
         flat[-1] = 0.0
     link.all_reduce(flat, op="avg")
+    problem = mean_flag_problem(flat, getattr(link, "participants", link.group_size))
+    if problem is not None:
+        return problem
     if flat[-1].item() > 0:
-        return True
+        return "nonfinite"
     offset = 0
     for g in grads:
         n = g.numel()
         g.copy_(flat[offset:offset + n].view_as(g))
         offset += n
-    return False
+    return None
 
 
 class _FullSyncMixin:
@@ -84,6 +101,7 @@ class _FullSyncMixin:
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.dropped_steps = 0  # fault tolerance: steps whose exchange failed somewhere
+        self.bad_messages = BadMessageTally()  # impossible all-reduced means (sender −1: unattributable)
         topo = link.topology if link is not None else None
         check_sharded(self.param_groups, topo)  # type: ignore[attr-defined]
         self._shard_group = (
@@ -101,7 +119,9 @@ class _FullSyncMixin:
         """Nothing is ever in flight: each step's all-reduce completes inside it."""
 
     def stats(self) -> OptimizerStats:
-        return OptimizerStats(dropped_steps=self.dropped_steps, skipped_steps=self.skipped_steps)
+        return OptimizerStats(dropped_steps=self.dropped_steps, skipped_steps=self.skipped_steps,
+                              bad_messages=dict(self.bad_messages.total),
+                              bad_in_a_row=dict(self.bad_messages.in_a_row))
 
     def state_owners(self) -> list:
         return [self]
@@ -109,10 +129,17 @@ class _FullSyncMixin:
     def _sync(self) -> bool:
         """All-reduce the gradients; True if the step may go ahead."""
         grads = [local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]  # type: ignore[attr-defined]
-        bad = sync_gradients(grads, self.link, shard_group=self._shard_group)
+        bad = sync_gradients_checked(grads, self.link, shard_group=self._shard_group)
         if not committed(self.link):
             self.dropped_steps += 1
             return False
+        if self.link is not None and self.link.group_size > 1:  # the all-reduced mean was checked
+            problem = [BadMessage(UNATTRIBUTED, bad)] if bad not in (None, "nonfinite") else []
+            self.bad_messages.record(problem, [UNATTRIBUTED], f"{type(self).__name__} all-reduce",
+                                     "the step is skipped (state unchanged)")
+            if problem:
+                self.skipped_steps += 1
+                return False
         if bad:
             if self.nonfinite == "raise":
                 raise NonFiniteGradientError(

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from torch.optim import Adam
 
+from lowband.compress.check import dense_problems, float_problems
 from lowband.link import Link, LinkHandle, PeerTimeoutError
 from lowband.optim._common import local, replica_state_like, state_view
 from lowband.optim.noloco_groups import noloco_group_size, noloco_groups
-from lowband.optim.outer import InnerOptimizer, OuterFlight, OuterStepOptimizer, check_unit_interval
+from lowband.optim.outer import DROP, InnerOptimizer, OuterFlight, OuterStepOptimizer, check_unit_interval
 
 __all__ = ["NOLOCO_INNER_DEFAULTS", "NoLoCo"]
 
@@ -279,18 +280,30 @@ class NoLoCo(OuterStepOptimizer):
     def _end_outer(self, flight: OuterFlight, result: Any) -> str | None:
         flat, fp_flat, numel = flight.message, flight.fp_flat, flight.numel // 2
         me, members = flight.extra["me"], flight.extra["members"]
-        by_replica = {me: flat, **dict(zip([j for j in members if j != me], result, strict=True))}
+        others = [j for j in members if j != me]
+        received = list(result)
+        if len(received) != len(others):
+            raise RuntimeError(f"NoLoCo: {len(received)} messages received from {len(others)} peers")
+        # Each peer's message is checked (size, flag in {0, 1}, finite values and scales); a bad one is
+        # left out: the mean is over this replica and the peers whose messages passed.
+        payload = dense_problems(self.codec, 2 * numel) if self.codec.lossy else float_problems
+        bad = self._screen(received, others, nbytes=flat.numel(), dtype=flat.dtype, payload=payload)
+        by_replica = {me: flat, **{j: m for j, m in zip(others, received, strict=True) if j not in bad}}
+        members = [j for j in members if j in by_replica]
         if any(by_replica[j][-1].item() > 0 for j in members):
             return "slow weights or pseudo-gradient of a group member"
         # The same summation order on every member: identical means.
         if self.codec.lossy:
-            self._commit_error(flat, flight.v, 2 * numel)
             mean = self._decoded_mean([by_replica[j] for j in members], 2 * numel).to(fp_flat.dtype)
         else:
             mean = by_replica[members[0]][:-1].clone()
             for j in members[1:]:
                 mean.add_(by_replica[j][:-1])
             mean.div_(len(members))
+        if not self._mean_finite(mean):
+            return DROP
+        if self.codec.lossy:
+            self._commit_error(flat, flight.v, 2 * numel)
 
         offset = 0
         for group in self.param_groups:

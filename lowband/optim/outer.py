@@ -37,10 +37,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lowband.compress.check import UNATTRIBUTED, BadMessage, PayloadCheck, check_messages, mean_flag_problem
 from lowband.compress.quant import BlockQuant
 from lowband.link import Link, LinkHandle
 from lowband.optim._common import (
+    BadMessageTally,
     NonFiniteGradientError,
+    all_finite,
     check_sharded,
     committed,
     grads_nonfinite,
@@ -51,12 +54,17 @@ from lowband.optim._common import (
 )
 from lowband.optim.protocol import OptimizerStats
 
-__all__ = ["InnerOptimizer", "OuterFlight", "OuterStepOptimizer", "check_delay", "check_unit_interval",
+__all__ = ["DROP", "InnerOptimizer", "OuterFlight", "OuterStepOptimizer", "check_delay", "check_unit_interval",
            "unmerged_tail_note"]
 
 log = logging.getLogger(__name__)
 
 InnerOptimizer = Optimizer | Callable[[list[dict[str, Any]]], Optimizer] | None
+
+#: What ``_end_outer`` returns when the outer step is dropped, not refused: no message that passed its
+#: check is left to average, or an all-reduced result is bad (a sum cannot name its sender). State
+#: unchanged, nothing raised; counted in ``dropped_steps``.
+DROP = "\0drop"
 
 
 def check_unit_interval(name: str, value: float) -> None:
@@ -204,6 +212,7 @@ class OuterStepOptimizer(Optimizer):
         self.max_grad_norm = max_grad_norm
         self.last_sync_time_s = 0.0
         self.dropped_outer_steps = 0  # fault tolerance: outer steps whose exchange failed somewhere
+        self.bad_messages = BadMessageTally()  # received messages that failed their check, by sender
         self._topology = link.topology if link is not None else None
         check_sharded(self.param_groups, self._topology)
         topo = self._topology
@@ -436,7 +445,9 @@ class OuterStepOptimizer(Optimizer):
                 flight = self._begin_outer(outer_index, async_op=False)
                 if committed(self.link):
                     what = self._end_outer(flight, flight.result)
-                    if what is not None:
+                    if what == DROP:
+                        self.dropped_outer_steps += 1
+                    elif what is not None:
                         raise self._nonfinite_outer(what)
                 else:
                     # The outer step failed between nodes: φ stays; the inner weights keep their H steps
@@ -513,6 +524,10 @@ class OuterStepOptimizer(Optimizer):
         if flight is None:
             return
         what = self._end_outer(flight, self._wait_outer(flight))
+        if what == DROP:  # φ unchanged; θ keeps its local steps, as for a dropped exchange
+            self.dropped_outer_steps += 1
+            self._set_merge_status(0)
+            return
         self._refused_what = what or ""
         self._set_merge_status(1 if what is None else 2)
 
@@ -542,7 +557,9 @@ class OuterStepOptimizer(Optimizer):
 
     def stats(self) -> OptimizerStats:
         """Dropped outer steps; non-finite pseudo-gradients raise (never skipped); outer steps taken."""
-        return OptimizerStats(dropped_steps=self.dropped_outer_steps, outer_steps=self.outer_steps)
+        return OptimizerStats(dropped_steps=self.dropped_outer_steps, outer_steps=self.outer_steps,
+                              bad_messages=dict(self.bad_messages.total),
+                              bad_in_a_row=dict(self.bad_messages.in_a_row))
 
     def state_owners(self) -> list[Optimizer]:
         return [self, self.inner_optimizer]
@@ -598,6 +615,43 @@ class OuterStepOptimizer(Optimizer):
                 e = state_view(self.state[p][key])
                 e.copy_(err[offset:offset + e.numel()].view_as(e))
                 offset += e.numel()
+
+    def _screen(self, messages: torch.Tensor | list[torch.Tensor], senders: list[int], *, nbytes: int,
+                dtype: torch.dtype, payload: PayloadCheck | None) -> set[int]:
+        """The senders whose message fails its check (:mod:`lowband.compress.check`: size, flag in {0, 1},
+        payload), each named in a warning and counted; their messages are left out of the mean."""
+        bad = check_messages(messages, nbytes=nbytes, dtype=dtype, allowed_flags=(0, 1), payload=payload,
+                             senders=senders)
+        self.bad_messages.record(bad, senders, f"{type(self).__name__} outer step {self.outer_steps}",
+                                 "its message is left out of this outer step")
+        return {b.sender for b in bad}
+
+    def _check_mean(self, flat: torch.Tensor) -> bool:
+        """An all-reduced mean (values and a 0/1 flag): False, warned and counted under sender −1, if no
+        count of 0/1 flags gives its flag or its values are not finite without a flag (a sum cannot
+        name its sender: the outer step is dropped)."""
+        link = self.link
+        if link is None or link.group_size <= 1:
+            return True
+        problem = mean_flag_problem(flat, getattr(link, "participants", link.group_size))
+        if problem is None:
+            self.bad_messages.record([], [UNATTRIBUTED], "", "")
+            return True
+        self.bad_messages.record([BadMessage(UNATTRIBUTED, problem)], [UNATTRIBUTED],
+                                 f"{type(self).__name__} outer step {self.outer_steps}",
+                                 "the outer step is dropped (state unchanged)")
+        return False
+
+    def _mean_finite(self, mean: torch.Tensor) -> bool:
+        """The mean of messages that each passed their check is finite, or (values each finite but too
+        large to add up) warned and counted under sender −1: no single sender is to blame by the rules."""
+        if all_finite([mean]):
+            return True
+        self.bad_messages.record([BadMessage(UNATTRIBUTED, "the mean of messages that passed their checks is "
+                                             "not finite (finite values too large to add up)")], [],
+                                 f"{type(self).__name__} outer step {self.outer_steps}",
+                                 "the outer step is dropped (state unchanged)")
+        return False
 
     def _decoded_mean(self, messages: list[torch.Tensor], numel: int) -> torch.Tensor:
         """The mean of the decoded messages, summed in the given order (the same on every rank)."""

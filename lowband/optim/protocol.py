@@ -7,7 +7,7 @@ fault tolerance or an overlapped exchange, these few methods.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -25,11 +25,17 @@ class OptimizerStats:
         skipped_steps: steps refused because a gradient (or pseudo-gradient) held NaN or Inf
             (``nonfinite='skip'``).
         outer_steps: outer steps taken (the outer-step methods), None for the others.
+        bad_messages: received messages that failed their check (:mod:`lowband.compress.check`), by
+            sender (its replica index in the exchange's group; −1: a sum that cannot be attributed).
+        bad_in_a_row: per sender, how many of its last exchanges in a row were bad (0 not listed):
+            what a trainer would evict a member on after N.
     """
 
     dropped_steps: int = 0
     skipped_steps: int = 0
     outer_steps: int | None = None
+    bad_messages: dict[int, int] = field(default_factory=dict)
+    bad_in_a_row: dict[int, int] = field(default_factory=dict)
 
 
 @runtime_checkable

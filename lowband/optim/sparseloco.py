@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 from torch.optim import AdamW
 
+from lowband.compress.check import sparse_problems
 from lowband.compress.dct import dct, idct, num_chunks, scatter_chunks, to_chunks, topk_per_chunk
 from lowband.compress.sparse import SPARSE_VALUE_FORMATS, SparseCodec
 from lowband.link import Link
 from lowband.optim._common import local, replica_state_like, state_view
-from lowband.optim.outer import InnerOptimizer, OuterFlight, OuterStepOptimizer, check_unit_interval
+from lowband.optim.outer import DROP, InnerOptimizer, OuterFlight, OuterStepOptimizer, check_unit_interval
 
 __all__ = ["SPARSELOCO_INNER_DEFAULTS", "SPARSELOCO_TRANSFORMS", "SparseLoCo", "sparseloco_message_nbytes"]
 
@@ -195,18 +196,27 @@ class SparseLoCo(OuterStepOptimizer):
         return OuterFlight(outer_index, result, message, message, None, n_chunks, extra=dict(v=v_parts))
 
     def _end_outer(self, flight: OuterFlight, result: Any) -> str | None:
-        gathered = result
-        if bool(gathered[:, -1].any()):
-            return "error-feedback accumulator (β·e + pseudo-gradient)"
         n_chunks, v_parts = flight.numel, flight.extra["v"]
+        # Every message is checked first (every rank holds the same bytes: the same verdict); a bad one
+        # is left out and the mean is over the others.
+        senders = list(range(result.shape[0]))
+        bad = self._screen(result, senders, nbytes=flight.message.numel(), dtype=torch.uint8,
+                           payload=sparse_problems(self.wire, n_chunks))
+        gathered = [result[r] for r in senders if r not in bad]
+        if not gathered:
+            return DROP
+        if any(bool(m[-1]) for m in gathered):
+            return "error-feedback accumulator (β·e + pseudo-gradient)"
         # Every replica's decoded message, summed in replica order (the same on every rank).
         total = self._decode_dense(gathered[0], n_chunks)
         for m in gathered[1:]:
             total.add_(self._decode_dense(m, n_chunks))
         mean = total.reshape(-1)
+        if not self._mean_finite(mean):
+            return DROP
         own = self._decode_dense(flight.message, n_chunks).reshape(-1)
         offset, i = 0, 0
-        replicas = gathered.shape[0]
+        replicas = len(gathered)
         for group in self.param_groups:
             lr = group["outer_lr"]
             for p in group["params"]:
