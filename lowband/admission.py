@@ -40,14 +40,16 @@ class BindRefused(ValueError):
 
 
 # --------------------------------------------------------------------------- replica ids
-def replica_id(fingerprint: str, node: int, *, secret: bytes | None = None, store: str = "") -> str:
+def replica_id(fingerprint: str, node: int, *, secret: bytes | None = None, store: str = "",
+               manager: str = "") -> str:
     """A node's torchft replica id: its job's fingerprint and its slot (torchft reads the slot from the
-    trailing digits and appends ``:uuid``); with a secret, also the store address it registers and the
-    tag that binds the three to the secret."""
+    trailing digits and appends ``:uuid``); with a secret, also the addresses it registers (its store's
+    and its Manager's, ``HOST:PORT``) and the tag that binds them all to the secret."""
     fp = fingerprint or "none"
     if secret is None:
         return f"lowband_{fp}_node{node}"
-    return f"lowband_{fp}_a{store.encode().hex()}_t{tag(secret, 'lowband-member', fp, node, store)}_node{node}"
+    addr = f"{store},{manager}"
+    return f"lowband_{fp}_a{addr.encode().hex()}_t{tag(secret, 'lowband-member', fp, node, addr)}_node{node}"
 
 
 _REPLICA_ID = re.compile(r"^lowband_(?:(?P<fp>[0-9A-Za-z]+)_)?(?:a(?P<store>[0-9a-f]*)_t(?P<tag>[0-9a-f]{32})_)?"
@@ -62,6 +64,11 @@ class Claim:
     node: int
     store: str = ""
     tag: str = ""
+    manager: str = ""
+
+    @property
+    def addr(self) -> str:
+        return f"{self.store},{self.manager}"
 
 
 def claim_of(rid: str) -> Claim | None:
@@ -70,10 +77,10 @@ def claim_of(rid: str) -> Claim | None:
     if m is None:
         return None
     try:
-        store = bytes.fromhex(m["store"] or "").decode()
+        store, _, manager = bytes.fromhex(m["store"] or "").decode().partition(",")
     except (ValueError, UnicodeDecodeError):
         return None
-    return Claim(m["fp"] or "", int(m["node"]), store, m["tag"] or "")
+    return Claim(m["fp"] or "", int(m["node"]), store, m["tag"] or "", manager)
 
 
 def member_of(rid: str) -> tuple[str, int | None]:
@@ -86,7 +93,7 @@ def proves(secret: bytes, rid: str) -> bool:
     """Whether ``rid``'s tag proves the secret for what the id claims (its fingerprint, slot and store)."""
     c = claim_of(rid)
     return c is not None and bool(c.tag) and verify(secret, c.tag, "lowband-member", c.fingerprint or "none",
-                                                    c.node, c.store)
+                                                    c.node, c.addr)
 
 
 # --------------------------------------------------------------------------- admission
@@ -120,12 +127,12 @@ def admit(replica_ids: list[str], mine: str, *, behind: bool, rounds: int) -> st
     return "retry" if mine == tied[0] else "leave"
 
 
-def _host(address: str) -> str:
-    """The host of ``http://HOST:PORT/...``, ``HOST:PORT`` or ``[V6]:PORT``."""
-    a = address.split("://", 1)[-1].split("/", 1)[0]
-    if a.startswith("["):
-        return a[1:a.index("]")]
-    return a.rsplit(":", 1)[0] if ":" in a else a
+def free_port(host: str) -> int:
+    """A free TCP port on ``host`` (for a listener whose address must be known before it starts)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass
@@ -142,19 +149,21 @@ class Screening:
 def screen(result, *, secret: bytes | None, me: str, new: bool, behind: bool) -> Screening:
     """Check every member of a torchft quorum (``result``: its ``replica_ids``, ``replica_rank``,
     ``store_address``, ``recover_src_replica_rank``, ``recover_src_manager_address`` and
-    ``recover_dst_replica_ranks``) before anything is configured, sent or fetched with it.
+    ``recover_dst_replica_ranks``) before anything is configured, sent or fetched with it. ``me`` is this
+    node's full replica id (torchft's, with its ``:uuid``).
 
     With a secret, an outsider is a member whose tag does not prove the secret for what its id
     claims; the quorum is also refused when the store every rank will rendezvous at is not one a
     proven member claims, or when this node would heal from (or send its state to) an outsider, or
-    fetch state from another address than its source's. This node is ``"refused"`` when it is new (its
+    fetch state from another address than its source's, or when a slot is claimed twice (a copied id:
+    ``"twin"`` for a new node whose own slot it is, as torchft's twin check). This node is ``"refused"`` when it is new (its
     first quorum), no other member proves its secret, and the others look like a job with a secret of
     its own (a tagged id) that is ahead of it or two or more strong; otherwise outsiders only make the
     quorum ``"retry"``: no fake member can send a job's node away. Without a secret, members whose ids
     carry a tag (a job with a secret) refuse this node, and nothing else is checked here.
     """
     ids = list(result.replica_ids)
-    others = [r for r in ids if r.split(":", 1)[0] != me.split(":", 1)[0]]
+    others = [r for r in ids if r != me]
     tagged = [r for r in others if (claim_of(r) or Claim("", -1)).tag]
     if secret is None:
         if tagged and new:
@@ -167,6 +176,16 @@ def screen(result, *, secret: bytes | None, me: str, new: bool, behind: bool) ->
         return Screening("refused", outsiders, "no member of the quorum proves this node's secret")
     if outsiders:
         return Screening("retry", outsiders, "outsiders in the quorum", len(peers))
+    slots: dict[tuple[str, int], list[str]] = {}
+    for r in ids:
+        c = claim_of(r)
+        slots.setdefault((c.fingerprint, c.node), []).append(r)
+    twins = [r for group in slots.values() if len(group) > 1 for r in group]
+    if twins:  # a copied id (or a node started twice): whoever is real, the quorum is not used
+        mine_twice = me in twins
+        return Screening("twin" if mine_twice and new else "retry", [r for r in twins if r != me],
+                         "a node slot is claimed twice in the quorum (a copied id, or a node started twice)",
+                         len(peers))
     stores = {claim_of(r).store for r in ids if r.split(":", 1)[0] in proven}
     store = getattr(result, "store_address", "")
     if store and store not in stores:
@@ -175,7 +194,7 @@ def screen(result, *, secret: bytes | None, me: str, new: bool, behind: bool) ->
     if src is not None and getattr(result, "heal", False):
         claim = claim_of(ids[src])
         addr = getattr(result, "recover_src_manager_address", "")
-        if claim is None or _host(addr) != _host(claim.store):
+        if claim is None or addr.split("://", 1)[-1].rstrip("/") != claim.manager:
             return Screening("retry", [ids[src]], f"the state source's address {addr} is not the one it claims",
                              len(peers))
     return Screening("accept", [], "", len(peers))

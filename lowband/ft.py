@@ -46,6 +46,7 @@ from lowband.admission import (  # noqa: F401  (admit, member_of, replica_id: th
     AdmissionRefused,
     admit,
     check_bind,
+    free_port,
     gloo_interface,
     member_of,
     replica_id,
@@ -274,8 +275,11 @@ class FaultTolerance:
         self._pending: float | None = None  # perf_counter when an async quorum was started, until it is waited for
         store_host = store_addr or advertise
         store_port = store_port if store_port is not None else int(os.environ.get("MASTER_PORT", "0") or 0)
-        # The id names the store this node registers, under the secret's tag (lowband.admission.screen).
-        self.replica_id = replica_id(cfg.fingerprint, cfg.node, secret=cfg.secret, store=f"{store_host}:{store_port}")
+        # The id names the store and Manager this node registers, under the secret's tag (admission.screen);
+        # the Manager's port is chosen here so that the id can name it (rank 0 runs the node's Manager).
+        port = free_port(bind_host) if rank == 0 and cfg.secret is not None else None
+        rid = replica_id(cfg.fingerprint, cfg.node, secret=cfg.secret, store=f"{store_host}:{store_port}",
+                         manager=f"{advertise}:{port}")
         with _listening_on(bind_host):
             self.manager = Manager(
                 pg=self.pg, load_state_dict=self._load, state_dict=state_dict, min_replica_size=1,
@@ -285,9 +289,10 @@ class FaultTolerance:
                 # The node's store must be reachable from other nodes (they configure the quorum's process
                 # group through the first member's store): advertise it at the node's address.
                 store_addr=store_host, store_port=store_port or None, lighthouse_addr=cfg.lighthouse,
-                replica_id=self.replica_id, hostname=advertise, init_sync=False,
+                replica_id=rid, hostname=advertise, init_sync=False, port=port,
                 checkpoint_transport=_Transport(timeout=timeout, num_chunks=0),
             )
+        self.replica_id = self.manager._store.get("replica_id").decode()  # rank 0's, with torchft's :uuid
         self.manager._client = _QuorumRecorder(self.manager._client, self)
         watch_agent()
 
@@ -489,6 +494,9 @@ class _QuorumRecorder:
             new = self._ft.quorums == 0
             # Before anything is configured, sent or fetched: does every member prove the job's secret?
             s = screen(result, secret=cfg.secret, me=me, new=new, behind=behind)
+            if s.verdict == "twin":
+                raise NodeSlotTaken(f"node slot {cfg.node} is already live in this job: stop the other process, or "
+                                    f"start this one with a free slot (0..{cfg.max_nodes - 1}). The running job goes on.")
             if s.verdict == "refused" or (s.verdict == "retry" and new and s.peers == 0 and rounds >= max_rounds):
                 raise AdmissionRefused(
                     f"node {cfg.node} is refused by the job at {cfg.lighthouse}: {s.why or 'no member proves its secret'} "

@@ -26,7 +26,8 @@ T = b"t" * 32  # another job's
 
 
 def rid(fp="a", node=0, *, secret=S, store=None, uuid="u"):
-    return replica_id(fp, node, secret=secret, store=store or f"10.0.0.{node + 1}:29500") + ":" + uuid
+    host = f"10.0.0.{node + 1}"
+    return replica_id(fp, node, secret=secret, store=store or f"{host}:29500", manager=f"{host}:4000") + ":" + uuid
 
 
 def result(ids, *, me=0, heal=False, max_step=0, store=None, src=None, src_addr=""):
@@ -93,8 +94,18 @@ def test_the_quorum_store_and_the_state_source_must_be_the_members_own():
     assert s.verdict == "retry" and "store" in s.why
     good = result(ids, heal=True, src=0, src_addr="http://10.0.0.1:4000")
     assert screen(good, secret=S, me=ids[1], new=True, behind=True).verdict == "accept"
-    bad = result(ids, heal=True, src=0, src_addr="http://10.6.6.6:4000")
-    assert screen(bad, secret=S, me=ids[1], new=True, behind=True).verdict == "retry"
+    for addr in ("http://10.6.6.6:4000", "http://10.0.0.1:4001"):  # another host, or the same host, another port
+        bad = result(ids, heal=True, src=0, src_addr=addr)
+        assert screen(bad, secret=S, me=ids[1], new=True, behind=True).verdict == "retry"
+
+
+def test_a_copied_public_id_is_never_trained_with():
+    ids = [rid(node=0), rid(node=1)]
+    copy = ids[0].split(":")[0] + ":other-uuid"  # the id from the Lighthouse's status page, run elsewhere
+    q = result(sorted([*ids, copy]))
+    assert screen(q, secret=S, me=ids[1], new=False, behind=False).verdict == "retry"
+    assert screen(q, secret=S, me=ids[0], new=False, behind=False).verdict == "retry"  # the real one stays
+    assert screen(q, secret=S, me=ids[0], new=True, behind=False).verdict == "twin"  # as a node started twice
 
 
 def _recorder(results, **kw):
@@ -104,7 +115,7 @@ def _recorder(results, **kw):
 
 
 def test_the_job_node_asks_again_past_fakes_and_trains_with_its_own(caplog):
-    mine = replica_id("a", 0, secret=S, store="h:1") + ":u"
+    mine = replica_id("a", 0, secret=S, store="h:1", manager="h:1") + ":u"
     peer = rid(node=1)
     fake = rid(node=2, secret=T)
     ft, rec, asked = _recorder([result([mine, peer, fake])] * 50 + [result([mine, peer])], secret=S,
@@ -115,7 +126,7 @@ def test_the_job_node_asks_again_past_fakes_and_trains_with_its_own(caplog):
 
 def test_the_node_with_the_wrong_secret_leaves_before_any_process_group_names_the_fix_not_the_secret():
     job = [rid(node=0), rid(node=1)]
-    ft, rec, asked = _recorder([result(job + [replica_id("a", 2, secret=T, store="h:1") + ":u"], heal=True)],
+    ft, rec, asked = _recorder([result(job + [replica_id("a", 2, secret=T, store="h:1", manager="h:1") + ":u"], heal=True)],
                                secret=T, node=2)
     with pytest.raises(AdmissionRefused, match=r"refused.*--secret-file PATH or LOWBAND_SECRET_FILE.*lowband "
                                                r"secret PATH.*before any process group") as e:

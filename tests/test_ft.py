@@ -201,7 +201,7 @@ def _recorder(results, *, fp="a", timeout_s=1.0, secret=None, store="h:1", quoru
     ft = FaultTolerance.__new__(FaultTolerance)
     ft.cfg = FaultToleranceConfig(lighthouse="http://h:1", node=node, max_nodes=3, fingerprint=fp,
                                   quorum_timeout_s=timeout_s, start_poll_s=0.001, secret=secret)
-    ft.replica_id, ft.quorums = replica_id(fp, node, secret=secret, store=store), quorums
+    ft.replica_id, ft.quorums = replica_id(fp, node, secret=secret, store=store, manager=store) + ":u", quorums
     client = type("C", (), {})()
     asked = []
     client._quorum = lambda **kw: (asked.append(kw), results.pop(0))[1]
