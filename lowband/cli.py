@@ -1,4 +1,4 @@
-"""``lowband train | bench | report | lighthouse | simulate``: one subcommand each, its module imported only when used."""
+"""``lowband train | bench | report | lighthouse | secret | simulate``: one subcommand each, its module imported only when used."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ COMMANDS = {
                "re-render report.md and plots of a bench run directory"),
     "lighthouse": ("lowband.ft", "add_lighthouse_arguments", "lighthouse_main",
                    "run the torchft Lighthouse that a fault-tolerant job's nodes report to"),
+    "secret": ("lowband.secret", "add_arguments", "main",
+               "write a new job secret to a file (mode 0600) for --secret-file / LOWBAND_SECRET_FILE"),
     "simulate": ("lowband.simulate", "add_arguments", "main",
                  "model DiLoCo's all-reduce against NoLoCo's gossip for 2..1024 replicas, check it on emulated links"),
 }

@@ -28,19 +28,31 @@ lowband[ft]``). The link, the optimizers and the trainer see :class:`FaultTolera
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from lowband.admission import (  # noqa: F401  (admit, member_of, replica_id: the names tests and callers use)
+    AdmissionRefused,
+    admit,
+    check_bind,
+    free_port,
+    gloo_interface,
+    member_of,
+    replica_id,
+    screen,
+    split_bind,
+)
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +123,9 @@ class FaultToleranceConfig:
     window_quorum: bool = False
     start_nodes: int = 1
     start_poll_s: float = 0.5
+    secret: bytes | None = field(default=None, repr=False)  # the job's secret (lowband.secret); never printed
+    bind: str | None = None  # the job's network address the node's listeners bind (default: advertise)
+    trusted_network: bool = False  # bind a public address all the same (every host that reaches it is trusted)
 
     def __post_init__(self) -> None:
         if not self.lighthouse.startswith(("http://", "https://")):
@@ -138,12 +153,12 @@ class FaultToleranceConfig:
         return max(1, math.ceil(self.quorum_timeout_s / self.start_poll_s))
 
 
-def start_lighthouse(*, bind: str = "[::]:0", min_nodes: int = 1, join_timeout_s: float = 10.0,
+def start_lighthouse(*, bind: str = "127.0.0.1:0", min_nodes: int = 1, join_timeout_s: float = 10.0,
                      heartbeat_timeout_s: float = 3.0, quorum_tick_s: float = 0.05):
     """Start a torchft Lighthouse in this process; returns the server (``.address()``, ``.shutdown()``).
 
     Args:
-        bind: address and port to listen on ("[::]:0": any free port).
+        bind: address and port to listen on (the job's network; port 0: any free port).
         min_nodes: a quorum needs at least this many nodes.
         join_timeout_s: how long a quorum waits for live nodes of the previous quorum that have not
             asked yet (a dead node, silent for ``heartbeat_timeout_s``, is not waited for). It must
@@ -237,6 +252,11 @@ class FaultTolerance:
         self.quorum_max_step = 0  # the newest step in the last quorum (torchft's, see quorum_step)
         self._errored_this_step = False
         advertise = cfg.advertise or os.environ.get("LOWBAND_FT_ADVERTISE") or "127.0.0.1"
+        bind_host = cfg.bind or advertise  # the job's network: every listener of this node binds it
+        check_bind(bind_host, what=f"node {cfg.node}'s Manager, state server and gloo", flag="--ft-bind",
+                   secret=cfg.secret is not None, trusted_network=cfg.trusted_network)
+        if "GLOO_SOCKET_IFNAME" not in os.environ and gloo_interface(bind_host):
+            os.environ["GLOO_SOCKET_IFNAME"] = gloo_interface(bind_host)
         timeout = timedelta(seconds=cfg.timeout_s)
         self.pg = ProcessGroupGloo(timeout=timeout)
         from torchft.checkpointing.http_transport import HTTPTransport
@@ -253,16 +273,26 @@ class FaultTolerance:
         self.replica_ids: list[str] = []  # the last quorum's members (torchft replica ids)
         self.replica_rank: int | None = None  # this node's place among them
         self._pending: float | None = None  # perf_counter when an async quorum was started, until it is waited for
-        self.manager = Manager(
-            pg=self.pg, load_state_dict=self._load, state_dict=state_dict, min_replica_size=1,
-            use_async_quorum=cfg.async_quorum, timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
-            connect_timeout=timedelta(seconds=cfg.quorum_timeout_s), rank=rank, world_size=world_size,
-            # The node's store must be reachable from other nodes (they configure the quorum's process
-            # group through the first member's store): advertise it at the node's address.
-            store_addr=store_addr or advertise, store_port=store_port, lighthouse_addr=cfg.lighthouse,
-            replica_id=replica_id(cfg.fingerprint, cfg.node), hostname=advertise, init_sync=False,
-            checkpoint_transport=_Transport(timeout=timeout, num_chunks=0),
-        )
+        store_host = store_addr or advertise
+        store_port = store_port if store_port is not None else int(os.environ.get("MASTER_PORT", "0") or 0)
+        # The id names the store and Manager this node registers, under the secret's tag (admission.screen);
+        # the Manager's port is chosen here so that the id can name it (rank 0 runs the node's Manager).
+        port = free_port(bind_host) if rank == 0 and cfg.secret is not None else None
+        rid = replica_id(cfg.fingerprint, cfg.node, secret=cfg.secret, store=f"{store_host}:{store_port}",
+                         manager=f"{advertise}:{port}")
+        with _listening_on(bind_host):
+            self.manager = Manager(
+                pg=self.pg, load_state_dict=self._load, state_dict=state_dict, min_replica_size=1,
+                use_async_quorum=cfg.async_quorum, timeout=timeout,
+                quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+                connect_timeout=timedelta(seconds=cfg.quorum_timeout_s), rank=rank, world_size=world_size,
+                # The node's store must be reachable from other nodes (they configure the quorum's process
+                # group through the first member's store): advertise it at the node's address.
+                store_addr=store_host, store_port=store_port or None, lighthouse_addr=cfg.lighthouse,
+                replica_id=rid, hostname=advertise, init_sync=False, port=port,
+                checkpoint_transport=_Transport(timeout=timeout, num_chunks=0),
+            )
+        self.replica_id = self.manager._store.get("replica_id").decode()  # rank 0's, with torchft's :uuid
         self.manager._client = _QuorumRecorder(self.manager._client, self)
         watch_agent()
 
@@ -443,53 +473,6 @@ class ForeignJob(ValueError):
     """A node of another job (another fingerprint) is in this node's quorum and this node is the one to leave."""
 
 
-def replica_id(fingerprint: str, node: int) -> str:
-    """A node's torchft replica id: its job's fingerprint and its slot (torchft reads the slot from the
-    trailing digits and appends ``:uuid``)."""
-    return f"lowband_{fingerprint or 'none'}_node{node}"
-
-
-_REPLICA_ID = re.compile(r"^lowband_(?:(?P<fp>[0-9A-Za-z]+)_)?node(?P<node>\d+)$")
-
-
-def member_of(rid: str) -> tuple[str, int | None]:
-    """(fingerprint, node slot) of a quorum member's replica id ("" and None for ids lowband did not make)."""
-    m = _REPLICA_ID.match(rid.split(":", 1)[0])
-    if m is None:
-        return "", None
-    return m["fp"] or "", int(m["node"])
-
-
-def admit(replica_ids: list[str], mine: str, *, behind: bool, rounds: int) -> str:
-    """What a node does with a quorum whose members are not all of one job (one fingerprint).
-
-    Every member sees the same members, so they all judge alike: the job with the most nodes in the
-    quorum stays and asks for a quorum again (the Lighthouse forms it without the others once they
-    leave); the nodes of every other job leave with :class:`ForeignJob`. When two jobs have as many
-    nodes, a node that is behind (a newcomer: someone in the quorum is at a newer step) leaves first;
-    if the tie remains a round later, the job with the smaller fingerprint stays.
-
-    Returns ``"accept"`` (one job), ``"retry"`` or ``"leave"``.
-    """
-    counts: dict[str, int] = {}
-    for rid in replica_ids:
-        fp = member_of(rid)[0]
-        counts[fp] = counts.get(fp, 0) + 1
-    if len(counts) <= 1:
-        return "accept"
-    top = max(counts.values())
-    if counts.get(mine, 0) < top:
-        return "leave"
-    tied = sorted(fp for fp, c in counts.items() if c == top)
-    if len(tied) == 1:
-        return "retry"
-    if behind:
-        return "leave"
-    if rounds == 0:
-        return "retry"
-    return "retry" if mine == tied[0] else "leave"
-
-
 class _QuorumRecorder:
     """torchft's manager client with the members of each quorum noted (torchft keeps only their count),
     and only members of this node's job admitted (see :func:`admit`)."""
@@ -500,13 +483,35 @@ class _QuorumRecorder:
 
     def _quorum(self, *args, **kwargs):
         cfg = self._ft.cfg
-        mine = member_of(replica_id(cfg.fingerprint, cfg.node))[0]  # the fingerprint as the others see it
+        me = self._ft.replica_id
+        mine = member_of(me)[0]  # the fingerprint as the others see it
         max_rounds = cfg.poll_rounds
         rounds = 0
         while True:
             result = self._client._quorum(*args, **kwargs)
             step = kwargs.get("step")
             behind = bool(result.heal) or (step is not None and int(result.max_step) > int(step))
+            new = self._ft.quorums == 0
+            # Before anything is configured, sent or fetched: does every member prove the job's secret?
+            s = screen(result, secret=cfg.secret, me=me, new=new, behind=behind)
+            if s.verdict == "twin":
+                raise NodeSlotTaken(f"node slot {cfg.node} is already live in this job: stop the other process, or "
+                                    f"start this one with a free slot (0..{cfg.max_nodes - 1}). The running job goes on.")
+            if s.verdict == "refused" or (s.verdict == "retry" and new and s.peers == 0 and rounds >= max_rounds):
+                raise AdmissionRefused(
+                    f"node {cfg.node} is refused by the job at {cfg.lighthouse}: {s.why or 'no member proves its secret'} "
+                    f"({len(s.outsiders)} member(s) do not prove this node's secret). Start every node of a job with "
+                    "the same secret: --secret-file PATH or LOWBAND_SECRET_FILE=PATH (one file, copied to every "
+                    "node; `lowband secret PATH` makes one). This node leaves before any process group includes "
+                    "it; the running job goes on.")
+            if s.verdict == "retry":
+                if rounds % max_rounds == 0:
+                    log.warning("node %d: %s (%d member(s) that do not prove the job's secret); the quorum is not "
+                                "used and is asked for again (this node never trains with, heals from or sends "
+                                "state to them; see docs/internet.md)", cfg.node, s.why, len(s.outsiders))
+                rounds += 1
+                time.sleep(cfg.start_poll_s)
+                continue
             verdict = admit(list(result.replica_ids), mine, behind=behind, rounds=rounds)
             if verdict == "accept":
                 break
@@ -532,6 +537,36 @@ class _QuorumRecorder:
 
     def __getattr__(self, name: str):
         return getattr(self._client, name)
+
+
+@contextlib.contextmanager
+def _listening_on(host: str):
+    """While torchft's Manager is built: its gRPC server and its HTTP state server bind ``host`` (torchft
+    0.2 binds both on every interface, ``[::]``), so that only the job's network reaches them."""
+    import socket
+    from http.server import ThreadingHTTPServer
+
+    import torchft.checkpointing.http_transport as http_transport
+    import torchft.manager as manager
+
+    ipv6 = ":" in host
+    family = socket.AF_INET6 if ipv6 else socket.AF_INET
+
+    class _Server(ThreadingHTTPServer):
+        address_family = family
+
+    def http_server(address, handler):
+        return _Server((host, address[1]), handler)
+
+    def manager_server(*, bind: str, **kwargs):
+        return server_cls(bind=f"{f'[{host}]' if ipv6 else host}:{split_bind(bind)[1]}", **kwargs)
+
+    server_cls, http_cls = manager.ManagerServer, http_transport._IPv6HTTPServer
+    manager.ManagerServer, http_transport._IPv6HTTPServer = manager_server, http_server
+    try:
+        yield
+    finally:
+        manager.ManagerServer, http_transport._IPv6HTTPServer = server_cls, http_cls
 
 
 def watch_agent(poll_s: float = 1.0) -> None:
@@ -611,7 +646,12 @@ def data_slot(cfg: FaultToleranceConfig, *, local_rank: int, ranks_per_node: int
 def add_lighthouse_arguments(p) -> None:
     from lowband.units import parse_duration
 
-    p.add_argument("--bind", default="[::]:29510", help="address:port to listen on (default [::]:29510)")
+    p.add_argument("--bind", default="127.0.0.1:29510",
+                   help="address:port to listen on: the job's network, loopback (default 127.0.0.1:29510) or this "
+                        "host's VPN address; a wildcard or public address needs --trusted-network (the Lighthouse "
+                        "serves the job's members and a kill route to whoever reaches it; docs/internet.md)")
+    p.add_argument("--trusted-network", action="store_true",
+                   help="allow --bind on a wildcard or public address: every host that can reach it is trusted")
     p.add_argument("--min-nodes", type=int, default=1, help="a quorum needs at least this many nodes")
     p.add_argument("--join-timeout", type=parse_duration, default=10.0, metavar="DURATION",
                    help="how long a quorum waits for live nodes of the previous one that have not asked yet "
@@ -623,6 +663,9 @@ def add_lighthouse_arguments(p) -> None:
 def lighthouse_main(args) -> int:
     if args.min_nodes < 1:
         raise ValueError(f"--min-nodes must be >= 1, got {args.min_nodes}")
+    host, port = split_bind(args.bind)
+    check_bind(host, what="the Lighthouse", flag="--bind", port=port, secret=True,
+               trusted_network=args.trusted_network)
     server = start_lighthouse(bind=args.bind, min_nodes=args.min_nodes, join_timeout_s=args.join_timeout,
                               heartbeat_timeout_s=args.heartbeat_timeout)
     print(f"lighthouse at {server.address()} (pass --ft-lighthouse http://<this host's address>:<port> to "

@@ -7,6 +7,8 @@ with units (durations, bandwidths, sizes) and comma-separated lists are :mod:`lo
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import os
 import threading
 from collections.abc import Iterator
@@ -14,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BoolParseError", "atomic_path", "format_value", "parse_bool"]
+__all__ = ["BoolParseError", "atomic_path", "file_digest", "format_value", "parse_bool"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -64,3 +66,25 @@ def format_value(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)
     return str(value)
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """SHA-256 (hex) of a file's content, or of a directory's files (names and contents, sorted): what a
+    data file or a tokenizer is, whatever path names it. Cached per (path, size, mtime)."""
+    p = Path(path).resolve()
+    st = p.stat()
+    return _digest(str(p), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    p = Path(path)
+    h = hashlib.sha256()
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    for f in files:
+        if p.is_dir():
+            h.update(str(f.relative_to(p)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()

@@ -195,12 +195,13 @@ class _Result:
         self.replica_ids, self.heal, self.max_step, self.replica_rank = ids, heal, max_step, 0
 
 
-def _recorder(results, *, fp="a", timeout_s=1.0):
+def _recorder(results, *, fp="a", timeout_s=1.0, secret=None, store="h:1", quorums=0, node=0):
     from lowband.ft import FaultTolerance, _QuorumRecorder
 
     ft = FaultTolerance.__new__(FaultTolerance)
-    ft.cfg = FaultToleranceConfig(lighthouse="http://h:1", node=0, max_nodes=3, fingerprint=fp,
-                                  quorum_timeout_s=timeout_s, start_poll_s=0.001)
+    ft.cfg = FaultToleranceConfig(lighthouse="http://h:1", node=node, max_nodes=3, fingerprint=fp,
+                                  quorum_timeout_s=timeout_s, start_poll_s=0.001, secret=secret)
+    ft.replica_id, ft.quorums = replica_id(fp, node, secret=secret, store=store, manager=store) + ":u", quorums
     client = type("C", (), {})()
     asked = []
     client._quorum = lambda **kw: (asked.append(kw), results.pop(0))[1]

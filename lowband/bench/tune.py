@@ -130,11 +130,9 @@ def _data_digest(data: str | None) -> str:
         path = default_corpus_path()
     else:
         path = Path(data)
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    from lowband.util import file_digest
+
+    return file_digest(path)
 
 
 def _key(spec: BenchMethod, config: BenchConfig, digest: str) -> str:

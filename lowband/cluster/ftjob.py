@@ -42,12 +42,15 @@ class FaultTolerantJob:
         ft_timeout_s: each node's ``--ft-timeout``.
         start_nodes: each node's ``--ft-start-nodes`` (None: theirs by default, every node slot): a test
             that starts fewer nodes than ``nodes`` sets it, or the first step waits for the others.
+        secret_file: the job's secret (:mod:`lowband.secret`), given to every node as LOWBAND_SECRET_FILE
+            (never on a command line); :meth:`start` can give one node another.
     """
 
     def __init__(self, *, train_args: list[str], nodes: int, ranks_per_node: int, out: str | Path,
                  heartbeat_timeout_s: float = 2.0, join_timeout_s: float = 10.0, ft_timeout_s: float = 5.0,
                  min_nodes: int = 1, start_nodes: int | None = None,
-                 net=None, node_dirs: Path | None = None, log_dir: Path | None = None) -> None:
+                 net=None, node_dirs: Path | None = None, log_dir: Path | None = None,
+                 secret_file: str | Path | None = None) -> None:
         from lowband.ft import require_torchft
 
         require_torchft()
@@ -65,11 +68,12 @@ class FaultTolerantJob:
         self.out.mkdir(parents=True, exist_ok=True)
         self.ft_timeout_s = ft_timeout_s
         self.start_nodes = start_nodes
+        self.secret_file = secret_file
         # The Lighthouse runs as a process of its own, as on a cluster (and so that torchft's runtime
         # threads never live in a process that later forks).
         # In a network namespace setup it runs in node 0's namespace, reachable at node 0's address.
         host = net.nodes[0].ip if net is not None else "127.0.0.1"
-        argv = [sys.executable, "-m", "lowband.cli", "lighthouse", "--bind", f"{'0.0.0.0' if net else host}:0",
+        argv = [sys.executable, "-m", "lowband.cli", "lighthouse", "--bind", f"{host}:0",
                 "--heartbeat-timeout", f"{heartbeat_timeout_s}s", "--join-timeout", f"{join_timeout_s}s",
                 "--min-nodes", str(min_nodes)]
         if net is not None:
@@ -93,11 +97,12 @@ class FaultTolerantJob:
     def log_path(self, node: int) -> Path:
         return self.log_dir / f"node{node}.log"
 
-    def start(self, node: int) -> None:
-        """Start (or restart) node ``node``: a torchrun of ``ranks_per_node`` ranks in its own session."""
+    def start(self, node: int, *, secret_file: str | Path | None = None) -> None:
+        """Start (or restart) node ``node``: a torchrun of ``ranks_per_node`` ranks in its own session
+        (``secret_file``: another secret than the job's, for a node that must be refused)."""
         if node in self.procs and self.procs[node].poll() is None:
             raise RuntimeError(f"node {node} is running")
-        self.procs[node] = self._launch(node, self.node_out(node), self.log_path(node))
+        self.procs[node] = self._launch(node, self.node_out(node), self.log_path(node), secret_file=secret_file)
         self.events.append({"event": "start", "node": node, "unix_s": time.time()})
 
     def start_twin(self, node: int) -> subprocess.Popen:
@@ -117,7 +122,8 @@ class FaultTolerantJob:
         self.orphans.setdefault(node, []).append(p.pid)  # close() takes it down if the caller did not
         return p
 
-    def _launch(self, node: int, out: Path, log_path: Path, *, train_args: list[str] | None = None) -> subprocess.Popen:
+    def _launch(self, node: int, out: Path, log_path: Path, *, train_args: list[str] | None = None,
+                secret_file=None) -> subprocess.Popen:
         train_args = self.train_args if train_args is None else train_args
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={self.ranks_per_node}", "-m", "lowband.cli", "train", *train_args,
@@ -127,6 +133,9 @@ class FaultTolerantJob:
             cmd += ["--ft-start-nodes", str(self.start_nodes)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    RUST_LOG=os.environ.get("RUST_LOG", "error"))
+        secret = secret_file or self.secret_file
+        if secret is not None:  # by the environment, never on the command line
+            env["LOWBAND_SECRET_FILE"] = str(secret)
         if self.net is not None:
             env.update(GLOO_SOCKET_IFNAME=self.net.nodes[node].interface, LOWBAND_FT_ADVERTISE=self.net.nodes[node].ip)
             cmd = self.net.exec_argv(node, cmd)

@@ -149,6 +149,17 @@ class FaultToleranceJob:
         None, "a new job trains its first step once N nodes are live (default: --ft-max-nodes), so its nodes start "
         "together; after 120 s it starts with those there are. A node that joins a running job does not wait",
         flag="--ft-start-nodes", metavar="N")
+    secret_file: str | None = option(
+        None, "the job's secret, a file every node holds (`lowband secret PATH` makes one; or set LOWBAND_SECRET_FILE "
+        "or LOWBAND_SECRET): every member of every quorum proves it, bound to its job, slot and address; a node "
+        "without it is refused. Never give the secret itself on a command line (docs/internet.md)",
+        flag="--secret-file", metavar="PATH")
+    bind: str | None = option(
+        None, "the job's network address this node's listeners (torchft Manager, state server, gloo) bind: loopback "
+        "or a VPN address; a wildcard or public one needs --trusted-network (default: LOWBAND_FT_ADVERTISE, else "
+        "127.0.0.1)", flag="--ft-bind", metavar="ADDR")
+    trusted_network: bool = option(False, "allow --ft-bind on a wildcard or public address: every host that can "
+                                   "reach it is trusted", flag="--trusted-network")
 
 
 @dataclass(kw_only=True)
@@ -198,22 +209,49 @@ class TrainConfig:
                 out[table] = {k: getattr(section, k) for k in job_fields(cls_)}
         return out
 
-    def ft_config(self):
+    def fingerprint(self, ranks_per_node: int | None = None) -> str:
+        """What must be equal on every node for them to train one model: the method and its
+        hyper-parameters, the model, its precision and shards per node, the data by content (a digest
+        of each file, not its path), how it is cut and tokenised (columns, split, lengths, packing, the
+        tokenizer by content or the trained one's kind and size), the schedule, the seed and the job's
+        layout. Two nodes with the same files under other paths agree; another job's node does not."""
+        from lowband.ft import fingerprint
+        from lowband.util import file_digest
+
+        s, d, ft = self.schedule, self.data, self.fault_tolerance
+        if ranks_per_node is None:
+            import os
+
+            ranks_per_node = int(os.environ.get("WORLD_SIZE", "1"))
+
+        def content(path):  # a missing file is named by validate(), after this
+            return None if path is None else file_digest(path) if Path(path).exists() else f"missing {path}"
+
+        return fingerprint(
+            self.method.name, sorted(self.method.hp.as_dict().items()), self.model.name, self.model.precision,
+            self.model.shards or ranks_per_node, self.model.activation_checkpointing,
+            content(d.path), content(d.val_path), d.source_column, d.target_column, d.text_column, d.val_size,
+            d.max_source_len, d.max_target_len, d.max_len, d.packing, d.max_examples,
+            content(d.tokenizer), None if d.tokenizer else (d.tokenizer_kind, d.vocab_size),
+            s.steps, s.batch_size, s.grad_accum, s.lr_schedule, s.warmup_steps, s.min_lr_ratio,
+            self.run.seed, ft.max_nodes, ft.quorum)
+
+    def ft_config(self, ranks_per_node: int | None = None):
         """The node's fault-tolerance configuration, or None (no ``fault_tolerance.lighthouse``)."""
         ft = self.fault_tolerance
         if ft.lighthouse is None:
             return None
-        from lowband.ft import FaultToleranceConfig, fingerprint
+        from lowband.ft import FaultToleranceConfig
+        from lowband.secret import load_secret
 
-        spec, s, d = METHODS[self.method.name], self.schedule, self.data
+        spec = METHODS[self.method.name]
         return FaultToleranceConfig(
             lighthouse=ft.lighthouse, node=ft.node, max_nodes=ft.max_nodes, timeout_s=ft.timeout_s,
             async_quorum=ft.quorum == "async" and spec.ft_quorum != "outer",
             window_quorum=ft.quorum == "async" and spec.ft_quorum == "window",
             start_nodes=ft.max_nodes if ft.start_nodes is None else ft.start_nodes,
-            fingerprint=fingerprint(self.method.name, sorted(self.method.hp.as_dict().items()), self.model.name,
-                                    d.path, d.max_examples, self.run.seed, s.batch_size, s.grad_accum,
-                                    self.model.precision, s.steps, ft.max_nodes, ft.quorum),
+            fingerprint=self.fingerprint(ranks_per_node), secret=load_secret(ft.secret_file), bind=ft.bind,
+            trusted_network=ft.trusted_network,
         )
 
     def validate(self) -> None:
