@@ -323,7 +323,14 @@ class StateTransport:
             address_family = family
             daemon_threads = True
 
-        self._server = Server((advertise.strip("[]"), port), Handler)
+        try:
+            self._server = Server((advertise.strip("[]"), port), Handler)
+        except OSError as e:  # e.g. an address in front of a NAT, not one of this machine's
+            log.warning("the state server cannot listen at %s (%s): it listens on every interface instead; "
+                        "with no job secret anyone who reaches its port while a heal is staged can read the state",
+                        advertise, e.strerror or e)
+            Server.address_family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
+            self._server = Server(("::" if socket.has_ipv6 else "", port), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, name="lowband-state-server", daemon=True)
         self._thread.start()
 
@@ -376,18 +383,21 @@ class StateTransport:
                                                            self._fingerprint, step, q.get("node"), q.get("rank"),
                                                            nonce, t)):
                 return self._refuse(h, 403, "the request does not carry this job's secret (tag), or is stale")
+        nonce, refusal = q.get("nonce", ""), None
         with self._cond:
             # A healer may ask before torchft staged the state on this node: wait for it, bounded.
             self._cond.wait_for(lambda: self._staged is not None and self._staged[0] == step, timeout=self._timeout)
             staged = self._staged
             if staged is None or staged[0] != step:
-                return self._refuse(h, 409, f"no state of step {step} is staged here")
-            nonce = q.get("nonce", "")
-            if self._served_left <= 0 or (nonce and nonce in self._nonces):
-                return self._refuse(h, 429, "the state was already served to every healing rank")
-            self._served_left -= 1
-            self._nonces.add(nonce)
-            self._sending += 1
+                refusal = (409, f"no state of step {step} is staged here")
+            elif self._served_left <= 0 or (nonce and nonce in self._nonces):
+                refusal = (429, "the state was already served to every healing rank")
+            else:
+                self._served_left -= 1
+                self._nonces.add(nonce)
+                self._sending += 1
+        if refusal is not None:  # answered outside the lock: a slow requester holds up no one
+            return self._refuse(h, *refusal)
         try:
             self._send(h, staged, q.get("nonce", ""))
         except OSError as e:

@@ -332,3 +332,12 @@ def test_the_header_names_its_format():
     header, _ = encode_state({"w": torch.zeros(2)}, step=1, fingerprint=FP)
     h = json.loads(header)
     assert h["format"] == FORMAT and h["tensors"][0]["dtype"] == "float32" and h["payload_bytes"] == 8
+
+
+def test_an_advertised_address_that_is_not_this_machines_falls_back_to_every_interface_with_a_warning(caplog):
+    t = _transport(advertise="192.0.2.1")  # TEST-NET-1: never an address of this machine
+    try:
+        assert "listens on every interface instead" in caplog.text
+        assert t.metadata().startswith("http://192.0.2.1:")
+    finally:
+        t.shutdown(wait=False)
