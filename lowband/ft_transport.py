@@ -331,7 +331,8 @@ class StateTransport:
                         advertise, e.strerror or e)
             Server.address_family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
             self._server = Server(("::" if socket.has_ipv6 else "", port), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="lowband-state-server", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="lowband-state-server", daemon=True)
         self._thread.start()
 
     # ---------------------------------------------------------------- serving
