@@ -5,7 +5,8 @@ One child process (torchft's runtime must not live in the test process) runs a L
 heals node 1 from node 0 through :class:`lowband.ft_transport.StateTransport`. What must hold:
 
 - an honest source: node 1 loads node 0's tensors and plain data (torchft calls send_checkpoint,
-  metadata, recv_checkpoint and disallow_checkpoint as in a job);
+  metadata, recv_checkpoint and disallow_checkpoint as in a job; node 0 votes only once node 1 has
+  its state, as the step's first collective would make it);
 - a source that stalls mid-state: node 1 abandons it within its timeout, its step is dropped (the commit
   vote says no), nothing hangs. (A pickle, in torchft's own format, is refused in tests/test_ft_transport.py.)
 """
@@ -51,6 +52,7 @@ if mode == "stall":
 lh = start_lighthouse(bind="127.0.0.1:0", min_nodes=2, join_timeout_s=5.0)
 addr = "http://127.0.0.1:" + lh.address().rsplit(":", 1)[1]
 out = {}
+healed = threading.Event()  # stands for the step's first collective: the source waits for the healer there
 
 def node(i, step):
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -68,8 +70,14 @@ def node(i, step):
                         store_addr="127.0.0.1", store_port=store.port)
     t0 = time.monotonic()
     ft.start_step(step)
+    if i == 1:
+        healed.set()
+    else:
+        healed.wait(30)
+    err = ft.manager.errored()
     ok = ft.commit()
     out[i] = {"healed": ft.healed_at, "commit": ok, "s": time.monotonic() - t0, "w": w.tolist(),
+              "error": str(getattr(err, "original_exception", err) or ""),
               "trainer": trainer, "betas_type": type(trainer["betas"]).__name__}
     ft.shutdown()
 
@@ -99,7 +107,7 @@ def _run(tmp_path: Path, mode: str) -> tuple[dict, Path]:
 
 def test_a_node_heals_from_a_live_peer_through_torchfts_flow_as_tensors_and_plain_data(tmp_path):
     out, _ = _run(tmp_path, "honest")
-    assert out[1]["healed"] and out[1]["healed"][0]["step"] == 5
+    assert out[1]["healed"] and out[1]["healed"][0]["step"] == 5, out[1]["error"]
     assert out[1]["w"] == out[0]["w"] == [[1.0] * 3] * 4
     assert out[1]["trainer"] == {"step": 5, "lr": [0.1], "betas": [0.9, 0.95]} and out[1]["betas_type"] == "tuple"
     assert out[0]["commit"] and out[1]["commit"]
@@ -109,6 +117,7 @@ def test_a_source_that_stalls_mid_state_is_abandoned_in_time_and_the_step_droppe
     # (a source that sends a pickle, a wrong length or a wrong tensor: tests/test_ft_transport.py, in-process)
     out, marker = _run(tmp_path, "stall")
     assert not marker.exists()
+    assert "stopped sending" in out[1]["error"], out[1]["error"]
     assert out[1]["healed"] == [] and out[1]["commit"] is False  # the step is dropped
     assert out[1]["w"] == [[2.0] * 3] * 4
     assert out[0]["commit"]
