@@ -50,6 +50,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
+from lowband.checkpoint_trust import SafePlanner, SafeReader, read_metadata, verify_manifest, write_manifest
+
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "replica_sources", "topology_record"]
 
 log = logging.getLogger(__name__)
@@ -81,8 +83,12 @@ def topology_record(topology) -> dict[str, int]:
 
 
 def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | None = None,
-                    extra: dict | None = None) -> Path:
-    """Save model and optimizer to directory ``path`` (collective: every rank calls it)."""
+                    extra: dict | None = None, secret: bytes | None = None, fingerprint: str | None = None) -> Path:
+    """Save model and optimizer to directory ``path`` (collective: every rank calls it).
+
+    Rank 0 then writes the manifest (:func:`lowband.checkpoint_trust.write_manifest`: every file's
+    SHA-256, signed with the job's ``secret`` when there is one) that :func:`load_checkpoint` checks.
+    """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if _rank() == 0 and tmp.exists():
@@ -91,6 +97,7 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: Opt
     dcp.save(_state(model, optimizer), checkpoint_id=str(tmp))
     if _rank() == 0:
         (tmp / _EXTRA).write_text(json.dumps(extra or {}, indent=1))
+        write_manifest(tmp, secret=secret, step=(extra or {}).get("step"), fingerprint=fingerprint)
         old = path.with_name(path.name + ".old")
         if path.exists():
             if old.exists():
@@ -231,7 +238,7 @@ def _reading_target(t: torch.Tensor, saved_shape: tuple[int, ...]) -> tuple[torc
 
 
 def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | None = None,
-                    method: str | None = None) -> dict:
+                    method: str | None = None, secret: bytes | None = None, trust: bool = False) -> dict:
     """Load a checkpoint saved by :func:`save_checkpoint` in place; return its ``extra`` dict.
 
     The checkpoint may come from another topology (see the module docstring): the model and
@@ -241,6 +248,11 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: Opt
     loaded (another method, model or optimizer-state layout) is a ValueError raised on every rank
     before anything is read into the model or the optimizer (an optimizer may refuse the loaded
     hyper-parameters later, e.g. NoLoCo's group size: still before any training step).
+
+    Before that, the checkpoint's manifest is checked against its files and ``secret`` (the job's:
+    :func:`lowband.checkpoint_trust.verify_manifest`; a checkpoint it cannot vouch for is a
+    :class:`~lowband.checkpoint_trust.CheckpointRefused` unless ``trust``), and nothing is unpickled
+    beyond DCP's metadata classes and ``torch.load(weights_only=True)``.
     """
     path = Path(path)
     if not (path / ".metadata").exists():
@@ -248,10 +260,11 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: Opt
             f"no checkpoint at {path} (expected a DCP directory with a .metadata file); "
             "pass a directory written by lowband (e.g. RUN/checkpoints/step_000100) or drop --resume"
         )
+    verify_manifest(path, secret=secret, trust=trust)
     extra_file = path / _EXTRA
     extra = json.loads(extra_file.read_text()) if extra_file.exists() else {}
     state = _state(model, optimizer)
-    md = dcp.FileSystemReader(str(path)).read_metadata()
+    md = read_metadata(path)
     _check_compatible(path, state, md, extra, method)
     merges: list[Callable[[], None]] = []
     resized: set[tuple[int, int]] = set()
@@ -265,7 +278,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: Opt
         merges.append(merge)
         merges.append(functools.partial(parent.__setitem__, k, t))  # the template goes back for set_state_dict
         resized.add((old[0] if len(old) == t.dim() else 1, int(t.shape[0]) if _is_replica_state(t) else 1))
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
     for merge in merges:
         merge()
     if resized:

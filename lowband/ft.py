@@ -18,7 +18,8 @@ the other nodes through a reconfigurable gloo process group that the Manager own
 - **a node that joins** (a restarted one, or a new one) is behind the others: at its first quorum
   torchft fetches the live state of a peer that holds the newest step over HTTP (the peer's
   parameters, optimizer state, schedule, step and training clock; no shared disk) and loads it
-  before the step's forward pass. What a replica must not copy is reset by the optimizer's
+  before the step's forward pass. The state travels as raw tensors and plain data, never a pickle,
+  checked before use (:mod:`lowband.ft_transport`). What a replica must not copy is reset by the optimizer's
   ``reset_replica_state`` (FlexDeMo: δ = 0; DiLoCo, NoLoCo: the inner weights start from the outer
   ones).
 
@@ -220,6 +221,20 @@ def load_local_state(target: Any, source: Any, *, what: str = "state") -> Any:
     return source
 
 
+def state_transport(cfg: FaultToleranceConfig, *, advertise: str, timeout: timedelta, rank: int,
+                    state_dict: Callable[[], dict], secret: bytes | None = None):
+    """The node's state server and client (:class:`lowband.ft_transport.StateTransport`), bound to ``advertise``;
+    its healer checks what it receives against this rank's own state (``state_dict``), as torchft wraps it.
+    ``secret``: the job's secret (default: :func:`lowband.secret.load_secret` from the environment)."""
+    from lowband.ft_transport import StateTransport
+    from lowband.secret import load_secret
+
+    if secret is None:
+        secret = getattr(cfg, "secret", None) or load_secret()
+    return StateTransport(advertise=advertise, timeout=timeout, fingerprint=cfg.fingerprint, secret=secret,
+                          template=lambda: {"user": {"default": state_dict()}}, node=cfg.node, rank=rank)
+
+
 class FaultTolerance:
     """This rank's membership in a fault-tolerant job: a torchft Manager and its process group.
 
@@ -259,16 +274,10 @@ class FaultTolerance:
             os.environ["GLOO_SOCKET_IFNAME"] = gloo_interface(bind_host)
         timeout = timedelta(seconds=cfg.timeout_s)
         self.pg = ProcessGroupGloo(timeout=timeout)
-        from torchft.checkpointing.http_transport import HTTPTransport
-
-        class _Transport(HTTPTransport):
-            """torchft's HTTP state transfer, at the node's advertised address (torchft gives the host name,
-            which inside a network namespace, or on a host whose name maps to 127.0.0.1, others cannot reach)."""
-
-            def address(self) -> str:
-                return f"http://{advertise}:{self._server.socket.getsockname()[1]}/checkpoint/"
-
-        # Healing copies a peer's state (HTTP); torchft checks the step, we check the fingerprint.
+        # Healing copies a peer's state over HTTP as tensors and plain data, never a pickle (lowband.ft_transport:
+        # torchft's own transport unpickles what the peer sends); torchft checks the step, we the fingerprint.
+        transport = state_transport(cfg, advertise=advertise, timeout=timeout, rank=rank, state_dict=state_dict,
+                                    secret=cfg.secret)
         self.quorums = 0  # quorums this node took part in
         self.replica_ids: list[str] = []  # the last quorum's members (torchft replica ids)
         self.replica_rank: int | None = None  # this node's place among them
@@ -290,7 +299,7 @@ class FaultTolerance:
                 # group through the first member's store): advertise it at the node's address.
                 store_addr=store_host, store_port=store_port or None, lighthouse_addr=cfg.lighthouse,
                 replica_id=rid, hostname=advertise, init_sync=False, port=port,
-                checkpoint_transport=_Transport(timeout=timeout, num_chunks=0),
+                checkpoint_transport=transport,
             )
         self.replica_id = self.manager._store.get("replica_id").decode()  # rank 0's, with torchft's :uuid
         self.manager._client = _QuorumRecorder(self.manager._client, self)

@@ -9,7 +9,7 @@
       schedule         ScheduleConfig: steps, batch_size, grad_accum, lr_schedule, warmup_steps, min_lr_ratio,
                        time_budget_s
       link             LinkConfig: bandwidth_bps, latency_s
-      checkpoint       CheckpointConfig: every, at_end, resume
+      checkpoint       CheckpointConfig: every, at_end, resume, trust
       run              RunConfig: seed, val_every, val_batches, out, tensorboard, progress, memory_profile
       fault_tolerance  FaultToleranceJob: lighthouse, node, max_nodes, timeout_s, quorum, start_nodes
 
@@ -110,6 +110,9 @@ class CheckpointConfig:
     at_end: bool = option(False, "write a checkpoint after the last step", flag="--ckpt-at-end")
     resume: str | None = option(None, "checkpoint directory, 'auto' for the newest in OUT, or 'if-any': the "
                                 "newest if there is one, else start afresh (a node's first start and restarts)")
+    trust: bool = option(False, "resume from a checkpoint this job cannot vouch for (no lowband manifest, unsigned "
+                         "while the job has a secret, or signed with another secret); it is still read without "
+                         "running code from it", flag="--trust-checkpoint")
 
 
 @dataclass(kw_only=True)

@@ -279,7 +279,8 @@ class Trainer:
         if path is None:
             raise FileNotFoundError(f"--resume auto: no checkpoint under {out / 'checkpoints'}; "
                                     "drop --resume to start afresh")
-        extra = load_checkpoint(path, model=model, optimizer=optimizer, method=cfg.method.name)
+        extra = load_checkpoint(path, model=model, optimizer=optimizer, method=cfg.method.name, secret=self._secret(),
+                                trust=cfg.checkpoint.trust)
         start_step = int(extra["step"])
         _log_topology_change(extra, self.topology, cfg=cfg)
         resumed = extra
@@ -404,7 +405,17 @@ class Trainer:
                         extra={"step": step, "scheduler": self.scheduler.state_dict(), **self.clock,
                                "method": cfg.method.name, "model": cfg.model.name,
                                "topology": topology_record(topo),
-                               "global_batch": topo.world_size * self.step_batch})
+                               "global_batch": topo.world_size * self.step_batch},
+                        secret=self._secret(), fingerprint=self.ft_cfg.fingerprint if self.ft_cfg else None)
+
+    def _secret(self) -> bytes | None:
+        """The job's secret (--secret-file, else the environment: :func:`lowband.secret.load_secret`), which signs
+        its checkpoints."""
+        from lowband.secret import load_secret
+
+        if self.ft_cfg is not None and self.ft_cfg.secret is not None:
+            return self.ft_cfg.secret
+        return load_secret(self.cfg.fault_tolerance.secret_file)
 
     def summarize(self) -> RunSummary:
         """This rank's summary of the run, written to ``summary_rank{R}.json``."""
