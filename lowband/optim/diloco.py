@@ -117,6 +117,11 @@ class DiLoCo(OuterStepOptimizer):
         quant_block: elements per scale for int8/int4 (default 256).
         delay: τ, inner steps between the start of an outer step's exchange and its merge
             (0 ≤ τ < H; 0: blocking). The bench spec's ``overlap=true`` means τ = 1.
+        aggregate: how the members' pseudo-gradients are combined (:mod:`lowband.optim.robust`):
+            ``"mean"`` (default, the paper's), ``"clip"`` (each bounded by the members' median norm)
+            or ``"trimmed"`` (coordinate-wise, the largest and smallest dropped; R ≥ 3). Any rule but
+            the mean all-gathers the messages (fp32 too): (R−1)·(nbytes(n) + 1) bytes per rank instead
+            of the all-reduce's 2(R−1)/R·(4n + 4).
 
     Attributes:
         inner_optimizer: the inner optimizer. ``last_sync_time_s``: wall time of the last outer step
@@ -140,6 +145,7 @@ class DiLoCo(OuterStepOptimizer):
         values: str = "fp32",
         quant_block: int = 256,
         delay: int = 0,
+        aggregate: str = "mean",
     ) -> None:
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
@@ -155,6 +161,7 @@ class DiLoCo(OuterStepOptimizer):
             values=values,
             quant_block=quant_block,
             delay=delay,
+            aggregate=aggregate,
         )
         for group in self.param_groups:
             if not group["outer_lr"] > 0:
@@ -176,10 +183,11 @@ class DiLoCo(OuterStepOptimizer):
             seg.copy_(state_view(self.state[p]["slow"]).reshape(-1))
             seg.sub_(x.reshape(-1))
             offset += x.numel()
+        self._poison([flat[:numel]])
         self._seal(flat, numel)
-        if self.codec.lossy:
-            # Quantised values cannot be summed on the way: all-gather them, every rank decodes
-            # all R and averages them in replica order (identical φ on every replica).
+        if self._gathers:
+            # Quantised values cannot be summed on the way, nor judged one by one in a sum: all-gather
+            # them, every rank decodes all R and averages them in replica order (identical φ on every replica).
             message, v = self._encode_outer(flat, numel)
             result = (self.link.all_gather(message, async_op=async_op) if self.link is not None
                       else message.unsqueeze(0))
@@ -187,23 +195,25 @@ class DiLoCo(OuterStepOptimizer):
         result = self.link.all_reduce(flat, op="avg", async_op=async_op) if self.link is not None else flat
         return OuterFlight(outer_index, result, flat, flat, None, numel)
 
+    @property
+    def _gathers(self) -> bool:
+        """All-gather the messages (lossy values, or robust aggregation) instead of one all-reduce."""
+        return self.codec.lossy or self.aggregate != "mean"
+
     def _end_outer(self, flight: OuterFlight, result: Any) -> str | None:
         flat, numel = flight.fp_flat, flight.numel
-        if self.codec.lossy:
-            # Every message is checked (every rank holds the same bytes: the same verdict); a bad one is
-            # left out and the mean is over the others.
-            senders = list(range(result.shape[0]))
-            bad = self._screen(result, senders, nbytes=flight.message.numel(), dtype=torch.uint8,
-                               payload=dense_problems(self.codec, numel))
-            gathered = [result[r] for r in senders if r not in bad]
-            if not gathered:
+        if self._gathers:
+            # Every message is checked; a bad one is left out and the mean is over the others.
+            kept = self._kept_senders(result, nbytes=flight.message.numel(), payload=dense_problems(self.codec, numel))
+            if not kept:
                 return DROP
-            if any(bool(m[-1]) for m in gathered):
+            if any(bool(result[r][-1]) for r in kept):
                 return "pseudo-gradient"
-            mean = self._decoded_mean(gathered, numel)
+            mean = self._decoded_mean([result[r] for r in kept], numel, kept)
             if not self._mean_finite(mean):
                 return DROP
-            self._commit_error(flight.message, flight.v, numel)
+            if self.codec.lossy:
+                self._commit_error(flight.message, flight.v, numel)
             flat[:numel].copy_(mean)
             flat[-1] = 0.0
         elif not self._check_mean(flat):  # one all-reduce: its sum cannot name a sender

@@ -55,6 +55,7 @@ from lowband.optim.flexdemo_tiles import (
     width_name,
 )
 from lowband.optim.protocol import OptimizerStats
+from lowband.optim.robust import ClipTally, check_aggregate, clip_scales
 
 __all__ = ["FlexDeMo", "OVERLAP_APPLY"]
 
@@ -211,6 +212,9 @@ class FlexDeMo(OverlapMixin, Optimizer):
             mean one step later) or "stale" (step with the mean one step late).
         tile: 0 (default): 1-D chunks of ``chunk`` elements; t > 0: a 2-D DCT over t × t tiles of each
             matrix shard, ``topk`` per tile (1 ≤ topk ≤ t²; indices fit uint8 for t ≤ 16).
+        aggregate: ``"mean"`` (default) or ``"clip"``: each replica's kept values (per param group) scaled
+            to at most the replicas' median norm before the mean (:mod:`lowband.optim.robust`; no
+            extra bytes). With ``values="sign"`` every value has the same size and nothing is clipped.
     """
 
     def __init__(
@@ -229,8 +233,12 @@ class FlexDeMo(OverlapMixin, Optimizer):
         overlap: bool = False,
         overlap_apply: str = "local",
         tile: int = 0,
+        aggregate: str = "mean",
     ) -> None:
         check_lr(lr)
+        self.aggregate = check_aggregate(aggregate, method="FlexDeMo", dense=False)
+        self.clip_tally = ClipTally()
+        self.poison = None  # a poisoning member on purpose (lowband.poison; fault injection)
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
         if not isinstance(tile, int) or isinstance(tile, bool) or tile < 0:
@@ -382,7 +390,7 @@ class FlexDeMo(OverlapMixin, Optimizer):
     def stats(self) -> OptimizerStats:
         return OptimizerStats(dropped_steps=self.dropped_steps, skipped_steps=self.skipped_steps,
                               bad_messages=dict(self.bad_messages.total),
-                              bad_in_a_row=dict(self.bad_messages.in_a_row))
+                              bad_in_a_row=dict(self.bad_messages.in_a_row), clipped=dict(self.clip_tally.clipped))
 
     def state_owners(self) -> list[Optimizer]:
         return [self]
@@ -416,6 +424,8 @@ class FlexDeMo(OverlapMixin, Optimizer):
         picks = []
         for w, gflats in zip(work, grads, strict=True):
             idx, vals = self._topk_of_momentum(w, gflats)
+            if self.poison is not None:
+                self.poison.apply_([vals], self._steps_taken(work))
             payload, sent_vals = w.plan.wire.encode_many(idx, vals, w.plan.rows)  # sent: what peers unpack
             picks.append((idx, sent_vals, payload))
         # One check covers the gradients too (no pass over them of its own): a NaN or Inf anywhere in a
@@ -589,6 +599,10 @@ class FlexDeMo(OverlapMixin, Optimizer):
                 steps.append(state["step"])
         torch._foreach_add_(steps, 1.0)
 
+    def _steps_taken(self, work: list[Work]) -> int:
+        state = self.state[work[0].params[0]] if work and work[0].params else {}
+        return int(state["step"].item()) if "step" in state else 0
+
     def _apply(self, work: list[Work], gathered: torch.Tensor, into: dict | None = None,
                lrs: list[float] | None = None) -> None:
         """Phase 3: decode the mean over replicas and step (or, ``into``, store the update per parameter).
@@ -612,6 +626,11 @@ class FlexDeMo(OverlapMixin, Optimizer):
                          for x, r in zip(targets, plan.rows, strict=True)]
             else:
                 sinks = [x.view(-1) if x is not None else None for x in targets]
+            if self.aggregate == "clip" and replicas > 1:  # each replica's values bounded by the median norm
+                norms = torch.linalg.vector_norm(vals.double().reshape(replicas, -1), dim=1)
+                scales = clip_scales(norms)
+                self.clip_tally.record(list(range(replicas)), norms, scales, f"FlexDeMo step {self._steps_taken(work)}")
+                vals = vals.mul_(scales.to(vals.dtype).view(-1, *([1] * (vals.dim() - 1))))
             vals = vals.div_(replicas)  # (Σ_r v_r)/R·B[i] as (Σ_r v_r/R)·B[i]: the same floats for R = 2^j
             basis = basis_of(w, vals.dtype, vals.device)
             ws = Workspace(plan)

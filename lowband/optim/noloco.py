@@ -97,6 +97,11 @@ class NoLoCo(OuterStepOptimizer):
             Bytes per peer: 8n + 4 (fp32) or nbytes(2n) + 1.
         quant_block: elements per scale for int8/int4 (default 256).
         delay: τ, as for :class:`DiLoCo` (0 ≤ τ < H; 0: blocking).
+        aggregate: how the group's θ − φ halves are combined (:mod:`lowband.optim.robust`): ``"mean"``
+            (default, the paper's), ``"clip"`` (each bounded by the group's median norm; in a group of 2
+            the larger brought to the smaller's) or ``"trimmed"`` (groups of 3 or more; else clip). The
+            φ halves are always averaged: a member's φ is its weights, not an update, and a poisoned
+            φ is not bounded by this rule (see docs/trust.md).
 
     Attributes:
         last_group: global ranks of this rank's group in the last outer step (under fault tolerance:
@@ -124,6 +129,7 @@ class NoLoCo(OuterStepOptimizer):
         values: str = "fp32",
         quant_block: int = 256,
         delay: int = 0,
+        aggregate: str = "mean",
     ) -> None:
         gamma = beta if gamma is None else gamma
         # Under fault tolerance the live replicas are known only at each outer step's quorum: n is
@@ -151,6 +157,7 @@ class NoLoCo(OuterStepOptimizer):
             values=values,
             quant_block=quant_block,
             delay=delay,
+            aggregate=aggregate,
         )
         self.timeout_s = timeout_s
         self.last_group: list[int] = []
@@ -256,6 +263,7 @@ class NoLoCo(OuterStepOptimizer):
             flat[offset:offset + x.numel()].copy_(phi)
             flat[numel + offset:numel + offset + x.numel()].copy_(x).sub_(phi)
             offset += x.numel()
+        self._poison([flat[numel:2 * numel]])
         self._seal(flat, 2 * numel)
         fp_flat = flat
         v = None
@@ -267,6 +275,15 @@ class NoLoCo(OuterStepOptimizer):
             with self._group_timeout(outer_index, **extra):
                 received = link.exchange(flat, peers, async_op=async_op)  # type: ignore[union-attr]
         return OuterFlight(outer_index, received, flat, fp_flat, v, 2 * numel, extra)
+
+    def _robust_group_mean(self, messages: list[torch.Tensor], members: list[int], numel: int) -> torch.Tensor:
+        """The group's mean of (φ, θ − φ): φ averaged, θ − φ under ``aggregate``."""
+        vectors = [self.codec.decode(m[:-1], 2 * numel) if self.codec.lossy else m[:-1] for m in messages]
+        phi = vectors[0][:numel].clone()
+        for v in vectors[1:]:
+            phi.add_(v[:numel])
+        delta = self._robust_sum([v[numel:] for v in vectors], members)
+        return torch.cat([phi, delta]).div_(len(vectors))
 
     def _live_group_size(self, n: int, replicas: int) -> int:
         """n for this outer step: :func:`noloco_group_size`, with a warning each time the clip changes."""
@@ -293,8 +310,10 @@ class NoLoCo(OuterStepOptimizer):
         if any(by_replica[j][-1].item() > 0 for j in members):
             return "slow weights or pseudo-gradient of a group member"
         # The same summation order on every member: identical means.
-        if self.codec.lossy:
-            mean = self._decoded_mean([by_replica[j] for j in members], 2 * numel).to(fp_flat.dtype)
+        if self.aggregate != "mean":
+            mean = self._robust_group_mean([by_replica[j] for j in members], members, numel).to(fp_flat.dtype)
+        elif self.codec.lossy:
+            mean = self._decoded_mean([by_replica[j] for j in members], 2 * numel, members).to(fp_flat.dtype)
         else:
             mean = by_replica[members[0]][:-1].clone()
             for j in members[1:]:

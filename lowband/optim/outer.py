@@ -53,6 +53,7 @@ from lowband.optim._common import (
     state_view,
 )
 from lowband.optim.protocol import OptimizerStats
+from lowband.optim.robust import ClipTally, check_aggregate, robust_sum
 
 __all__ = ["DROP", "InnerOptimizer", "OuterFlight", "OuterStepOptimizer", "check_delay", "check_unit_interval",
            "unmerged_tail_note"]
@@ -168,8 +169,15 @@ class OuterStepOptimizer(Optimizer):
         values: str = "fp32",
         quant_block: int = 256,
         delay: int = 0,
+        aggregate: str = "mean",
+        dense: bool = True,
     ) -> None:
         self.codec = BlockQuant(values, quant_block)  # validates both
+        #: How the members' updates are combined: "mean" (the papers'), "clip" or "trimmed" (lowband.optim.robust).
+        self.aggregate = check_aggregate(aggregate, method=type(self).__name__, dense=dense)
+        self.clip_tally = ClipTally()
+        #: A poisoning member on purpose (lowband.poison; fault injection): None on an honest node.
+        self.poison = None
         if not isinstance(sync_every, numbers.Integral) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1, got {sync_every!r}")
         self.delay = check_delay(delay, int(sync_every))
@@ -559,7 +567,7 @@ class OuterStepOptimizer(Optimizer):
         """Dropped outer steps; non-finite pseudo-gradients raise (never skipped); outer steps taken."""
         return OptimizerStats(dropped_steps=self.dropped_outer_steps, outer_steps=self.outer_steps,
                               bad_messages=dict(self.bad_messages.total),
-                              bad_in_a_row=dict(self.bad_messages.in_a_row))
+                              bad_in_a_row=dict(self.bad_messages.in_a_row), clipped=dict(self.clip_tally.clipped))
 
     def state_owners(self) -> list[Optimizer]:
         return [self, self.inner_optimizer]
@@ -598,7 +606,7 @@ class OuterStepOptimizer(Optimizer):
         if flat[-1].item() > 0:
             message[-1] = 1
             return message, None
-        v = flat[:numel].float() + self._error_flat()
+        v = flat[:numel].float() + self._error_flat() if codec.lossy else flat[:numel].float()
         if not bool(torch.isfinite(v).all()):  # cannot happen with finite values and errors
             message[-1] = 1
             return message, None
@@ -653,12 +661,27 @@ class OuterStepOptimizer(Optimizer):
                                  "the outer step is dropped (state unchanged)")
         return False
 
-    def _decoded_mean(self, messages: list[torch.Tensor], numel: int) -> torch.Tensor:
-        """The mean of the decoded messages, summed in the given order (the same on every rank)."""
-        mean = self.codec.decode(messages[0][:-1], numel).clone()
-        for m in messages[1:]:
-            mean.add_(self.codec.decode(m[:-1], numel))
-        return mean.div_(len(messages))
+    def _decoded_mean(self, messages: list[torch.Tensor], numel: int, members: list[int]) -> torch.Tensor:
+        """The mean of the decoded messages under ``aggregate``, summed in the given order (the same on every rank)."""
+        decoded = [self.codec.decode(m[:-1], numel) for m in messages]
+        return self._robust_sum(decoded, members).div_(len(messages))
+
+    def _robust_sum(self, updates: list[torch.Tensor], members: list[int]) -> torch.Tensor:
+        """R × the members' mean under ``aggregate`` (:func:`lowband.optim.robust.robust_sum`)."""
+        return robust_sum(updates, self.aggregate, members=members, tally=self.clip_tally,
+                          where=f"{type(self).__name__} outer step {self.outer_steps}")
+
+    def _kept_senders(self, result: torch.Tensor, *, nbytes: int, payload: PayloadCheck) -> list[int]:
+        """The replicas of an all-gather whose message passed its check (every rank holds the same bytes:
+        the same verdict); the others are named, counted and left out."""
+        senders = list(range(result.shape[0]))
+        bad = self._screen(result, senders, nbytes=nbytes, dtype=torch.uint8, payload=payload)
+        return [r for r in senders if r not in bad]
+
+    def _poison(self, tensors: list[torch.Tensor]) -> None:
+        """Fault injection only: a poisoning node's outgoing update, made wrong (:mod:`lowband.poison`)."""
+        if self.poison is not None:
+            self.poison.apply_(tensors, self.inner_steps)
 
     @staticmethod
     def _nonfinite_outer(what: str) -> NonFiniteGradientError:

@@ -29,6 +29,8 @@ class OptimizerStats:
             sender (its replica index in the exchange's group; −1: a sum that cannot be attributed).
         bad_in_a_row: per sender, how many of its last exchanges in a row were bad (0 not listed):
             what a trainer would evict a member on after N.
+        clipped: per member, how many of its updates robust aggregation (``aggregate='clip'``, or
+            ``'trimmed'`` with 2 members) scaled down to the members' median norm.
     """
 
     dropped_steps: int = 0
@@ -36,6 +38,7 @@ class OptimizerStats:
     outer_steps: int | None = None
     bad_messages: dict[int, int] = field(default_factory=dict)
     bad_in_a_row: dict[int, int] = field(default_factory=dict)
+    clipped: dict[int, int] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -89,6 +89,8 @@ class SparseLoCo(OuterStepOptimizer):
             (0 ≤ τ < H; 0: blocking), as DiLoCo's: the τ inner steps after step kH run while the
             messages travel, step kH + τ decodes them, updates φ and e, and merges
             θ ← φ_new + (θ − θ_sent). The bench spec's ``overlap=true`` means τ = 1.
+        aggregate: ``"mean"`` (default) or ``"clip"``: each member's decoded message bounded by the
+            members' median norm (:mod:`lowband.optim.robust`; no extra bytes).
     """
 
     _OUTER_KEYS = ("outer_lr", "decay")
@@ -110,6 +112,7 @@ class SparseLoCo(OuterStepOptimizer):
         quant_block: int = 256,
         max_grad_norm: float | None = None,
         delay: int = 0,
+        aggregate: str = "mean",
     ) -> None:
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
@@ -135,6 +138,8 @@ class SparseLoCo(OuterStepOptimizer):
             max_grad_norm=max_grad_norm,
             quant_block=quant_block,
             delay=delay,
+            aggregate=aggregate,
+            dense=False,
         )
         for group in self.param_groups:
             if not group["outer_lr"] > 0:
@@ -177,6 +182,7 @@ class SparseLoCo(OuterStepOptimizer):
                 v = state_view(state["slow"]).reshape(-1).to(dtype) - local(p).reshape(-1).to(dtype)
                 v.add_(state_view(state["error"]).reshape(-1).to(dtype), alpha=beta)
                 v_parts.append(v)
+        self._poison(v_parts)
         rows = self._rows()
         n_chunks = sum(rows)
         device = local(params[0]).device
@@ -197,26 +203,19 @@ class SparseLoCo(OuterStepOptimizer):
 
     def _end_outer(self, flight: OuterFlight, result: Any) -> str | None:
         n_chunks, v_parts = flight.numel, flight.extra["v"]
-        # Every message is checked first (every rank holds the same bytes: the same verdict); a bad one
-        # is left out and the mean is over the others.
-        senders = list(range(result.shape[0]))
-        bad = self._screen(result, senders, nbytes=flight.message.numel(), dtype=torch.uint8,
-                           payload=sparse_problems(self.wire, n_chunks))
-        gathered = [result[r] for r in senders if r not in bad]
-        if not gathered:
+        # Every message is checked first; a bad one is left out and the mean is over the others.
+        kept = self._kept_senders(result, nbytes=flight.message.numel(), payload=sparse_problems(self.wire, n_chunks))
+        if not kept:
             return DROP
-        if any(bool(m[-1]) for m in gathered):
+        if any(bool(result[r][-1]) for r in kept):
             return "error-feedback accumulator (β·e + pseudo-gradient)"
         # Every replica's decoded message, summed in replica order (the same on every rank).
-        total = self._decode_dense(gathered[0], n_chunks)
-        for m in gathered[1:]:
-            total.add_(self._decode_dense(m, n_chunks))
-        mean = total.reshape(-1)
+        mean = self._robust_sum([self._decode_dense(result[r], n_chunks) for r in kept], kept).reshape(-1)
         if not self._mean_finite(mean):
             return DROP
         own = self._decode_dense(flight.message, n_chunks).reshape(-1)
         offset, i = 0, 0
-        replicas = len(gathered)
+        replicas = len(kept)
         for group in self.param_groups:
             lr = group["outer_lr"]
             for p in group["params"]:

@@ -127,6 +127,9 @@ class RunConfig:
     progress: bool = option(True, "no progress bar", flag="--no-progress")
     memory_profile: bool = option(False, "CPU: make glibc return freed memory so the summary's per-phase peaks "
                                   "follow live memory (~25% more CPU time)")
+    poison: str | None = option(None, "fault injection: node N sends wrong updates from STEP on (scale: x1000, "
+                                "flip: sign-flipped), to measure robust aggregation (aggregate=clip|trimmed); every "
+                                "node gets the same flag", metavar="nodeN:KIND@STEP")
 
 
 @dataclass(kw_only=True)

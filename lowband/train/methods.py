@@ -48,6 +48,7 @@ from lowband.optim.diloco import DILOCO_INNER_DEFAULTS
 from lowband.optim.flexdemo import OVERLAP_APPLY
 from lowband.optim.noloco import NOLOCO_INNER_DEFAULTS
 from lowband.optim.outer import check_delay, unmerged_tail_note
+from lowband.optim.robust import AGGREGATES
 from lowband.optim.sparseloco import SPARSELOCO_INNER_DEFAULTS, SPARSELOCO_TRANSFORMS
 from lowband.util import parse_bool
 
@@ -187,6 +188,10 @@ def _check_range(f: dataclasses.Field, value: Any) -> None:
         raise ValueError(f"{f.name} must be below 1, got {value!r}")
 
 
+_AGGREGATE_HELP = ("how the replicas' updates are combined: mean (the paper's), clip (each bounded by the members' "
+                   "median norm), trimmed (coordinate-wise, largest and smallest dropped; dense, 3+ members)")
+
+
 def _lr(default: float) -> Any:
     return option(default, "learning rate", minimum=0.0, exclusive=True)
 
@@ -248,6 +253,7 @@ class FlexDeMoConfig(MethodConfig):
                                 "(step with the mean one step late)", choices=OVERLAP_APPLY)
     tile: int = option(_signature_default(FlexDeMo, "tile"), "t > 0: 2-D DCT over t x t tiles of each matrix "
                        "shard, topk per tile, chunk unused (1-D params: chunks of t^2); 0: 1-D chunks", minimum=0)
+    aggregate: str = option("mean", _AGGREGATE_HELP + " (mean, clip)", choices=("mean", "clip"))
 
     def check(self) -> None:
         if self.tile:
@@ -285,6 +291,7 @@ def _local_fields(owner: type, inner: Mapping[str, float]) -> dict[str, Any]:
                   choices=OUTER_VALUE_FORMATS),
         quant_block=option(_signature_default(owner, "quant_block"), "elements per scale for int8/int4", minimum=1),
         **_overlap_fields(owner),
+        aggregate=option("mean", _AGGREGATE_HELP + " (mean, clip, trimmed)", choices=AGGREGATES),
     )
 
 
@@ -341,6 +348,7 @@ class DiLoCoConfig(_LocalConfig):
     quant_block: int = _DILOCO["quant_block"]
     overlap: bool = _DILOCO["overlap"]
     delay: int = _DILOCO["delay"]
+    aggregate: str = _DILOCO["aggregate"]
 
     def build(self, params, *, link, model=None):
         inner, kw = self._optimizer_kwargs()
@@ -371,6 +379,7 @@ class NoLoCoConfig(_LocalConfig):
     quant_block: int = _NOLOCO["quant_block"]
     overlap: bool = _NOLOCO["overlap"]
     delay: int = _NOLOCO["delay"]
+    aggregate: str = _NOLOCO["aggregate"]
 
     def build(self, params, *, link, model=None):
         inner, kw = self._optimizer_kwargs()
@@ -403,6 +412,7 @@ class SparseLoCoConfig(_LocalConfig):
                                          alias="clip", minimum=0.0, exclusive=True)
     overlap: bool = _SPARSELOCO["overlap"]
     delay: int = _SPARSELOCO["delay"]
+    aggregate: str = option("mean", _AGGREGATE_HELP + " (mean, clip)", choices=("mean", "clip"))
 
     def check(self) -> None:
         if self.topk > self.chunk:

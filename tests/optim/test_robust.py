@@ -1,0 +1,241 @@
+"""Robust aggregation (issue 29 item 5) and the poisoning member that tests it (lowband.poison).
+
+The rules on plain vectors, then every method that has them against one poisoning member among three
+replicas, in one process: the stand-in link of test_trust returns this rank's message and the
+others' (honest copies, and one scaled or sign-flipped re-encoding of it)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+
+from lowband.compress.quant import BlockQuant
+from lowband.compress.sparse import SparseCodec
+from lowband.compress.wire import WireFormat
+from lowband.optim import DiLoCo, FlexDeMo, NoLoCo, SparseLoCo
+from lowband.optim._common import state_view
+from lowband.optim.robust import check_aggregate, clip_scales, robust_sum, trimmed_mean
+from lowband.poison import Poison, parse_poison
+from lowband.testing import tiny_model
+from tests.optim.test_trust import INNER, NUMEL, _dense_reencode, _Link, _params, _sparse_reencode, _train
+
+
+# ----------------------------------------------------------------------------- the rules
+def test_the_mean_is_the_plain_sum_in_order_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    vs = [torch.randn(100, generator=g) for _ in range(3)]
+    assert torch.equal(robust_sum(vs, "mean"), vs[0] + vs[1] + vs[2])
+
+
+def test_clip_brings_a_huge_member_to_the_median_norm_and_leaves_the_others():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(50, generator=g), torch.randn(50, generator=g)
+    huge = 1000 * torch.randn(50, generator=g)
+    total = robust_sum([a, b, huge], "clip")
+    median = sorted(float(v.norm()) for v in (a, b, huge))[1]
+    scaled = [v * min(1.0, median / float(v.norm())) for v in (a, b, huge)]
+    torch.testing.assert_close(total, scaled[0] + scaled[1] + scaled[2])
+    assert float((total - a - b).norm()) <= median * (1 + 1e-6)  # the huge one adds at most the median norm
+
+
+def test_clip_with_two_members_bounds_the_larger_by_the_smaller():
+    scales = clip_scales(torch.tensor([1.0, 10.0], dtype=torch.float64))
+    assert scales.tolist() == pytest.approx([1.0, 0.1])
+    assert clip_scales(torch.tensor([0.0, 0.0], dtype=torch.float64)).tolist() == [1.0, 1.0]
+
+
+def test_trimmed_mean_drops_the_largest_and_smallest_per_coordinate():
+    vs = [torch.tensor([1.0, 5.0]), torch.tensor([2.0, -100.0]), torch.tensor([1000.0, 6.0]), torch.tensor([3.0, 7.0])]
+    torch.testing.assert_close(trimmed_mean(vs), torch.tensor([2.5, 5.5]))
+    torch.testing.assert_close(robust_sum(vs, "trimmed"), 4 * torch.tensor([2.5, 5.5]))
+    with pytest.raises(ValueError, match="at least 3"):
+        trimmed_mean(vs[:2])
+
+
+def test_a_wrong_rule_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="mean, clip, trimmed"):
+        check_aggregate("median", method="DiLoCo", dense=True)
+    with pytest.raises(ValueError, match="needs dense updates.*use aggregate='clip'"):
+        check_aggregate("trimmed", method="SparseLoCo", dense=False)
+    with pytest.raises(ValueError, match="trimmed"):
+        SparseLoCo(tiny_model().parameters(), INNER, aggregate="trimmed")
+    with pytest.raises(ValueError, match="needs dense"):
+        FlexDeMo(tiny_model().parameters(), aggregate="trimmed")
+
+
+def test_poison_specs_parse_and_refuse_clearly():
+    assert parse_poison("node2:scale@30", nodes=3) == Poison(2, "scale", 30)
+    assert str(parse_poison("node0:flip@0")) == "node0:flip@0"
+    with pytest.raises(ValueError, match="kind one of scale, flip"):
+        parse_poison("node1:nan@3")
+    with pytest.raises(ValueError, match="nodes 0..1"):
+        parse_poison("node2:scale@3", nodes=2)
+    t = torch.ones(3)
+    Poison(0, "flip", 5).apply_([t], step=4)
+    assert t.tolist() == [1.0, 1.0, 1.0]
+    Poison(0, "flip", 5).apply_([t], step=5)
+    assert t.tolist() == [-1.0, -1.0, -1.0]
+
+
+# ----------------------------------------------------------------------------- the methods
+class _Three(_Link):
+    """Three replicas: this rank's message, an honest copy, and ``bad(own message)``."""
+
+    group_size = max_group_size = participants = 3
+    group_ranks = [0, 1, 2]
+
+    def __init__(self, bad=None) -> None:
+        super().__init__(None if bad is None else (lambda m: [m.clone(), bad(m)]))
+
+    def all_gather(self, tensor, *, async_op=False):
+        if self.peer is None:
+            return torch.stack([tensor.clone()] * 3)
+        return super().all_gather(tensor, async_op=async_op)
+
+    def all_reduce(self, tensor, *, op="avg", async_op=False):
+        assert op == "avg"
+        others = [tensor.clone(), tensor.clone()] if self.peer is None else self.peer(tensor.clone())
+        return tensor.add_(others[0]).add_(others[1]).div_(3)
+
+
+def _times(factor):
+    return lambda v: v.mul(factor)
+
+
+def _scaled(reencode, factor):
+    """The message with its values times ``factor``: re-encoded bytes, or an fp32 all-reduce's values."""
+    def bad(m):
+        if m.dtype != torch.uint8:  # DiLoCo's fp32 all-reduce (aggregate="mean"): values and a flag
+            return torch.cat([m[:-1] * factor, m[-1:]])
+        return reencode(m, _times(factor))
+    return bad
+
+
+FP32 = BlockQuant("fp32")
+SPARSE = dict(chunk=16, topk=2, values="fp32")
+SPARSE_CODEC = SparseCodec(16, 2, "fp32", 256)
+CASES = {  # name -> (optimizer class and keywords, re-encode(message, fn) of its message)
+    "diloco": ((DiLoCo, {}), functools.partial(_dense_reencode, codec=FP32, numel=NUMEL)),
+    "sparseloco": ((SparseLoCo, SPARSE), functools.partial(_sparse_reencode, codec=SPARSE_CODEC)),
+}
+
+
+def _run(case, link, aggregate, steps=4):
+    (cls, kw), _ = CASES[case]
+    model = tiny_model()
+    opt = cls(model.parameters(), INNER, link=link, sync_every=2, aggregate=aggregate, **kw)
+    _train(model, opt, steps)
+    return model, opt
+
+
+def _farthest(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(_params(a), _params(b), strict=True))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_clip_makes_a_thousandfold_member_no_worse_than_an_honest_one(case, caplog):
+    _, reencode = CASES[case]
+    honest, _ = _run(case, _Three(), "clip")
+    with caplog.at_level(logging.WARNING):
+        clipped, opt = _run(case, _Three(_scaled(reencode, 1000.0)), "clip")
+    poisoned, _ = _run(case, _Three(_scaled(reencode, 1000.0)), "mean")
+    assert _farthest(clipped, honest) < 1e-5
+    assert _farthest(poisoned, honest) > 0.5  # without the rule the one member moves the weights far
+    assert opt.stats().clipped.get(2, 0) == 2 and opt.stats().bad_messages == {}
+    assert "member 2's update is" in caplog.text and "clipped" in caplog.text
+
+
+def test_diloco_trimmed_undoes_a_sign_flipped_member_that_clip_lets_through():
+    _, reencode = CASES["diloco"]
+    honest, _ = _run("diloco", _Three(), "trimmed")
+    trimmed, _ = _run("diloco", _Three(lambda m: reencode(m, _times(-1.0))), "trimmed")
+    clipped, _ = _run("diloco", _Three(lambda m: reencode(m, _times(-1.0))), "clip")
+    assert _farthest(trimmed, honest) == 0.0
+    assert _farthest(clipped, honest) > 1e-3
+
+
+def test_diloco_with_a_rule_gathers_even_fp32_and_without_one_all_reduces():
+    calls = []
+
+    class Spy(_Three):
+        def all_gather(self, tensor, *, async_op=False):
+            calls.append("all_gather")
+            return super().all_gather(tensor, async_op=async_op)
+
+        def all_reduce(self, tensor, *, op="avg", async_op=False):
+            calls.append("all_reduce")
+            return tensor
+
+    _run("diloco", Spy(), "clip", steps=2)
+    _run("diloco", Spy(), "mean", steps=2)
+    assert calls == ["all_gather", "all_reduce"]
+
+
+def test_flexdemo_clip_bounds_a_thousandfold_replica():
+    wire = WireFormat(16, 2, "fp32")
+    rows = tuple(-(-p.numel() // 16) for p in tiny_model().parameters())
+
+    def reencode(m, factor):
+        idx, vals = wire.unpack_many(m[:-1], rows)
+        payload, _ = wire.encode_many(idx, vals * factor, rows)
+        return torch.cat([payload, m[-1:]])
+
+    def run(link, aggregate):
+        model = tiny_model()
+        opt = FlexDeMo(model.parameters(), lr=1.0, topk=2, chunk=16, values="fp32", sign=False, link=link,
+                       aggregate=aggregate)
+        _train(model, opt, 3)
+        return model, opt
+
+    honest, _ = run(_Three(), "clip")
+    clipped, opt = run(_Three(lambda m: reencode(m, 1000.0)), "clip")
+    poisoned, _ = run(_Three(lambda m: reencode(m, 1000.0)), "mean")
+    assert _farthest(clipped, honest) < 1e-5
+    assert _farthest(poisoned, honest) > 0.1
+    assert opt.stats().clipped == {2: 3}
+
+
+def test_noloco_clip_bounds_the_peers_pseudo_gradient_half():
+    numel = NUMEL
+
+    def bad(m):  # the peer's θ − φ half times 1000, its φ half honest
+        m = m.clone()
+        m[numel:2 * numel] *= 1000.0
+        return m
+
+    def run(link, aggregate):
+        model = tiny_model()
+        opt = NoLoCo(model.parameters(), INNER, link=link, sync_every=2, aggregate=aggregate)
+        _train(model, opt, 4)
+        return model, opt
+
+    honest, _ = run(_Link(), "clip")
+    clipped, opt = run(_Link(bad), "clip")
+    poisoned, _ = run(_Link(bad), "mean")
+    assert _farthest(clipped, honest) < 1e-5
+    assert _farthest(poisoned, honest) > 0.5
+    assert opt.stats().clipped == {1: 2}
+
+
+def test_the_poisoning_node_sends_its_update_times_the_factor_from_its_step():
+    sent = []
+
+    class Watch(_Three):
+        def all_gather(self, tensor, *, async_op=False):
+            sent.append(FP32.decode(tensor[:-1], NUMEL).clone())
+            return super().all_gather(tensor, async_op=async_op)
+
+    model = tiny_model()
+    opt = DiLoCo(model.parameters(), INNER, link=Watch(), sync_every=2, aggregate="clip")
+    opt.poison = Poison(0, "scale", 4)
+    honest_model = tiny_model()
+    honest = DiLoCo(honest_model.parameters(), INNER, link=Watch(), sync_every=2, aggregate="clip")
+    for m, o in ((model, opt), (honest_model, honest)):
+        _train(m, o, 4)
+    # outer steps at inner steps 2 and 4: the first honest, the second (step 4 >= 4) times 1000
+    torch.testing.assert_close(sent[0], sent[2])
+    torch.testing.assert_close(sent[1], 1000 * sent[3])
+    assert all(torch.isfinite(state_view(opt.state[p]["slow"])).all() for p in model.parameters())
