@@ -16,13 +16,16 @@ robust aggregation (``aggregate=clip|trimmed``, :mod:`lowband.optim.robust`) hel
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["POISON_KINDS", "Poison", "parse_poison"]
+__all__ = ["POISON_KINDS", "Poison", "arm_poison", "parse_poison"]
+
+log = logging.getLogger(__name__)
 
 POISON_KINDS = {"scale": 1000.0, "flip": -1.0}
 _SPEC = re.compile(r"node(\d+):(\w+)@(\d+)")
@@ -64,3 +67,26 @@ def parse_poison(text: str, *, nodes: int | None = None) -> Poison:
     if nodes is not None and not 0 <= node < nodes:
         raise ValueError(f"--poison: node {node} does not exist; this job has nodes 0..{nodes - 1}")
     return Poison(node, kind, start)
+
+
+def arm_poison(optimizer, cfg, *, ft=None, topology=None, rank: int = 0) -> Poison | None:
+    """``--poison`` of the run config ``cfg`` (a :class:`~lowband.train.config.TrainConfig`) on this node.
+
+    Nothing without the flag. Every node checks it (a clear error before the first step); on the node
+    it names (its fault-tolerant slot ``ft.node``, else ``topology.node_of(rank)``) the optimizer gets
+    :attr:`poison` set and a warning is logged. Returns the poison armed here, or None.
+    """
+    text, method = cfg.run.poison, cfg.method.name
+    if not text:
+        return None
+    node = ft.node if ft is not None else topology.node_of(rank)
+    poison = parse_poison(text, nodes=ft.max_nodes if ft is not None else topology.num_nodes)
+    if not hasattr(optimizer, "poison"):
+        raise ValueError(f"--poison {text}: {method} has no update of its own to poison (its gradients are "
+                         "all-reduced); use flexdemo, demo, diloco, noloco or sparseloco")
+    if node != poison.node:
+        return None
+    optimizer.poison = poison
+    log.warning("--poison %s: this node (%d) sends %s updates from step %d on (fault injection)", text, node,
+                "1000x" if poison.kind == "scale" else "sign-flipped", poison.start)
+    return poison

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from lowband.link import Link
 from lowband.memory import PhaseMemory
+from lowband.poison import arm_poison
 from lowband.topology import Topology
 from lowband.traffic import OpTally, merge_tallies
 from lowband.train.budget import TimeBudget
@@ -260,28 +261,12 @@ class Trainer:
         self.link = Link(self.topology, bandwidth_bps=cfg.link.bandwidth_bps, latency_s=cfg.link.latency_s,
                          ft=self.ft)
         self.optimizer = self.method.build(list(self.model.named_parameters()), link=self.link, model=self.model)
-        if cfg.run.poison:
-            self._set_poison(cfg.run.poison)
+        arm_poison(self.optimizer, cfg, ft=self.ft_cfg, topology=self.topology, rank=self.rank)  # --poison
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.schedule))
         # The training clock and token count (see the module docstring); a resumed run goes on from
         # the checkpoint's, so its curves continue the interrupted run's.
         self.clock: dict[str, float] = {"train_time_s": 0.0, "tokens": 0}
         self.budget = TimeBudget.of(cfg.schedule, self.device)  # --time-budget: lowband.train.budget
-
-    def _set_poison(self, text: str) -> None:
-        """--poison: this node (if it is the one named) sends wrong updates from the given step on."""
-        from lowband.poison import parse_poison
-
-        nodes = self.ft_cfg.max_nodes if self.ft_cfg is not None else self.topology.num_nodes
-        poison = parse_poison(text, nodes=nodes)
-        if not hasattr(self.optimizer, "poison"):
-            raise ValueError(f"--poison {text}: {self.cfg.method.name} has no update of its own to poison (its "
-                             "gradients are all-reduced); use flexdemo, demo, diloco, noloco or sparseloco")
-        node = self.ft_cfg.node if self.ft_cfg is not None else self.topology.node_of(self.rank)
-        if node == poison.node:
-            self.optimizer.poison = poison
-            log.warning("--poison %s: this node (%d) sends %s updates from step %d on (fault injection)", text, node,
-                        "1000x" if poison.kind == "scale" else "sign-flipped", poison.start)
 
     def _resume(self) -> None:
         cfg, out, model, optimizer, scheduler, link = (self.cfg, self.out, self.model, self.optimizer,

@@ -239,3 +239,26 @@ def test_the_poisoning_node_sends_its_update_times_the_factor_from_its_step():
     torch.testing.assert_close(sent[0], sent[2])
     torch.testing.assert_close(sent[1], 1000 * sent[3])
     assert all(torch.isfinite(state_view(opt.state[p]["slow"])).all() for p in model.parameters())
+
+
+def test_poison_is_armed_on_the_named_node_only_and_refused_for_all_reduced_methods():
+    from types import SimpleNamespace
+
+    from lowband.optim import AdamWFullSync
+    from lowband.poison import arm_poison
+
+    def cfg(text, method="diloco"):
+        return SimpleNamespace(run=SimpleNamespace(poison=text), method=SimpleNamespace(name=method))
+
+    topo = SimpleNamespace(num_nodes=2, node_of=lambda rank: rank // 2)  # 2 nodes x 2 ranks
+    opt = DiLoCo(tiny_model().parameters(), INNER, sync_every=2)
+    assert arm_poison(opt, cfg(None), topology=topo, rank=3) is None and opt.poison is None
+    assert arm_poison(opt, cfg("node1:flip@3"), topology=topo, rank=1) is None and opt.poison is None
+    assert arm_poison(opt, cfg("node1:flip@3"), topology=topo, rank=2) == Poison(1, "flip", 3)
+    assert opt.poison == Poison(1, "flip", 3)
+    ft = SimpleNamespace(node=4, max_nodes=5)  # under fault tolerance: the node's slot
+    assert arm_poison(opt, cfg("node4:scale@1"), ft=ft) == Poison(4, "scale", 1)
+    with pytest.raises(ValueError, match="nodes 0..1"):
+        arm_poison(opt, cfg("node2:flip@3"), topology=topo, rank=0)
+    with pytest.raises(ValueError, match="adamw has no update of its own"):
+        arm_poison(AdamWFullSync(tiny_model().parameters()), cfg("node0:scale@1", "adamw"), topology=topo)
