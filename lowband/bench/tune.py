@@ -6,10 +6,12 @@ the grid's centre), before the main runs:
 - **Successive halving over a log grid.** Round 1 trains the centre × ``GRID`` (1/3, 1, 3) for
   ``ROUNDS[0]`` (a quarter) of ``--steps`` at the first seed; the ``KEEP`` (2) lowest final
   validation losses go on to round 2 at ``ROUNDS[1]`` (half) of ``--steps``; the lowest there is
-  chosen. The runs are real bench runs (:func:`lowband.bench.runner.run_bench`, equal steps, at the
+  chosen. While round 1's lowest loss lies at the edge of the lrs it tried, it tries one more lr
+  beyond that edge (×3 or ×1/3), at most ``MAX_EXTEND`` (2) times: a centre tuned on other data is
+  often off by more than one factor of 3. The runs are real bench runs (:func:`lowband.bench.runner.run_bench`, equal steps, at the
   bench's fastest link: the loss per step does not depend on the link), written under ``OUT/tune/``.
-- **What is claimed.** "best of the search" only when the chosen lr lies inside the grid (a lower
-  and a higher lr were tried and ended worse); at the grid's edge it is "lowest at the grid's edge"
+- **What is claimed.** "best of the search" only when the chosen lr lies inside the lrs tried (a
+  lower and a higher lr were tried and ended worse); at the grid's edge it is "lowest at the grid's edge"
   (a better lr may lie beyond), and when every search run failed the centre is kept. One seed: a
   search tells which lr trains best here at this seed, not a seed spread.
 - **Cost, announced before it starts**: runs × steps and an estimated time (MODELLED:
@@ -66,6 +68,9 @@ GRID: tuple[float, ...] = (1 / 3, 1.0, 3.0)
 ROUNDS: tuple[float, ...] = (0.25, 0.5)
 #: Variants kept after round 1.
 KEEP = 2
+#: Round 1 goes on past the grid's edge by one factor of 3 at a time, at most this often, while its best lr
+#: lies at the edge of what it tried (on data the centre was not tuned on, the best lr is often beyond it).
+MAX_EXTEND = 2
 #: MODELLED cost of one search run besides its steps (start-up, validation, exit) and of one step, on 2 CPU cores.
 EST_RUN_OVERHEAD_S = 15.0  # measured 2026-12-03: t5-tiny search runs took 13 s each (5 runs, 35 steps: 64 s)
 EST_STEP_S = 0.5
@@ -140,7 +145,7 @@ def _key(spec: BenchMethod, config: BenchConfig, digest: str) -> str:
     what = {"model": config.model, "data": digest, "method": spec.name, "hp": hp, "centre": _lr(spec),
             "shards": spec.shards, "steps": config.steps, "nodes": config.nodes,
             "ranks_per_node": config.ranks_per_node, "train_args": list(config.train_args), "grid": list(GRID),
-            "rounds": list(ROUNDS), "keep": KEEP, "seed": config.seeds[0]}  # fmt: skip
+            "rounds": list(ROUNDS), "keep": KEEP, "extend": MAX_EXTEND, "seed": config.seeds[0]}  # fmt: skip
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -187,6 +192,8 @@ def cost_line(config: BenchConfig, searches: Sequence[LrSearch]) -> str:
             f"{len(todo)} × ({len(GRID)} lrs × {steps[0]} steps + {KEEP} × {steps[1]} steps) = {len(todo) * runs_per} "
             f"runs, {len(todo) * steps_per} steps")
     if todo:
+        text += (f" (and up to {MAX_EXTEND} runs of {steps[0]} steps more per variant whose best lr lies at the grid's "
+                 "edge: the grid is extended by ×3 that way)")
         text += (f", about {est / 60:.0f} min (estimated: {EST_RUN_OVERHEAD_S:g} s per run for start-up and validation "
                  f"+ {EST_STEP_S:g} s per step)")
     return text + "."
@@ -246,7 +253,17 @@ def run_searches(config: BenchConfig, searches: Sequence[LrSearch], out_dir: Pat
         print(f"lr search {n}/{len(todo)}: {search.spec}, round 1: lr {', '.join(f'{x:g}' for x in lrs)} at "
               f"{steps[0]} steps", file=sys.stderr, flush=True)
         first = _run_round(config, spec, lrs, steps[0], out_dir / "tune" / f"{i:02d}-{slug}" / "round1", run)
-        points = [{"lr": lr, "round": 1, "steps": steps[0], "val_loss": v} for lr, v in first.items()]
+        for extension in range(1, MAX_EXTEND + 1):  # the best at an edge: one more lr beyond it
+            ranked = sorted((v, lr) for lr, v in first.items() if v is not None)
+            if not ranked or min(first) < ranked[0][1] < max(first):
+                break
+            beyond = float(f"{ranked[0][1] * (3.0 if ranked[0][1] == max(first) else 1 / 3):.3g}")
+            print(f"lr search {n}/{len(todo)}: {search.spec}, round 1: lowest at the edge ({ranked[0][1]:g}), also lr "
+                  f"{beyond:g}", file=sys.stderr, flush=True)
+            first |= _run_round(config, spec, [beyond], steps[0],
+                                out_dir / "tune" / f"{i:02d}-{slug}" / f"round1-edge{extension}", run)
+        lrs = sorted(first)
+        points = [{"lr": lr, "round": 1, "steps": steps[0], "val_loss": first[lr]} for lr in lrs]
         ranked = sorted((v, lr) for lr, v in first.items() if v is not None)
         chosen, claim = search.centre, "failed"
         if ranked:

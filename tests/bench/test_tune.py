@@ -38,7 +38,8 @@ def test_tune_searches_each_variant_uses_the_chosen_lr_says_where_it_came_from_a
                                      "--methods", "adamw", "adamw:lr=0.01,nseeds=1", "--tune")
     # The cost is announced before the first search run; the given lr (adamw:lr=0.01) is not searched.
     assert "lr search (--tune): 1 variant(s), 0 from the cache; to run: 1 × (3 lrs × 3 steps + 2 × 6 steps) = 5 runs, " \
-           "21 steps, about" in io.err and "(estimated:" in io.err
+           "21 steps (and up to 2 runs of 3 steps more per variant whose best lr lies at the grid's edge" in io.err
+    assert "(estimated:" in io.err
     assert io.err.index("lr search (--tune)") < io.err.index("lr search 1/1: adamw, round 1: lr 0.000333, 0.001, 0.003")
     assert len(calls) == 5 + 2
     (search,) = results["tuning"]
@@ -67,11 +68,26 @@ def test_tune_searches_each_variant_uses_the_chosen_lr_says_where_it_came_from_a
 def test_a_lowest_loss_at_the_grids_edge_is_not_called_best(tmp_path, fake_trainer, monkeypatch, capsys,
                                                             cache) -> None:  # fmt: skip
     monkeypatch.setenv("FAKE_BEST_LR", "0.1")
-    results, out, _, _ = _bench(tmp_path, fake_trainer, monkeypatch, capsys, "edge", "--methods", "adamw", "--tune")
+    results, out, calls, io = _bench(tmp_path, fake_trainer, monkeypatch, capsys, "edge", "--methods", "adamw",
+                                     "--tune")
     (search,) = results["tuning"]
-    assert search["chosen"] == 0.003 and search["claim"] == "edge"
-    assert "lowest at the grid's edge" in results["lr_sources"]["adamw:lr=0.003"]
+    # Round 1 went past the grid's edge twice (0.009, 0.027), still lowest at the edge: no best claimed.
+    assert [p["lr"] for p in search["points"] if p["round"] == 1] == [0.000333, 0.001, 0.003, 0.009, 0.027]
+    assert "lowest at the edge (0.003), also lr 0.009" in io.err and len(calls) == 3 + 2 + 2 + 1
+    assert search["chosen"] == 0.027 and search["claim"] == "edge"
+    assert "lowest at the grid's edge" in results["lr_sources"]["adamw:lr=0.027"]
     assert "a better lr may lie beyond it, so no best lr is claimed" in (out / "report.md").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_a_best_lr_beyond_the_grid_is_found_by_extending_it_and_then_called_best(
+        tmp_path, fake_trainer, monkeypatch, capsys, cache) -> None:  # fmt: skip
+    monkeypatch.setenv("FAKE_BEST_LR", "0.009")  # 9x the centre: one extension reaches it, the next passes it
+    results, _, calls, _ = _bench(tmp_path, fake_trainer, monkeypatch, capsys, "beyond", "--methods", "adamw", "--tune")
+    (search,) = results["tuning"]
+    assert [p["lr"] for p in search["points"] if p["round"] == 1] == [0.000333, 0.001, 0.003, 0.009, 0.027]
+    assert search["chosen"] == 0.009 and search["claim"] == "best" and len(calls) == 3 + 2 + 2 + 1
+    assert results["lr_sources"]["adamw:lr=0.009"].startswith("tuned here (best of the search")
 
 
 def test_the_cache_key_follows_the_datas_content_not_its_path(tmp_path, cache) -> None:
