@@ -409,6 +409,10 @@ def _check_fault_tolerance(specs: Sequence[BenchMethod], *, ft: str, faults: str
             spec.hp.check_fault_tolerance()
         except ValueError as exc:
             raise ValueError(f"{spec}: {exc}") from None
+        if any(e.poison for e in events) and METHODS[spec.name].family == "full":
+            raise ValueError(f"{spec}: --faults poison needs a method that sends an update of its own; {spec.name}'s "
+                             "gradients are all-reduced (nothing in a sum names its sender). Leave it out of "
+                             "--methods, or use flexdemo, demo, diloco, noloco or sparseloco")
         one_copy_per_node = spec.shards in (None, ranks_per_node) and METHODS[spec.name].shards_per_node != 1
         if not one_copy_per_node and ranks_per_node > 1:
             raise ValueError(f"{spec}: under fault tolerance every node holds one model copy sharded over all its "

@@ -3,7 +3,11 @@
 Syntax: events separated by commas, each ``node<I>:<action>@<when>``:
 
 - ``action``: ``kill`` (SIGKILL to every process of the node: its torchrun and all its ranks, as a
-  machine that dies) or ``start`` (start the node again; it rejoins and heals from a live peer);
+  machine that dies), ``start`` (start the node again; it rejoins and heals from a live peer), or a
+  fault of malice: ``poison`` (from that step on the node sends its updates times 1,000: finite,
+  well-formed, huge) or ``poison-flip`` (sign-flipped), through ``lowband train --poison``
+  (:mod:`lowband.poison`; at a step only, one per plan; not for AdamW and Deto-Full, whose gradients
+  are all-reduced);
 - ``when``: a training step of the job (``@60``: once a live node has finished step 60) or a time
   since the run started (``@45s``, ``@1.5m``).
 
@@ -18,9 +22,11 @@ from dataclasses import dataclass
 
 from lowband.units import split_list
 
-__all__ = ["FaultEvent", "parse_faults", "format_faults"]
+__all__ = ["POISON_ACTIONS", "FaultEvent", "format_faults", "parse_faults", "poison_of"]
 
-_EVENT = re.compile(r"node(\d+):(kill|start)@(\d+(?:\.\d+)?)(s|m)?")
+_EVENT = re.compile(r"node(\d+):(kill|start|poison|poison-flip)@(\d+(?:\.\d+)?)(s|m)?")
+#: --faults' poison actions -> lowband.poison's kinds.
+POISON_ACTIONS = {"poison": "scale", "poison-flip": "flip"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,13 +34,19 @@ class FaultEvent:
     """One planned fault: ``action`` on ``node`` at ``step`` (job steps) or ``at_s`` (seconds after the start)."""
 
     node: int
-    action: str  # kill | start
+    action: str  # kill | start | poison | poison-flip
     step: int | None = None
     at_s: float | None = None
 
     def __str__(self) -> str:
         when = f"{self.step}" if self.step is not None else f"{self.at_s:g}s"
         return f"node{self.node}:{self.action}@{when}"
+
+    @property
+    def poison(self) -> str | None:
+        """``lowband train --poison``'s value for a poison event, else None."""
+        kind = POISON_ACTIONS.get(self.action)
+        return None if kind is None else f"node{self.node}:{kind}@{self.step}"
 
     def as_dict(self) -> dict:
         return {"node": self.node, "action": self.action, "step": self.step, "at_s": self.at_s}
@@ -52,8 +64,9 @@ def parse_faults(text: str, *, nodes: int, steps: int | None = None) -> tuple[Fa
     for raw in split_list(text):
         m = _EVENT.fullmatch(raw.lower())
         if m is None:
-            raise ValueError(f"--faults: cannot read {raw!r}; write node<I>:kill@<step> or node<I>:start@<step>, "
-                             "or @<seconds>s, separated by commas, e.g. 'node1:kill@30,node1:start@60'")
+            raise ValueError(f"--faults: cannot read {raw!r}; write node<I>:kill@<step> or node<I>:start@<step> "
+                             "(or @<seconds>s), or node<I>:poison@<step> or node<I>:poison-flip@<step>, separated "
+                             "by commas, e.g. 'node1:kill@30,node1:start@60'")
         node, action, value, unit = int(m.group(1)), m.group(2), m.group(3), m.group(4)
         if not 0 <= node < nodes:
             raise ValueError(f"--faults: {raw!r} names node {node}, but the bench has nodes 0..{nodes - 1}")
@@ -70,7 +83,12 @@ def parse_faults(text: str, *, nodes: int, steps: int | None = None) -> tuple[Fa
             last_step = event.step
         else:
             event = FaultEvent(node=node, action=action, at_s=float(value) * (60.0 if unit == "m" else 1.0))
-        if action == "kill":
+        if action in POISON_ACTIONS:
+            if event.step is None:
+                raise ValueError(f"--faults: {raw!r}: a node poisons from a step on; give a step (@30), not a time")
+            if any(e.action in POISON_ACTIONS for e in events):
+                raise ValueError(f"--faults: {raw!r} is a second poison event; a plan holds at most one")
+        elif action == "kill":
             if node not in alive:
                 raise ValueError(f"--faults: {raw!r} kills node {node}, which is not running then; start it first")
             if len(alive) == 1:
@@ -84,6 +102,11 @@ def parse_faults(text: str, *, nodes: int, steps: int | None = None) -> tuple[Fa
     if not events:
         raise ValueError("--faults: no event given; e.g. --faults 'node1:kill@30,node1:start@60'")
     return tuple(events)
+
+
+def poison_of(events: tuple[FaultEvent, ...]) -> str | None:
+    """The plan's ``--poison`` value for ``lowband train`` (at most one poison event), or None."""
+    return next((e.poison for e in events if e.poison is not None), None)
 
 
 def format_faults(events: tuple[FaultEvent, ...]) -> str:

@@ -71,7 +71,7 @@ def fault_events(run: Run) -> list[dict]:
                 row["detect_s"] = m["unix_s"] - ev["unix_s"]
                 row["quorum_s"] = m["quorum_s"]
                 row["resumed_step"] = m["step"]
-        else:
+        elif ev["event"] == "start":
             node = nodes.get(str(ev["node"])) or {}
             heals = [h for h in ((node.get("end") or {}).get("healed") or []) if h.get("unix_s", 0) >= ev["unix_s"]]
             if heals:
@@ -149,7 +149,9 @@ def ft_section(results: Mapping[str, Any]) -> list[str]:
         out += ["## Faults: each faulted run beside its fault-free twin", "",
                 "Both run under fault tolerance (one torchrun per node, torchft), on the same data, seed and link; "
                 "the faulted one carries out the plan (kill: SIGKILL to every process of the node; start: the node "
-                "rejoins and copies its state from a live peer over the network). *Steps dropped*: steps whose "
+                "rejoins and copies its state from a live peer over the network; poison: from its step on the node "
+                "sends its updates times 1,000, poison-flip: sign-flipped, well-formed and finite, so that only "
+                "robust aggregation, aggregate=clip|trimmed, bounds them). *Steps dropped*: steps whose "
                 "exchange failed and were applied nowhere (DiLoCo: outer steps). *kill → quorum without it*: "
                 "from the kill to the survivors' next quorum without the node. *rejoin*: the step it healed to, the "
                 "state it copied and how long the quorum with the transfer took (start-up of the restarted node "
@@ -190,7 +192,7 @@ def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
         for e in fault_events(r):
             if e.get("job_step") is None:
                 continue
-            colour = "tab:red" if e["action"] == "kill" else "tab:green"
+            colour = {"kill": "tab:red", "start": "tab:green"}.get(e["action"], "tab:purple")  # purple: poison
             for a in (ax, axn):
                 a.axvline(e["job_step"], color=colour, alpha=0.6, lw=1)
             ax.annotate(e["event"], (e["job_step"], 1.0), xycoords=("data", "axes fraction"), rotation=90,
@@ -212,7 +214,7 @@ def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
         axn.set_xlabel("step")
     import textwrap
 
-    fig.suptitle(textwrap.fill("Faults: validation loss beside the fault-free twin (kills red, starts green); "
+    fig.suptitle(textwrap.fill("Faults: validation loss beside the fault-free twin (kills red, starts green, poison purple); "
                                "live nodes below, dropped steps x", 60 * min(n, 3)), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from lowband.bench.config import BenchConfig
+from lowband.bench.faults import poison_of
 from lowband.bench.jobs import run_command
 from lowband.bench.plan import RunPlan, plan_runs
 from lowband.bench.quality import annotate_time_to_target
@@ -243,9 +244,12 @@ def _run_one(
 
 
 def _steady_node(plan: RunPlan) -> int:
-    """A node the fault plan never kills (its record is the run's; its progress moves the bar)."""
+    """A node the fault plan never kills, nor makes poison if it can (its record is the run's; its progress
+    moves the bar)."""
     killed = {e.node for e in plan.faults if e.action == "kill"}
-    return next(n for n in range(plan.nodes) if n not in killed)
+    poisoner = {e.node for e in plan.faults if e.poison is not None}
+    honest = [n for n in range(plan.nodes) if n not in killed and n not in poisoner]
+    return honest[0] if honest else next(n for n in range(plan.nodes) if n not in killed)
 
 
 def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: Path,
@@ -264,13 +268,18 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: P
     args = list(record.command[1:])  # after "train"
     i = args.index("--out")
     del args[i:i + 2]
+    poison = poison_of(plan.faults)
+    if poison is not None:  # a fault of malice: lowband train --poison, carried out by the node itself
+        args += ["--poison", poison]
     tx_before = [net.tx_bytes(n) for n in range(plan.nodes)] if net is not None else None
     t0 = time.monotonic()
     try:
         with FaultTolerantJob(train_args=args, nodes=plan.nodes, ranks_per_node=plan.ranks_per_node, out=run_dir,
                               net=net, log_dir=run_dir / "logs") as job:
-            codes = job.run_plan(plan.faults, timeout_s=config.run_timeout_s)
+            codes = job.run_plan([e for e in plan.faults if e.poison is None], timeout_s=config.run_timeout_s)
             events = [{**e, "t_s": e["unix_s"] - job.t0} for e in job.events]
+            events += [{"node": e.node, "event": e.action, "planned": str(e), "job_step": e.step, "unix_s": job.t0,
+                        "t_s": None} for e in plan.faults if e.poison is not None]
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the bench
@@ -278,7 +287,7 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: P
         record.error = f"the launch failed: {type(exc).__name__}: {exc}"
         return record
     record.wall_time_s = time.monotonic() - t0
-    last = {e.node: e.action for e in plan.faults}
+    last = {e.node: e.action for e in plan.faults if e.poison is None}
     expected = {n: (-9 if last.get(n) == "kill" else 0) for n in range(plan.nodes)}
     bad = {n: c for n, c in codes.items() if c != expected[n]}
     if bad:

@@ -61,7 +61,8 @@ FAULT_MODES = ("netns", "shaped")
 
 @pytest.fixture(scope="module")
 def benches_with_faults(tmp_path_factory):
-    """The real thing, small: 3 nodes x 1 rank, FlexDeMo, node 2 killed and restarted, its twin beside it;
+    """The real thing, small: 3 nodes x 1 rank, FlexDeMo, node 2 killed and restarted, node 1 poisoning from step
+    150 (sign-flipped updates), its twin beside it;
     once in each emulation mode. 100 ms per message makes a step take ~0.2 s, so the restarted node (~15 s
     to start) rejoins a live job. The benches run one after the other (each uses about one core of the
     two: at once they slowed the multi-process lane beside them into its timeouts), each into its own
@@ -81,7 +82,7 @@ def benches_with_faults(tmp_path_factory):
         cmd = [sys.executable, "-m", "lowband", "bench",
                "--methods", "flexdemo:topk=2", "--steps", "200", "--model", "t5-tiny", "--nodes", "3",
                "--latency", "100ms", "--ranks-per-node", "1", "--bandwidth", "1gbit", "--emulation", mode,
-               "--out", str(out), "--no-progress", "--faults", "node2:kill@15,node2:start@30",
+               "--out", str(out), "--no-progress", "--faults", "node2:kill@15,node2:start@30,node1:poison-flip@150",
                "--train-args", "--max-examples 1500 --val-size 64 --vocab-size 512 --batch-size 4 "
                                "--val-batches 2 --val-every 20"]
         with open(base / f"{mode}.log", "w") as log:
@@ -113,7 +114,12 @@ def test_bench_with_faults_end_to_end(benches_with_faults, mode):
     assert twin.status == faulted.status == "ok"
     assert results["emulation"]["mode"] == mode
     ft = faulted.fault_tolerance
-    assert [e["planned"] for e in ft["events"] if e.get("planned")] == ["node2:kill@15", "node2:start@30"]
+    assert [e["planned"] for e in ft["events"] if e.get("planned")] == [
+        "node2:kill@15", "node2:start@30", "node1:poison-flip@150"]
+    # The poison is carried out by node 1 itself (lowband train --poison), the twin runs without it.
+    assert "this node (1) sends sign-flipped updates from step 150 on" in (out / "runs" / faulted.id / "logs" /
+                                                                            "node1.log").read_text()
+    assert "--poison" not in " ".join(twin.command) and ft["steady_node"] == 0
     steady = ft["nodes"]["0"]
     seen = [m["replicas"] for m in steady["membership"]]
     assert 2 in seen and seen[-1] == 3, seen  # 3 -> 2 -> 3
