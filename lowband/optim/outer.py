@@ -663,12 +663,19 @@ class OuterStepOptimizer(Optimizer):
 
     def _decoded_mean(self, messages: list[torch.Tensor], numel: int, members: list[int]) -> torch.Tensor:
         """The mean of the decoded messages under ``aggregate``, summed in the given order (the same on every rank)."""
-        decoded = [self.codec.decode(m[:-1], numel) for m in messages]
+        decoded = (self.codec.decode(m[:-1], numel) for m in messages)
         return self._robust_sum(decoded, members).div_(len(messages))
 
-    def _robust_sum(self, updates: list[torch.Tensor], members: list[int]) -> torch.Tensor:
-        """R × the members' mean under ``aggregate`` (:func:`lowband.optim.robust.robust_sum`)."""
-        return robust_sum(updates, self.aggregate, members=members, tally=self.clip_tally,
+    def _robust_sum(self, updates, members: list[int]) -> torch.Tensor:
+        """R × the members' mean under ``aggregate`` (:func:`lowband.optim.robust.robust_sum`). ``updates``
+        may be a generator: the plain mean then decodes and adds one member at a time (one update in memory)."""
+        if self.aggregate == "mean":
+            it = iter(updates)
+            total = next(it).clone()
+            for u in it:
+                total.add_(u)
+            return total
+        return robust_sum(list(updates), self.aggregate, members=members, tally=self.clip_tally,
                           where=f"{type(self).__name__} outer step {self.outer_steps}")
 
     def _kept_senders(self, result: torch.Tensor, *, nbytes: int, payload: PayloadCheck) -> list[int]:

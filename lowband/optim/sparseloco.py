@@ -210,7 +210,7 @@ class SparseLoCo(OuterStepOptimizer):
         if any(bool(result[r][-1]) for r in kept):
             return "error-feedback accumulator (β·e + pseudo-gradient)"
         # Every replica's decoded message, summed in replica order (the same on every rank).
-        mean = self._robust_sum([self._decode_dense(result[r], n_chunks) for r in kept], kept).reshape(-1)
+        mean = self._robust_sum((self._decode_dense(result[r], n_chunks) for r in kept), kept).reshape(-1)
         if not self._mean_finite(mean):
             return DROP
         own = self._decode_dense(flight.message, n_chunks).reshape(-1)
