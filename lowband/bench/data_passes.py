@@ -31,9 +31,9 @@ def data_passes_note(config: BenchConfig) -> str | None:
     plans = plan_runs(config)
     if config.entry != DEFAULT_ENTRY or not plans:
         return None
-    plan = plans[0]  # the same data, steps and batch for every run; the split by the first seed
+    plan = plans[0]  # the same data, split, steps and batch for every run
     cfg = plan.train_config(config, Path("."), shaped=True)
-    data_cfg = dataclasses.replace(cfg.data, kind=model_kind(cfg.model.name), seed=cfg.run.seed)
+    data_cfg = dataclasses.replace(cfg.data, kind=model_kind(cfg.model.name))
     packed = data_cfg.kind == "causal" and data_cfg.packing == "blocks"
     data = load_data(data_cfg) if packed else training_examples(data_cfg)
     return passes_note(data, steps=cfg.schedule.steps, world_size=plan.world_size, batch_size=cfg.schedule.batch_size,

@@ -240,8 +240,8 @@ class Trainer:
         from lowband.train.models import build_model, model_kind, transformer_blocks
 
         cfg = self.cfg
-        # The data's kind follows the model, its split the run's seed.
-        self.data = load_data(dataclasses.replace(cfg.data, kind=model_kind(cfg.model.name), seed=cfg.run.seed))
+        # The data's kind follows the model; its split is the data's own (not the run's seed).
+        self.data = load_data(dataclasses.replace(cfg.data, kind=model_kind(cfg.model.name)))
         self.spec = build_model(cfg.model.name, vocab_size=self.data.vocab_size, seed=cfg.run.seed)
         model = self.spec.model.to(self.device)
         self.model = shard_model(model, self.topology, blocks=transformer_blocks(model),

@@ -52,7 +52,9 @@ class DataConfig:
         tokenizer: a user's ``tokenizer.json`` or a directory holding one; None trains one on the
             training text (cached, see :mod:`lowband.train.tokenizer`).
         tokenizer_kind: ``"bpe"`` or ``"unigram"`` for a trained tokenizer.
-        seed: seed of the train/validation split.
+        seed: seed of the train/validation split. Fixed for a data set, not the run's seed: runs
+            at several seeds are validated on the same documents (and share one tokenizer), so their
+            spread is the training's noise, not the validation set's.
         max_examples: keep at most this many examples (documents when packed; after dropping empty
             ones, before the split); None keeps all. Handy for quick runs.
     """
@@ -77,7 +79,7 @@ class DataConfig:
     tokenizer: str | None = option(None, "a tokenizer.json or its directory (default: train one on the data, "
                                    "cached)")
     tokenizer_kind: str = option("bpe", "the kind of tokenizer trained on the data", choices=("bpe", "unigram"))
-    seed: int = 0  # not a job key: the trainer sets it from the run's seed
+    seed: int = 0  # not a job key: every run of a data set splits it the same way
     max_examples: int | None = option(None, "use at most this many examples (documents, before packing)")
 
     def __post_init__(self) -> None:
