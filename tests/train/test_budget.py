@@ -90,7 +90,8 @@ def test_a_budgeted_run_stops_on_its_training_clock_validates_and_records_its_st
         (n,) = steps
         assert 1 <= n < 400
         s = results[0][name]
-        assert s["val_history"][-1]["step"] == n and s["train_time_s"] > 1.0
+        # The run stops on the largest clock over the ranks (TimeBudget.agree), not rank 0's own.
+        assert s["val_history"][-1]["step"] == n and max(r[name]["train_time_s"] for r in results) > 1.0
         lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         train = [x for x in lines if x["type"] == "train"]
         assert train[-1]["step"] == n
