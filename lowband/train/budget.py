@@ -1,4 +1,4 @@
-"""A training-time budget (``schedule.time_budget_s``, ``--time-budget``): stop on the training clock.
+"""How a run ends before ``--steps``: a training-time budget (``--time-budget``) or a stop file (``--stop-file``).
 
 The training clock (``train_time_s``, :mod:`lowband.train.loop`) counts only training steps:
 start-up, validation and checkpoints are left out. With a budget the run stops after the first
@@ -13,18 +13,58 @@ step at which the clock has passed the budget, validates, and records the steps 
   limits stops it (the agreed clock: every rank sets the same lr). Warm-up stays in steps.
 - **Local-step methods** (DiLoCo, NoLoCo, SparseLoCo) stop at the end of the outer window in which
   the budget ran out: their model is merged only by an outer step.
+
+A **stop file** ends a running job cleanly, on every node at the same step, without a restart: the
+file holds a step number N; once it is there, the run ends after step N (for a local-step method,
+after the outer step that ends N's window), validates, checkpoints as at its end and records the steps
+it ran, as if ``--steps`` had been N. Write the same N on every node, ahead of where the job is (a
+node that reads it after N has passed ignores it and says so: its ranks could otherwise stop at
+different steps). Each rank reads the file once per step (one ``stat``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 
 import torch
 import torch.distributed as dist
 
 from lowband.train.schedule import warmup_cosine_factor
 
-__all__ = ["TimeBudget"]
+__all__ = ["StopFile", "TimeBudget"]
+
+log = logging.getLogger(__name__)
+
+
+class StopFile:
+    """``--stop-file PATH``: the run ends after the step number that PATH holds, once it is there."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self.step: int | None = None  # the step to end after, once read
+        self._seen: float | None = None  # the file's mtime when last read
+
+    def reached(self, step: int) -> bool:
+        """After ``step`` steps: True when the file names a step at or before ``step`` that was read in time."""
+        try:
+            mtime = os.stat(self.path).st_mtime
+        except FileNotFoundError:
+            return False
+        if mtime != self._seen:
+            self._seen = mtime
+            text = open(self.path).read().strip()
+            if not text.isdigit():
+                log.warning("--stop-file %s holds %r, not a step number: ignored (write e.g. 500)", self.path, text)
+            elif int(text) < step:
+                log.warning("--stop-file %s names step %s, already passed (at step %d): ignored; write a step "
+                            "ahead of the job", self.path, text, step)
+            else:
+                self.step = int(text)
+                log.info("--stop-file %s: the run ends after step %d (or the outer step that ends its window)",
+                         self.path, self.step)
+        return self.step is not None and step >= self.step
 
 
 class TimeBudget:

@@ -48,10 +48,11 @@ from lowband.memory import PhaseMemory
 from lowband.poison import arm_poison
 from lowband.topology import Topology
 from lowband.traffic import OpTally, merge_tallies
-from lowband.train.budget import TimeBudget
+from lowband.train.budget import StopFile, TimeBudget
 from lowband.train.config import ScheduleConfig, TrainConfig
 from lowband.train.ft_state import load_optimizer_local_state, local_tensor, optimizer_local_state
 from lowband.train.methods import METHODS, method_shards
+from lowband.train.metrics import MetricsFile
 from lowband.train.schedule import warmup_cosine_factor
 from lowband.train.summary import RunSummary
 
@@ -103,38 +104,6 @@ def evaluate(model, data, *, batch_size: int, max_batches: int, device) -> float
         tokens += n
     model.train(was_training)
     return total / max(tokens, 1)
-
-
-class _Metrics:
-    """metrics.jsonl (and TensorBoard) on rank 0."""
-
-    def __init__(self, out: Path, *, enabled: bool, tensorboard: bool, append: bool) -> None:
-        self.enabled = enabled
-        self.file = open(out / "metrics.jsonl", "a" if append else "w") if enabled else None  # noqa: SIM115
-        self.tb = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(out / "tensorboard"))
-            except ImportError as e:
-                raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from e
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            for k, v in record.items():
-                if k not in ("type", "step") and isinstance(v, int | float):
-                    self.tb.add_scalar(f"{record['type']}/{k}", v, record["step"])
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
-        if self.tb is not None:
-            self.tb.close()
 
 
 # --------------------------------------------------------------------------- the run
@@ -267,6 +236,7 @@ class Trainer:
         # the checkpoint's, so its curves continue the interrupted run's.
         self.clock: dict[str, float] = {"train_time_s": 0.0, "tokens": 0}
         self.budget = TimeBudget.of(cfg.schedule, self.device)  # --time-budget: lowband.train.budget
+        self.stop = StopFile(cfg.run.stop_file) if cfg.run.stop_file else None  # --stop-file: the same module
 
     def _resume(self) -> None:
         cfg, out, model, optimizer, scheduler, link = (self.cfg, self.out, self.model, self.optimizer,
@@ -307,7 +277,7 @@ class Trainer:
         if self.ft is not None and dist.is_initialized() and self.world > 1:
             dist.broadcast_object_list(earlier, src=0)
         self._earlier_life = bool(earlier[0])
-        self.metrics = _Metrics(self.out, enabled=self.rank == 0, tensorboard=cfg.run.tensorboard,
+        self.metrics = MetricsFile(self.out, enabled=self.rank == 0, tensorboard=cfg.run.tensorboard,
                                 append=self.start_step > 0 or self.ft is not None)
         if self.rank == 0:  # the complete job: `lowband train --config OUT/config.toml` runs it again
             from lowband.train import jobfile
@@ -496,11 +466,16 @@ class Trainer:
             step = step + 1
             if quorum and self.ft_cfg.async_quorum:  # a node that healed during the step goes on from the peer's
                 step = self._membership_done(step, trained=True)
-            if self.budget is not None and self.budget.stops(self.clock["train_time_s"], self.scheduler,
-                                                             window_end=window_end):
+            if self._ends(step, window_end):
                 break
             self._after_step(step)
         self.steps_done = step
+
+    def _ends(self, step: int, window_end: bool) -> bool:
+        """After ``step`` steps: True when --time-budget or --stop-file ends the run here (the budget sets the lr)."""
+        spent = self.budget is not None and self.budget.stops(self.clock["train_time_s"], self.scheduler,
+                                                              window_end=window_end)
+        return spent or (window_end and self.stop is not None and self.stop.reached(step))
 
     def _after_step(self, done: int) -> None:
         """Validate and checkpoint where due once ``done`` steps are trained."""
@@ -547,7 +522,10 @@ class Trainer:
                     self.next_step = step + 1
             step += 1
             start = outer
+            if self._ends(step, outer):
+                break
             self._after_step(step)
+        self.steps_done = step
 
     # ------------------------------------------------------------------ fault tolerance
     def _dropped(self) -> int:

@@ -85,6 +85,17 @@ def _wait_healed(out, node: int, since_step: int, job, timeout_s: float = 240.0)
     raise TimeoutError(f"node {node} did not heal within {timeout_s:g} s")
 
 
+STOP_AHEAD = 20  # steps between writing the stop file and the step it names (every node reads it in time)
+
+
+def _end_soon(out, job) -> int:
+    """End the job cleanly STOP_AHEAD steps from now (lowband train --stop-file: the same step on every node),
+    instead of running out its --steps once nothing is left to check. Returns the step named."""
+    stop_at = job.steps_done(0) + STOP_AHEAD
+    (out / "stop").write_text(f"{stop_at}\n")
+    return stop_at
+
+
 # ----------------------------------------------------------------------------------------------------
 # One FlexDeMo job (3 node slots × 2 ranks, and a fourth slot for the nodes of another job) through its
 # faults one after another; each test below checks one of them on the records the job left. Each fault
@@ -96,7 +107,9 @@ def _wait_healed(out, node: int, since_step: int, job, timeout_s: float = 240.0)
 #      slot (a twin), both refused;
 #   4. only node 1's torchrun agent is killed (its ranks would train on as orphans); node 1 is started
 #      again and heals.
-# The job then runs to its last step. One job start instead of four (the tests it replaces each started
+# Once node 1 has healed, the job ends STOP_AHEAD steps later (--stop-file), not at its --steps: the steps
+# after the last fault check nothing (node 1 is back by about step 450 of FLEX_STEPS, an upper bound for a
+# loaded machine). One job start instead of four (the tests it replaces each started
 # a Lighthouse and two or three torchruns).
 # ----------------------------------------------------------------------------------------------------
 FLEX_STEPS = 750  # node 1 is back by about step 450 on 2 idle cores (a start takes 10-20 s here)
@@ -111,7 +124,7 @@ def flex_faults(tmp_path_factory):
     from lowband.cluster.ftjob import FaultTolerantJob
 
     out = tmp_path_factory.mktemp("ft-flexdemo")
-    args = ["--method", "flexdemo", "--topk", "2", "--steps", str(FLEX_STEPS), *COMMON]
+    args = ["--method", "flexdemo", "--topk", "2", "--steps", str(FLEX_STEPS), *COMMON, "--stop-file", str(out / "stop")]
     seen: dict = {"out": out}
     with FaultTolerantJob(train_args=args, nodes=4, ranks_per_node=2, out=out, start_nodes=3) as job:
         # 1. Three nodes of the job and one of another job (seed 7) in slot 3, at the same moment.
@@ -148,6 +161,8 @@ def flex_faults(tmp_path_factory):
         job.kill(1, "agent")
         seen["orphans_ended"] = _wait_dead(ranks, 15.0)
         job.start(1)
+        _wait_healed(out, 1, seen["kill1_at"], job)
+        seen["stop_at"] = _end_soon(out, job)
         seen["codes"] = job.wait(timeout_s=800)
         seen["left_behind"] = descendants([p.pid for p in job.procs.values()])
     seen["last_step"] = max(rec["step"] for rec in _records_of(out, 0, "train"))
@@ -163,7 +178,7 @@ def test_the_faulted_job_ends_with_every_node_equal_and_nothing_left_behind(flex
     seen, out = flex_faults, flex_faults["out"]
     assert seen["codes"] == {0: 0, 1: 0, 2: 0}, {n: _log(seen, f"node{n}")[-3000:] for n in seen["codes"]}
     assert not seen["left_behind"], "processes of the job outlived it"
-    assert seen["last_step"] == FLEX_STEPS
+    assert seen["last_step"] == seen["stop_at"]  # every node ended where the stop file said (FlexDeMo: no window)
     recs = _records(out)
     for rank in range(2):  # same shard, same parameters on every node, bit for bit
         digests = {recs[node][rank]["param_sha256"] for node in range(3)}
@@ -205,7 +220,7 @@ def test_each_fault_drops_at_most_one_step_and_the_refused_nodes_none(flex_fault
     # the step of that quorum.
     assert _dropped_steps(out, 0, after("twin_from"), after("kill1_at")) <= 1
     # Node 1's agent killed, its return: at most one, on node 0, which lived through everything.
-    assert _dropped_steps(out, 0, after("kill1_at"), FLEX_STEPS + 1) <= 1
+    assert _dropped_steps(out, 0, after("kill1_at"), seen["stop_at"] + 1) <= 1
 
 
 @ONE_JOB
@@ -246,16 +261,19 @@ def test_a_killed_agent_takes_its_ranks_with_it_and_the_node_heals_on_return(fle
 def test_a_killed_node_leaves_the_others_training_and_rejoins_equal(tmp_path, method, extra, steps):
     from lowband.cluster.ftjob import FaultTolerantJob
 
-    args = ["--method", method, *extra, "--steps", str(steps), *COMMON]
+    args = ["--method", method, *extra, "--steps", str(steps), *COMMON, "--stop-file", str(tmp_path / "stop")]
     with FaultTolerantJob(train_args=args, nodes=3, ranks_per_node=2, out=tmp_path) as job:
         job.start_all()
         job.wait_for_step(2, 20)
         pids = [job.procs[2].pid, *descendants([job.procs[2].pid])]
         assert len(pids) >= 3, "node 2 should be torchrun and its two ranks"
+        killed_at = job.steps_done(0)
         job.kill(2)
         assert _wait_dead(pids, 10.0), "a process of the killed node survived"
         job.wait_for_step(0, 40)  # the survivors went on past the fault
         job.start(2)
+        _wait_healed(tmp_path, 2, killed_at, job)
+        stop_at = _end_soon(tmp_path, job)  # --steps is the bound for a loaded machine
         codes = job.wait(timeout_s=360)
         all_pids = [p.pid for p in job.procs.values()]
     assert codes == {0: 0, 1: 0, 2: 0}, {n: (tmp_path / f"node{n}.log").read_text()[-3000:] for n in codes}
@@ -273,13 +291,17 @@ def test_a_killed_node_leaves_the_others_training_and_rejoins_equal(tmp_path, me
         assert r["healed"], f"node 2 rank {r['rank']} did not heal: {r}"
         assert r["healed"][-1]["step"] >= 40
     if method == "noloco":
+        ends = set()
         for node in range(3):
             losses = [e["loss"] for e in _records_of(tmp_path, node, "train")]
             final_val = _records_of(tmp_path, node, "val")[-1]
             assert losses and all(math.isfinite(x) for x in losses), (node, losses[-5:])
-            assert final_val["step"] == steps and math.isfinite(final_val["val_loss"]), (node, final_val)
+            # The last step: stop_at, or the outer step that ends its window (H = 5).
+            assert stop_at <= final_val["step"] < stop_at + 5 and math.isfinite(final_val["val_loss"]), (node, final_val)
+            ends.add(final_val["step"])
             ops = json.loads((tmp_path / f"node{node}" / "summary_rank0.json").read_text())["link_ops"]
             assert set(ops) == {"exchange"}, ops  # point to point through torchft's group, nothing else
+        assert len(ends) == 1, ends  # every node ended at the same step
         return
     # Same shard, same parameters on every node, bit for bit.
     for rank in range(2):
@@ -294,13 +316,15 @@ def test_when_every_node_dies_the_job_resumes_from_checkpoints_with_the_same_com
     before any quorum the link is a group of one and that step commits."""
     from lowband.cluster.ftjob import FaultTolerantJob
 
-    args = ["--method", "flexdemo", "--steps", "200", *COMMON, "--ckpt-every", "20", "--resume", "if-any"]
+    args = ["--method", "flexdemo", "--steps", "200", *COMMON, "--ckpt-every", "20", "--resume", "if-any",
+            "--stop-file", str(tmp_path / "stop")]
     with FaultTolerantJob(train_args=args, nodes=2, ranks_per_node=2, out=tmp_path) as job:
         job.start_all()
         job.wait_for_step(0, 45)
         job.kill(0)
         job.kill(1)
         job.start_all()
+        stop_at = _end_soon(tmp_path, job)  # 20 steps past the last step before the kill: past the resume too
         codes = job.wait(timeout_s=360)
     assert codes == {0: 0, 1: 0}, {n: (tmp_path / f"node{n}.log").read_text()[-3000:] for n in codes}
     import re
@@ -309,6 +333,7 @@ def test_when_every_node_dies_the_job_resumes_from_checkpoints_with_the_same_com
         log = (tmp_path / f"node{n}.log").read_text()
         resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", log)]
         assert resumed and min(resumed) >= 40, log[-3000:]  # a checkpoint at or after step 40, not step 0
+        assert max(int(x["step"]) for x in _records_of(tmp_path, n, "train")) == stop_at  # it trained on from there
     recs = [[json.loads((tmp_path / f"node{n}" / f"ft_rank{r}.json").read_text()) for r in range(2)] for n in range(2)]
     for rank in range(2):
         assert recs[0][rank]["param_sha256"] == recs[1][rank]["param_sha256"]

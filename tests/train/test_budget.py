@@ -1,4 +1,5 @@
-"""lowband/train/budget.py: --time-budget stops a run on its training clock, and its lr schedule runs to the budget."""
+"""lowband/train/budget.py: --time-budget stops a run on its training clock, and its lr schedule runs to the budget;
+--stop-file ends a running job at a step written into a file."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from lowband.testing import run_ranks
-from lowband.train.budget import TimeBudget
+from lowband.train.budget import StopFile, TimeBudget
 from lowband.train.config import ScheduleConfig, TrainConfig
 from lowband.train.schedule import warmup_cosine_factor
 
@@ -120,7 +121,7 @@ def test_the_loop_stops_at_the_first_step_past_the_budget_or_at_the_end_of_that_
     t.start_step, t.ft, t.local, t.optimizer = 0, None, local, _Outer(h)
     t.clock = {"train_time_s": 0.0, "tokens": 0}
     t.scheduler = _scheduler()
-    t.budget = TimeBudget.of(t.cfg.schedule)
+    t.budget, t.stop = TimeBudget.of(t.cfg.schedule), None
     validated = []
 
     def step(s: int) -> None:
@@ -133,3 +134,42 @@ def test_the_loop_stops_at_the_first_step_past_the_budget_or_at_the_end_of_that_
     # 4 s > 3.5 s after step 4; DiLoCo H=3 goes on to its outer step at 6. No validation at the stopping step
     # (run() validates there once).
     assert t.steps_done == expected and validated == list(range(1, expected))
+
+
+def _loop(steps: int, *, local: bool, h: int, stop: StopFile, on_step=None):
+    """The loop alone (Trainer._run_steps) over stand-in steps: (steps done, steps validated after)."""
+    from lowband.train.loop import Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.cfg = TrainConfig.from_tables({"schedule": {"steps": steps}})
+    t.start_step, t.ft, t.local, t.optimizer, t.budget, t.stop = 0, None, local, _Outer(h), None, stop
+    validated = []
+
+    def step(s: int) -> None:
+        t.optimizer.inner += 1
+        if on_step:
+            on_step(s + 1)
+
+    t.train_step, t._after_step = step, validated.append
+    t._run_steps()
+    return t.steps_done, validated
+
+
+@pytest.mark.parametrize(("local", "h", "expected"), [(False, 1, 7), (True, 3, 9)])
+def test_a_stop_file_ends_the_run_after_its_step_or_that_windows_outer_step(tmp_path, local, h, expected):
+    path = tmp_path / "stop"
+    # Written while the run is at step 2, naming step 7: the run ends after 7 (DiLoCo H=3: its outer step at 9).
+    done, validated = _loop(50, local=local, h=h, stop=StopFile(path),
+                            on_step=lambda s: s == 2 and path.write_text("7\n"))
+    assert done == expected and validated == list(range(1, expected))
+
+
+def test_a_stop_file_that_is_absent_late_or_not_a_step_changes_nothing(tmp_path, caplog):
+    path = tmp_path / "stop"
+    assert _loop(12, local=False, h=1, stop=StopFile(path))[0] == 12  # no file: --steps
+    path.write_text("soon")
+    assert _loop(12, local=False, h=1, stop=StopFile(path))[0] == 12
+    assert "not a step number" in caplog.text
+    stop = StopFile(path)
+    done = _loop(12, local=False, h=1, stop=stop, on_step=lambda s: s == 6 and path.write_text("4"))[0]
+    assert done == 12 and stop.step is None and "already passed" in caplog.text  # a node could not agree on it
