@@ -71,13 +71,22 @@ def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: py
                         _refuse("starts a process through multiprocessing's fork server"))
 
 
-# With pytest-xdist (the README's `-n 2`), two workers share this machine's two cores. The tests that
-# start processes keep to one worker, one after another, as without xdist: each spreads its ranks over
-# both cores and some time their peers (heartbeats, timeouts), so two of them at once would only slow
-# each other and load the clocks they watch. The unit and slow layers (one process each) run on the
-# other worker meanwhile, and so do the benches that wait on an emulated link most of their time (a
-# 100 ms latency per message: the cores are mostly idle).
-LINK_BOUND = ("tests/e2e/test_bench.py::test_bench_with_faults_end_to_end",)
+# With pytest-xdist (the README's `-n 2`), two workers share this machine's two cores, in two lanes:
+# - "multiprocess": the tests that start processes and time their peers (fault tolerance with its
+#   heartbeats and timeouts, admission, launches killed or hung, the bench runner), one after another
+#   on one worker, as without xdist: two of them at once would load the clocks they watch;
+# - "beside": on the other worker, one after another too, the benches that wait on an emulated link most
+#   of their time (100 ms per message: the cores are mostly idle) and the multi-process tests that time
+#   nothing, whose checks are exact or loose in loss (golden trajectories, every method learns, the
+#   examples): they fill the cores the link-bound benches leave idle. The unit and slow layers (one process
+#   each) fill both workers' gaps.
+BESIDE = (
+    "tests/e2e/test_bench.py::test_bench_with_faults_end_to_end",
+    "tests/e2e/test_learns.py::test_every_method_learns_to_reverse",
+    "tests/e2e/test_golden.py::test_every_method_follows_its_golden_trajectory",
+    "tests/e2e/test_examples.py::test_flexdemo_example_trains_across_two_nodes",
+    "tests/e2e/test_examples.py::test_diloco_example_syncs_every_h_steps",
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
@@ -87,7 +96,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker(MARKER) is None:
             continue
-        lane = "link-bound" if item.nodeid.split("[")[0] in LINK_BOUND else "multiprocess"
+        lane = "beside" if item.nodeid.split("[")[0] in BESIDE else "multiprocess"
         item.add_marker(pytest.mark.xdist_group(lane))
 
 

@@ -66,7 +66,7 @@ def benches_with_faults(tmp_path_factory):
     once in each emulation mode. 100 ms per message makes a step take ~0.2 s, so the restarted node (~15 s
     to start) rejoins a live job. The benches run one after the other (each uses about one core of the
     two: at once they slowed the multi-process lane beside them into its timeouts), each into its own
-    directory, beside the multi-process tests (tests/conftest.py's link-bound lane).
+    directory, beside the multi-process tests (tests/conftest.py's "beside" lane).
     {mode: (exit code, output, out dir)}."""
     from lowband.cluster import netns_available
 
