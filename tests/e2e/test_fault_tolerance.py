@@ -270,8 +270,7 @@ def test_a_killed_node_leaves_the_others_training_and_rejoins_equal(tmp_path, me
         killed_at = job.steps_done(0)
         job.kill(2)
         assert _wait_dead(pids, 10.0), "a process of the killed node survived"
-        job.wait_for_step(0, 40)  # the survivors went on past the fault
-        job.start(2)
+        job.start(2)  # its start (10-20 s) leaves the survivors training without it
         _wait_healed(tmp_path, 2, killed_at, job)
         stop_at = _end_soon(tmp_path, job)  # --steps is the bound for a loaded machine
         codes = job.wait(timeout_s=360)
@@ -280,16 +279,18 @@ def test_a_killed_node_leaves_the_others_training_and_rejoins_equal(tmp_path, me
     assert not descendants(all_pids), "processes of the job outlived it"
 
     recs = _records(tmp_path)
-    # The survivors saw the membership go 3 -> 2 -> 3.
+    # The survivors saw the membership go 3 -> 2 -> 3, and trained on without node 2 meanwhile.
     for node in (0, 1):
         seen = [e["replicas"] for e in _membership(tmp_path, node)]
         assert 2 in seen and seen[-1] == 3, (node, seen)
+        alone = [e["step"] for e in _records_of(tmp_path, node, "train") if e.get("replicas") == 2]
+        assert len(alone) >= 5, (node, alone)
         for r in recs[node]:
             assert r["dropped_steps"] <= 1, r  # at most one step (DiLoCo: outer step) lost to the fault
     # The restarted node healed from a live peer, at a step the others had reached.
     for r in recs[2]:
         assert r["healed"], f"node 2 rank {r['rank']} did not heal: {r}"
-        assert r["healed"][-1]["step"] >= 40
+        assert r["healed"][-1]["step"] > killed_at + 1
     if method == "noloco":
         ends = set()
         for node in range(3):
