@@ -636,7 +636,7 @@ class Trainer:
         record = {"rank": self.rank, "node": self.ft_cfg.node, "replicas": self.ft.last_members,
                   "committed_steps": self.ft.committed_steps, "dropped_steps": self._dropped(),
                   "healed": self.ft.healed_at, "quorum_s": self.ft.quorum_s, "commit_s": self.ft.commit_s,
-                  "param_sha256": h.hexdigest(), "steps": self.cfg.schedule.steps}
+                  "param_sha256": h.hexdigest(), "steps": self.steps_done}
         (self.out / f"ft_rank{self.rank}.json").write_text(json.dumps(record, indent=1))
 
 

@@ -180,6 +180,7 @@ def test_the_faulted_job_ends_with_every_node_equal_and_nothing_left_behind(flex
     assert not seen["left_behind"], "processes of the job outlived it"
     assert seen["last_step"] == seen["stop_at"]  # every node ended where the stop file said (FlexDeMo: no window)
     recs = _records(out)
+    assert {rec["steps"] for node in range(3) for rec in recs[node]} == {seen["stop_at"]}  # the steps each trained to
     for rank in range(2):  # same shard, same parameters on every node, bit for bit
         digests = {recs[node][rank]["param_sha256"] for node in range(3)}
         assert len(digests) == 1, f"shard {rank} differs between nodes: {[recs[n][rank] for n in range(3)]}"
