@@ -263,3 +263,27 @@ def test_user_file_errors_say_what_to_do(tmp_path: Path, fresh_cache: Path) -> N
         load_data(DataConfig(path=str(small), val_size=3))
     with pytest.raises(ValueError, match="seq2seq, causal"):
         DataConfig(kind="classification")
+
+
+def test_every_seed_of_a_run_is_validated_on_the_same_split(monkeypatch):
+    """The run's seed draws the init, the data order and dropout, not the validation documents: a bench's
+    seed spread is the training's noise (a spread over validation sets once hid a method's gap)."""
+    from lowband.train.config import TrainConfig
+    from lowband.train.loop import Trainer
+
+    seen = []
+
+    class Loaded(Exception):
+        pass
+
+    def load(cfg):
+        seen.append(cfg)
+        raise Loaded
+
+    monkeypatch.setattr(data_mod, "load_data", load)
+    for seed in (0, 3):
+        t = Trainer.__new__(Trainer)
+        t.cfg = TrainConfig.from_tables({"run": {"seed": seed}, "model": {"name": "t5-tiny"}})
+        with pytest.raises(Loaded):
+            t._build_model()
+    assert seen[0] == seen[1] and seen[0].seed == 0
