@@ -62,6 +62,10 @@ def test_no_budget_and_bad_budgets() -> None:
         train_overrides(["--time-budget", "soon"])
 
 
+# A loaded CI machine once spent 1 s on the first step alone (FSDP's lazy init), leaving nothing to check.
+BUDGET_S = 3.0
+
+
 def _train_budgeted(rank: int, out: str, cache: str) -> dict:
     import os
 
@@ -72,7 +76,7 @@ def _train_budgeted(rank: int, out: str, cache: str) -> dict:
     def cfg(method: dict, sub: str) -> TrainConfig:
         return TrainConfig.from_tables({
             "method": method, "model": {"name": "t5-tiny"},
-            "schedule": {"steps": 400, "batch_size": 2, "time_budget_s": 1.0, "lr_schedule": "cosine"},
+            "schedule": {"steps": 400, "batch_size": 2, "time_budget_s": BUDGET_S, "lr_schedule": "cosine"},
             "data": {"max_examples": 300, "val_size": 16, "max_source_len": 32, "max_target_len": 8, "vocab_size": 512},
             "run": {"val_batches": 2, "val_every": 5, "progress": False, "out": f"{out}/{sub}"},
         })  # fmt: skip
@@ -92,11 +96,12 @@ def test_a_budgeted_run_stops_on_its_training_clock_validates_and_records_its_st
         assert 1 <= n < 400
         s = results[0][name]
         # The run stops on the largest clock over the ranks (TimeBudget.agree), not rank 0's own.
-        assert s["val_history"][-1]["step"] == n and max(r[name]["train_time_s"] for r in results) > 1.0
+        assert s["val_history"][-1]["step"] == n and max(r[name]["train_time_s"] for r in results) > BUDGET_S
         lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         train = [x for x in lines if x["type"] == "train"]
         assert train[-1]["step"] == n
-        assert train[-2]["train_time_s"] <= 1.0 or name == "diloco"  # the step before was within the budget
+        assert len(train) >= 2, f"{name}: one step filled the {BUDGET_S} s budget; the test needs a few"
+        assert train[-2]["train_time_s"] <= BUDGET_S or name == "diloco"  # the step before was within the budget
         assert train[-1]["lr"] < train[0]["lr"]  # the cosine schedule ran toward the budget
         if name == "diloco":
             assert n % 3 == 0, f"DiLoCo H=3 stopped at step {n}, inside an outer window"
