@@ -215,9 +215,14 @@ def test_ftjob_gives_nodes_the_secret_by_environment_not_argv(tmp_path, monkeypa
     job = FaultTolerantJob.__new__(FaultTolerantJob)
     job.__dict__.update(train_args=[], ranks_per_node=1, address="http://127.0.0.1:1", nodes=2, ft_timeout_s=5,
                         start_nodes=None, net=None, secret_file=tmp_path / "job.secret")
+    monkeypatch.setenv("LOWBAND_SECRET", "this shell's own secret, not the job's")
     job._launch(0, tmp_path / "n0", tmp_path / "n0.log")
     assert launched["env"]["LOWBAND_SECRET_FILE"] == str(tmp_path / "job.secret")
+    assert "LOWBAND_SECRET" not in launched["env"]  # only what the job gives its nodes
     assert not any("secret" in str(a) for a in launched["cmd"])
+    # An intruder (lowband bench --faults nodeN:intrude@S): the job's command line, no secret at all.
+    job._launch(1, tmp_path / "i1", tmp_path / "i1.log", secret_file=False)
+    assert not {"LOWBAND_SECRET", "LOWBAND_SECRET_FILE"} & set(launched["env"])
 
 
 # --------------------------------------------------------------------------- item 8: the fingerprint

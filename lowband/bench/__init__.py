@@ -132,8 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--faults", default=None, metavar="PLAN",
         help="kill and restart nodes during every run, e.g. 'node1:kill@30,node1:start@60' (steps of the job, "
-             "or @45s: seconds after the start); each method then also runs fault-free under fault tolerance, "
-             "and the report sets the faulted run beside its twin. Implies --ft on",
+             "or @45s: seconds after the start); also node1:intrude@40 (the job's command line without its "
+             "secret, in node 1's slot: it must be refused) and node1:poison@30 or node1:poison-flip@30 (node 1 "
+             "sends huge or sign-flipped updates from step 30 on); each method then also runs fault-free under "
+             "fault tolerance, and the report sets the faulted run beside its twin. Implies --ft on",
     )  # fmt: skip
     parser.add_argument(
         "--time-budget", default=None, metavar="SECONDS|auto|off",

@@ -387,6 +387,10 @@ def make_config(
 FT_MODES = ("off", "on", "both")
 
 
+#: The methods whose messages carry indices (top-k of chunks): what --faults poison-index needs.
+INDEXED = ("flexdemo", "demo", "sparseloco")
+
+
 def _check_fault_tolerance(specs: Sequence[BenchMethod], *, ft: str, faults: str | None, nodes: int, steps: int,
                            entry: str, ranks_per_node: int) -> tuple:
     """Check ``--ft`` and ``--faults`` before anything starts; return the parsed fault plan."""
@@ -413,6 +417,10 @@ def _check_fault_tolerance(specs: Sequence[BenchMethod], *, ft: str, faults: str
             raise ValueError(f"{spec}: --faults poison needs a method that sends an update of its own; {spec.name}'s "
                              "gradients are all-reduced (nothing in a sum names its sender). Leave it out of "
                              "--methods, or use flexdemo, demo, diloco, noloco or sparseloco")
+        if any(e.action == "poison-index" for e in events) and spec.name not in INDEXED:
+            raise ValueError(f"{spec}: --faults poison-index needs a method whose messages carry indices "
+                             f"({', '.join(INDEXED)}); {spec.name}'s are dense. Leave it out of --methods, or use "
+                             "poison-nan")
         one_copy_per_node = spec.shards in (None, ranks_per_node) and METHODS[spec.name].shards_per_node != 1
         if not one_copy_per_node and ranks_per_node > 1:
             raise ValueError(f"{spec}: under fault tolerance every node holds one model copy sharded over all its "

@@ -5,14 +5,19 @@ Syntax: events separated by commas, each ``node<I>:<action>@<when>``:
 - ``action``: ``kill`` (SIGKILL to every process of the node: its torchrun and all its ranks, as a
   machine that dies), ``start`` (start the node again; it rejoins and heals from a live peer), or a
   fault of malice: ``poison`` (from that step on the node sends its updates times 1,000: finite,
-  well-formed, huge) or ``poison-flip`` (sign-flipped), through ``lowband train --poison``
+  well-formed, huge), ``poison-flip`` (sign-flipped), ``poison-nan`` (NaN values with a clean flag)
+  or ``poison-index`` (indices out of range; FlexDeMo, DeMo, SparseLoCo), through ``lowband train --poison``
   (:mod:`lowband.poison`; at a step only, one per plan; not for AdamW and Deto-Full, whose gradients
-  are all-reduced);
+  are all-reduced); or ``intrude`` (a process with the job's command line but not its secret starts
+  in node I's slot, as an outsider on the job's network would: it must be refused before any process
+  group includes it, and the job drops no step; the run fails if it is admitted. The bench gives every
+  fault-tolerant run a job secret of its own, :mod:`lowband.secret`);
 - ``when``: a training step of the job (``@60``: once a live node has finished step 60) or a time
   since the run started (``@45s``, ``@1.5m``).
 
 Example: ``--faults "node1:kill@30,node1:start@60"``. Events run in the order given; a node must
-be alive to be killed and dead to be started, and at least one node stays alive.
+be alive to be killed and dead to be started, and at least one node stays alive. An intruder takes
+any slot, a live node's (a copy of that node without the secret) or a dead one's (the slot is free).
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ from lowband.units import split_list
 
 __all__ = ["POISON_ACTIONS", "FaultEvent", "format_faults", "parse_faults", "poison_of"]
 
-_EVENT = re.compile(r"node(\d+):(kill|start|poison|poison-flip)@(\d+(?:\.\d+)?)(s|m)?")
+_EVENT = re.compile(r"node(\d+):(kill|start|intrude|poison|poison-flip|poison-nan|poison-index)@(\d+(?:\.\d+)?)(s|m)?")
 #: --faults' poison actions -> lowband.poison's kinds.
-POISON_ACTIONS = {"poison": "scale", "poison-flip": "flip"}
+POISON_ACTIONS = {"poison": "scale", "poison-flip": "flip", "poison-nan": "nan", "poison-index": "index"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +39,7 @@ class FaultEvent:
     """One planned fault: ``action`` on ``node`` at ``step`` (job steps) or ``at_s`` (seconds after the start)."""
 
     node: int
-    action: str  # kill | start | poison | poison-flip
+    action: str  # kill | start | intrude | poison[-flip|-nan|-index]
     step: int | None = None
     at_s: float | None = None
 
@@ -64,9 +69,9 @@ def parse_faults(text: str, *, nodes: int, steps: int | None = None) -> tuple[Fa
     for raw in split_list(text):
         m = _EVENT.fullmatch(raw.lower())
         if m is None:
-            raise ValueError(f"--faults: cannot read {raw!r}; write node<I>:kill@<step> or node<I>:start@<step> "
-                             "(or @<seconds>s), or node<I>:poison@<step> or node<I>:poison-flip@<step>, separated "
-                             "by commas, e.g. 'node1:kill@30,node1:start@60'")
+            raise ValueError(f"--faults: cannot read {raw!r}; write node<I>:kill@<step>, node<I>:start@<step> or "
+                             "node<I>:intrude@<step> (or @<seconds>s), or node<I>:poison@<step> (or poison-flip, "
+                             "poison-nan, poison-index), separated by commas, e.g. 'node1:kill@30,node1:start@60'")
         node, action, value, unit = int(m.group(1)), m.group(2), m.group(3), m.group(4)
         if not 0 <= node < nodes:
             raise ValueError(f"--faults: {raw!r} names node {node}, but the bench has nodes 0..{nodes - 1}")
@@ -88,6 +93,8 @@ def parse_faults(text: str, *, nodes: int, steps: int | None = None) -> tuple[Fa
                 raise ValueError(f"--faults: {raw!r}: a node poisons from a step on; give a step (@30), not a time")
             if any(e.action in POISON_ACTIONS for e in events):
                 raise ValueError(f"--faults: {raw!r} is a second poison event; a plan holds at most one")
+        elif action == "intrude":
+            pass  # any slot, live or free: the node's own state does not change
         elif action == "kill":
             if node not in alive:
                 raise ValueError(f"--faults: {raw!r} kills node {node}, which is not running then; start it first")

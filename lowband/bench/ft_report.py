@@ -80,6 +80,8 @@ def fault_events(run: Run) -> list[dict]:
                 row["heal_mb"] = h.get("bytes", 0) / 1e6
                 row["heal_quorum_s"] = h.get("quorum_s")
                 row["join_s"] = h["unix_s"] - ev["unix_s"]  # start-up + waiting for a quorum + transfer
+        elif ev["event"] == "intrude":
+            row["refused"], row["why"], row["exit"] = ev.get("refused"), ev.get("why"), ev.get("exit")
         out.append(row)
     return out
 
@@ -95,7 +97,7 @@ def fault_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     runs = results["runs"]
     vs = {(v.label, v.bandwidth_bps): v for v in variants(runs)}
     headers = ["variant", "seed", "faults", "steps dropped", "kill → quorum without it (s)",
-               "rejoin: healed at step, MB, transfer s", "final loss", "twin's final loss", "Δ", "twin's seed spread"]
+               "rejoin: healed at step, MB, transfer s", "intruder (no secret)", "final loss", "twin's final loss", "Δ", "twin's seed spread"]
     rows = []
     for r in runs:
         if not _ft(r).get("faults"):
@@ -105,6 +107,8 @@ def fault_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
         kills = "; ".join(f"{e['event']}: {_fmt(e.get('detect_s'), '.2f')}" for e in evs if e["action"] == "kill")
         starts = "; ".join(f"{e['event']}: {e.get('healed_step', '–')}, {_fmt(e.get('heal_mb'), '.2f')}, "
                            f"{_fmt(e.get('heal_quorum_s'), '.2f')}" for e in evs if e["action"] == "start")
+        intruders = "; ".join(f"{e['event']}: " + ("refused" if e.get("refused") else "NOT refused")
+                              for e in evs if e["action"] == "intrude")
         loss, tloss = r.val_loss, (twin.val_loss if twin is not None else None)
         delta = loss - tloss if loss is not None and tloss is not None else None
         tv = vs.get((_twin_label(r.label), r.bandwidth_bps))
@@ -114,7 +118,7 @@ def fault_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
             spread = f"{lo:.4f}–{hi:.4f}" + (" (within)" if loss is not None and lo <= loss <= hi else " (outside)")
         rows.append([r.label, str(r.seed), ", ".join(_ft(r)["faults"]),
                      str(dropped_steps(r)) if r.status == "ok" else "run failed", kills or "–", starts or "–",
-                     _fmt(loss, ".4f"), _fmt(tloss, ".4f"), _fmt(delta, "+.4f"), spread])
+                     intruders or "–", _fmt(loss, ".4f"), _fmt(tloss, ".4f"), _fmt(delta, "+.4f"), spread])
         for note in _ft(r).get("notes") or []:
             rows[-1][5] += f" ({note})"
     return headers, rows
@@ -151,7 +155,11 @@ def ft_section(results: Mapping[str, Any]) -> list[str]:
                 "the faulted one carries out the plan (kill: SIGKILL to every process of the node; start: the node "
                 "rejoins and copies its state from a live peer over the network; poison: from its step on the node "
                 "sends its updates times 1,000, poison-flip: sign-flipped, well-formed and finite, so that only "
-                "robust aggregation, aggregate=clip|trimmed, bounds them). *Steps dropped*: steps whose "
+                "robust aggregation, aggregate=clip|trimmed, bounds them; poison-nan, poison-index: NaN values or "
+                "out-of-range indices with a clean flag, which the message checks refuse; intrude: a process with the job's command "
+                "line but not its secret starts in the node's slot, and must be refused before any process group "
+                "includes it: the run fails if it is not; every fault-tolerant run of the bench has a job secret "
+                "of its own). *Steps dropped*: steps whose "
                 "exchange failed and were applied nowhere (DiLoCo: outer steps). *kill → quorum without it*: "
                 "from the kill to the survivors' next quorum without the node. *rejoin*: the step it healed to, the "
                 "state it copied and how long the quorum with the transfer took (start-up of the restarted node "
@@ -192,7 +200,8 @@ def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
         for e in fault_events(r):
             if e.get("job_step") is None:
                 continue
-            colour = {"kill": "tab:red", "start": "tab:green"}.get(e["action"], "tab:purple")  # purple: poison
+            colour = {"kill": "tab:red", "start": "tab:green", "intrude": "tab:brown"}.get(e["action"],
+                                                                                           "tab:purple")  # poison
             for a in (ax, axn):
                 a.axvline(e["job_step"], color=colour, alpha=0.6, lw=1)
             ax.annotate(e["event"], (e["job_step"], 1.0), xycoords=("data", "axes fraction"), rotation=90,
@@ -214,8 +223,9 @@ def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
         axn.set_xlabel("step")
     import textwrap
 
-    fig.suptitle(textwrap.fill("Faults: validation loss beside the fault-free twin (kills red, starts green, poison purple); "
-                               "live nodes below, dropped steps x", 60 * min(n, 3)), fontsize=10)
+    fig.suptitle(textwrap.fill("Faults: validation loss beside the fault-free twin (kills red, starts green, "
+                               "intruders brown, poison purple); live nodes below, dropped steps x", 60 * min(n, 3)),
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path

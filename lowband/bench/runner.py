@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -57,6 +58,7 @@ from lowband.cluster import (
     measure_throughput,
     netns_available,
 )
+from lowband.secret import write_secret
 from lowband.units import format_bandwidth
 
 __all__ = ["check_out_dir", "choose_emulation", "default_out_dir", "prepare_out_dir", "run_bench"]
@@ -274,8 +276,12 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: P
     tx_before = [net.tx_bytes(n) for n in range(plan.nodes)] if net is not None else None
     t0 = time.monotonic()
     try:
-        with FaultTolerantJob(train_args=args, nodes=plan.nodes, ranks_per_node=plan.ranks_per_node, out=run_dir,
-                              net=net, log_dir=run_dir / "logs") as job:
+        # The job's secret (lowband.secret): every node proves it before it joins a quorum, as across the
+        # internet; it lives in a private directory outside the bench's output and goes when the run ends.
+        keydir = tempfile.TemporaryDirectory(prefix="lowband-secret-")
+        with keydir, FaultTolerantJob(train_args=args, nodes=plan.nodes, ranks_per_node=plan.ranks_per_node,
+                                      out=run_dir, net=net, log_dir=run_dir / "logs",
+                                      secret_file=write_secret(Path(keydir.name) / "job.secret")) as job:
             codes = job.run_plan([e for e in plan.faults if e.poison is None], timeout_s=config.run_timeout_s)
             events = [{**e, "t_s": e["unix_s"] - job.t0} for e in job.events]
             events += [{"node": e.node, "event": e.action, "planned": str(e), "job_step": e.step, "unix_s": job.t0,
@@ -287,13 +293,18 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: P
         record.error = f"the launch failed: {type(exc).__name__}: {exc}"
         return record
     record.wall_time_s = time.monotonic() - t0
-    last = {e.node: e.action for e in plan.faults if e.poison is None}
+    last = {e.node: e.action for e in plan.faults if e.action in ("kill", "start")}
     expected = {n: (-9 if last.get(n) == "kill" else 0) for n in range(plan.nodes)}
     bad = {n: c for n, c in codes.items() if c != expected[n]}
     if bad:
         tails = "\n".join(f"node {n}: exit {c} (expected {expected[n]}); log {run_dir / 'logs' / f'node{n}.log'}:\n"
                           f"{log_excerpt(run_dir / 'logs' / f'node{n}.log')}" for n, c in bad.items())
         record.error = truncate_error(f"under fault tolerance, node(s) {sorted(bad)} ended badly:\n{tails}")
+        return record
+    admitted = _check_intruders(events, run_dir / "logs")
+    if admitted:
+        record.error = truncate_error("an intruder was not refused (the job's command line without its secret):\n"
+                                      + "\n".join(admitted))
         return record
     notes = []
     alive = [n for n in range(plan.nodes) if expected[n] == 0]
@@ -326,6 +337,28 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: P
         record.nodes = plan.nodes
     record.fault_tolerance = {**_ft_record(plan, run_dir, events), "notes": notes}
     return record
+
+
+#: What a node refused by the job's nodes prints (lowband.ft): the line the report quotes for an intruder.
+REFUSED = "is refused by the job"
+
+
+def _check_intruders(events: list[dict], log_dir: Path) -> list[str]:
+    """Mark each ``intrude`` event ``refused`` (it exited non-zero with the refusal in its log) and give it the
+    refusal's first line; return what to say for each intruder that was not refused."""
+    admitted = []
+    for ev in events:
+        if ev["event"] != "intrude":
+            continue
+        path = log_dir / f"{ev['name']}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        why = next((line.strip() for line in text.splitlines() if REFUSED in line), None)
+        ev["refused"] = ev.get("exit") not in (0, None) and why is not None
+        ev["why"] = why[why.index("node "):][:300] if why and "node " in why else why
+        if not ev["refused"]:
+            code = "still running when the job ended" if ev.get("exit") is None else f"exit {ev['exit']}"
+            admitted.append(f"{ev.get('planned', ev['name'])} ({code}); log {path}:\n{log_excerpt(path)}")
+    return admitted
 
 
 def _ft_record(plan: RunPlan, run_dir: Path, events: list[dict]) -> dict[str, Any]:

@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+#: How long :meth:`FaultTolerantJob.run_plan` waits, once the job has ended, for an intruder still running.
+INTRUDER_GRACE_S = 60.0
+
 __all__ = ["FaultTolerantJob"]
 
 
@@ -122,8 +125,21 @@ class FaultTolerantJob:
         self.orphans.setdefault(node, []).append(p.pid)  # close() takes it down if the caller did not
         return p
 
+    def start_intruder(self, node: int) -> subprocess.Popen:
+        """Start an outsider in slot ``node``: the job's command line, but not its secret (none at all), as
+        anyone who reaches the job's network and read its command line could; into ``out/intruder{K}``
+        with its log in ``intruder{K}.log`` (K counts the intruders). The caller owns (and waits for) it."""
+        k = sum(1 for e in self.events if e["event"] == "intrude") + 1
+        name = f"intruder{k}"
+        self.events.append({"event": "intrude", "node": node, "name": name, "unix_s": time.time(),
+                            "step": self.job_step()})
+        p = self._launch(node, self.out / name, self.log_dir / f"{name}.log", secret_file=False)
+        self.orphans.setdefault(node, []).append(p.pid)  # close() takes it down if it is still there
+        return p
+
     def _launch(self, node: int, out: Path, log_path: Path, *, train_args: list[str] | None = None,
                 secret_file=None) -> subprocess.Popen:
+        """``secret_file``: None for the job's, a path for another one, False for none at all."""
         train_args = self.train_args if train_args is None else train_args
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={self.ranks_per_node}", "-m", "lowband.cli", "train", *train_args,
@@ -133,9 +149,13 @@ class FaultTolerantJob:
             cmd += ["--ft-start-nodes", str(self.start_nodes)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    RUST_LOG=os.environ.get("RUST_LOG", "error"))
-        secret = secret_file or self.secret_file
-        if secret is not None:  # by the environment, never on the command line
-            env["LOWBAND_SECRET_FILE"] = str(secret)
+        secret = self.secret_file if secret_file is None else secret_file
+        from lowband.secret import ENV_SECRET, ENV_SECRET_FILE
+
+        for name in (ENV_SECRET, ENV_SECRET_FILE):  # only what this job gives the node, never this shell's
+            env.pop(name, None)
+        if secret:  # by the environment, never on the command line
+            env[ENV_SECRET_FILE] = str(secret)
         if self.net is not None:
             env.update(GLOO_SOCKET_IFNAME=self.net.nodes[node].interface, LOWBAND_FT_ADVERTISE=self.net.nodes[node].ip)
             cmd = self.net.exec_argv(node, cmd)
@@ -253,9 +273,12 @@ class FaultTolerantJob:
         """Start every node, carry out ``faults`` (:class:`lowband.bench.faults.FaultEvent`) in order, wait.
 
         Returns {node: exit code} (None: still running when ``timeout_s`` ran out; then all are killed).
-        A node killed by the plan and not started again has the code of its kill (-9).
+        A node killed by the plan and not started again has the code of its kill (-9). An intruder's exit
+        code goes in its event (``exit``; None: it was still running when the job had ended and was waited
+        for up to ``INTRUDER_GRACE_S``).
         """
         self.start_all()
+        intruders: list[tuple[dict, subprocess.Popen]] = []
         pending = list(faults)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -266,6 +289,9 @@ class FaultTolerantJob:
                     pending.pop(0)
                     if ev.action == "kill":
                         self.kill(ev.node)
+                    elif ev.action == "intrude":
+                        p = self.start_intruder(ev.node)
+                        intruders.append((self.events[-1], p))
                     else:
                         self.start(ev.node)
                     self.events[-1]["planned"] = str(ev)
@@ -279,6 +305,12 @@ class FaultTolerantJob:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.2)
+        grace = time.monotonic() + INTRUDER_GRACE_S
+        for event, p in intruders:
+            try:
+                event["exit"] = p.wait(timeout=max(grace - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                event["exit"] = None
         return {n: p.poll() for n, p in self.procs.items()}
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from lowband.compress.check import dense_problems
 from lowband.link import Link
 from lowband.optim._common import local, replica_state_like, state_view
 from lowband.optim.outer import DROP, InnerOptimizer, OuterFlight, OuterStepOptimizer, check_unit_interval
+from lowband.poison import lying_message
 
 __all__ = ["DILOCO_INNER_DEFAULTS", "DiLoCo"]
 
@@ -189,9 +190,14 @@ class DiLoCo(OuterStepOptimizer):
             # Quantised values cannot be summed on the way, nor judged one by one in a sum: all-gather
             # them, every rank decodes all R and averages them in replica order (identical φ on every replica).
             message, v = self._encode_outer(flat, numel)
-            result = (self.link.all_gather(message, async_op=async_op) if self.link is not None
-                      else message.unsqueeze(0))
+            # Fault injection only (a lying node, lowband.poison): else the message itself.
+            sent = lying_message(self.poison, message, 0, numel, step=self.inner_steps, numel=numel, codec=self.codec)
+            result = (self.link.all_gather(sent, async_op=async_op) if self.link is not None
+                      else sent.unsqueeze(0))
             return OuterFlight(outer_index, result, message, flat, v, numel)
+        sent = lying_message(self.poison, flat, 0, numel, step=self.inner_steps, numel=numel)  # else flat itself
+        if sent is not flat:  # the all-reduce writes the mean over flat: the node's own values are not needed
+            flat.copy_(sent)
         result = self.link.all_reduce(flat, op="avg", async_op=async_op) if self.link is not None else flat
         return OuterFlight(outer_index, result, flat, flat, None, numel)
 

@@ -239,6 +239,7 @@ class FlexDeMo(OverlapMixin, Optimizer):
         self.aggregate = check_aggregate(aggregate, method="FlexDeMo", dense=False)
         self.clip_tally = ClipTally()
         self.poison = None  # a poisoning member on purpose (lowband.poison; fault injection)
+        self.sends_indices = True  # its messages carry indices (lowband.poison's "index" kind applies)
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
         if not isinstance(tile, int) or isinstance(tile, bool) or tile < 0:
@@ -436,6 +437,13 @@ class FlexDeMo(OverlapMixin, Optimizer):
         # magnitudes first: the values to send are finite exactly when the gradients, δ and the
         # transform are. One host sync for every parameter.
         bad = not all_finite([sv for _, sv, _ in picks])
+        if self.poison is not None and self.poison.malformed and not bad:  # fault injection only: a lying node
+            step = self._steps_taken(work)
+            for i, (w, (idx, sent_vals, _)) in enumerate(zip(work, picks, strict=True)):
+                wire = w.plan.wire
+                bad_idx, bad_vals = self.poison.corrupt(idx, sent_vals, step, chunk=wire.chunk,
+                                                        index_max=torch.iinfo(wire.index_dtype).max)
+                picks[i] = (idx, sent_vals, wire.encode_many(bad_idx, bad_vals, w.plan.rows)[0])
         shard_group = self._shard_group()
         if shard_group is not None:
             device = grads[0][0].device if grads else torch.device("cpu")

@@ -20,6 +20,7 @@ from lowband.link import Link, LinkHandle, PeerTimeoutError
 from lowband.optim._common import local, replica_state_like, state_view
 from lowband.optim.noloco_groups import noloco_group_size, noloco_groups
 from lowband.optim.outer import DROP, InnerOptimizer, OuterFlight, OuterStepOptimizer, check_unit_interval
+from lowband.poison import lying_message
 
 __all__ = ["NOLOCO_INNER_DEFAULTS", "NoLoCo"]
 
@@ -272,8 +273,11 @@ class NoLoCo(OuterStepOptimizer):
         received: Any = []
         extra = dict(me=me, members=members, peers=peers)
         if peers:
+            # Fault injection only (a lying node, lowband.poison): else flat itself.
+            sent = lying_message(self.poison, flat, numel, 2 * numel, step=self.inner_steps, numel=2 * numel,
+                                 codec=self.codec)
             with self._group_timeout(outer_index, **extra):
-                received = link.exchange(flat, peers, async_op=async_op)  # type: ignore[union-attr]
+                received = link.exchange(sent, peers, async_op=async_op)  # type: ignore[union-attr]
         return OuterFlight(outer_index, received, flat, fp_flat, v, 2 * numel, extra)
 
     def _robust_group_mean(self, messages: list[torch.Tensor], members: list[int], numel: int) -> torch.Tensor:

@@ -127,6 +127,7 @@ class SparseLoCo(OuterStepOptimizer):
         if transform not in SPARSELOCO_TRANSFORMS:
             raise ValueError(f"transform must be one of {', '.join(SPARSELOCO_TRANSFORMS)}, got {transform!r}")
         self.wire = SparseCodec(int(chunk), int(topk), values, quant_block)
+        self.sends_indices = True  # its messages carry indices (lowband.poison's "index" kind applies)
         self.transform = transform
         super().__init__(
             params,
@@ -197,6 +198,9 @@ class SparseLoCo(OuterStepOptimizer):
         else:
             x = self._chunks_of(v_parts)
             idx, vals = topk_per_chunk(x.contiguous(), self.wire.topk)
+            if self.poison is not None:  # fault injection only: a lying node, past its own check
+                idx, vals = self.poison.corrupt(idx, vals, self.inner_steps, chunk=self.wire.chunk,
+                                                index_max=torch.iinfo(self.wire.index_dtype).max)
             message[:-1] = self.wire.encode(idx, vals)
         result = self.link.all_gather(message, async_op=async_op) if self.link is not None else message.unsqueeze(0)
         return OuterFlight(outer_index, result, message, message, None, n_chunks, extra=dict(v=v_parts))

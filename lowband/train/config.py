@@ -128,8 +128,9 @@ class RunConfig:
     memory_profile: bool = option(False, "CPU: make glibc return freed memory so the summary's per-phase peaks "
                                   "follow live memory (~25% more CPU time)")
     poison: str | None = option(None, "fault injection: node N sends wrong updates from STEP on (scale: x1000, "
-                                "flip: sign-flipped), to measure robust aggregation (aggregate=clip|trimmed); every "
-                                "node gets the same flag", metavar="nodeN:KIND@STEP")
+                                "flip: sign-flipped, to measure robust aggregation, aggregate=clip|trimmed; nan: NaN "
+                                "values, index: out-of-range indices, both with a clean flag, for the message checks "
+                                "to refuse); every node gets the same flag", metavar="nodeN:KIND@STEP")
     stop_file: str | None = option(None, "end the run cleanly after the step number this file holds, once it appears "
                                    "(the same number on every node, ahead of the job; a local-step method ends with "
                                    "that window's outer step)", metavar="PATH")

@@ -48,3 +48,41 @@ def test_a_poison_plan_is_refused_for_a_method_whose_gradients_are_all_reduced()
 
     with pytest.raises(ValueError, match="adamw's gradients are all-reduced"):
         make_config(methods=["adamw", "diloco:H=5"], nodes=3, faults="node2:poison@10", steps=40)
+
+
+def test_an_intruder_takes_a_live_or_a_free_slot_and_changes_no_node():
+    plan = parse_faults("node1:intrude@5,node2:kill@10,node2:intrude@15,node2:start@20,node2:intrude@40s",
+                        nodes=3, steps=100)
+    assert [(e.action, e.node) for e in plan] == [("intrude", 1), ("kill", 2), ("intrude", 2), ("start", 2),
+                                                  ("intrude", 2)]
+    assert all(e.poison is None for e in plan) and str(plan[0]) == "node1:intrude@5"
+    with pytest.raises(ValueError, match="names node 3"):
+        parse_faults("node3:intrude@5", nodes=3)
+
+
+def test_an_intruder_is_checked_refused_by_its_exit_and_its_log(tmp_path):
+    from lowband.bench.runner import _check_intruders
+
+    (tmp_path / "intruder1.log").write_text("...\nRuntimeError: node 2 is refused by the job at http://x: no member "
+                                            "proves its secret\n")
+    (tmp_path / "intruder2.log").write_text("step 10 loss 5.2\n")
+    events = [{"event": "kill", "node": 2},
+              {"event": "intrude", "node": 2, "name": "intruder1", "exit": 1, "planned": "node2:intrude@5"},
+              {"event": "intrude", "node": 1, "name": "intruder2", "exit": 0, "planned": "node1:intrude@9"},
+              {"event": "intrude", "node": 1, "name": "intruder3", "exit": None, "planned": "node1:intrude@12"}]
+    admitted = _check_intruders(events, tmp_path)
+    assert events[1]["refused"] and events[1]["why"].startswith("node 2 is refused by the job")
+    assert not events[2]["refused"] and not events[3]["refused"]
+    assert len(admitted) == 2 and "node1:intrude@9 (exit 0)" in admitted[0]
+    assert "still running when the job ended" in admitted[1]
+
+
+def test_malformed_poison_events_map_to_lowband_train_and_index_needs_indices():
+    from lowband.bench.config import make_config
+    from lowband.bench.faults import poison_of
+
+    assert poison_of(parse_faults("node1:poison-nan@7", nodes=3)) == "node1:nan@7"
+    assert poison_of(parse_faults("node1:poison-index@7", nodes=3)) == "node1:index@7"
+    with pytest.raises(ValueError, match="diloco's are dense"):
+        make_config(methods=["sparseloco:H=5", "diloco:H=5"], nodes=3, faults="node2:poison-index@10", steps=40)
+    make_config(methods=["sparseloco:H=5", "flexdemo"], nodes=3, faults="node2:poison-index@10", steps=40)

@@ -18,10 +18,12 @@ def _run(label, *, faults=None, loss, seed=0, step_time=0.1, bytes_=1e5, ft=None
 def _faulted_ft():
     t_kill, t_start = 1000.0, 1020.0
     return {
-        "faults": ["node2:kill@10", "node2:start@20"], "steady_node": 0,
+        "faults": ["node2:kill@10", "node1:intrude@15", "node2:start@20"], "steady_node": 0,
         "events": [
             {"event": "start", "node": 0, "unix_s": 990.0},
             {"event": "kill", "node": 2, "unix_s": t_kill, "planned": "node2:kill@10", "job_step": 10, "t_s": 10.0},
+            {"event": "intrude", "node": 1, "name": "intruder1", "unix_s": t_kill + 5, "planned": "node1:intrude@15",
+             "job_step": 15, "t_s": 15.0, "exit": 1, "refused": True, "why": "node 1 is refused by the job at ..."},
             {"event": "start", "node": 2, "unix_s": t_start, "planned": "node2:start@20", "job_step": 20, "t_s": 30.0},
         ],
         "nodes": {
@@ -41,13 +43,15 @@ def test_fault_report_rows_set_a_faulted_run_beside_its_twin():
     results = {"runs": runs}
     evs = fault_events(runs[1])
     assert evs[0]["detect_s"] == pytest.approx(1.3) and evs[0]["resumed_step"] == 11
-    assert evs[1]["healed_step"] == 35 and evs[1]["heal_mb"] == pytest.approx(2.5)
+    assert evs[1]["refused"] is True and evs[1]["exit"] == 1
+    assert evs[2]["healed_step"] == 35 and evs[2]["heal_mb"] == pytest.approx(2.5)
     headers, rows = fault_rows(results)
     (row,) = rows
     assert row[3] == "1"  # steps dropped
     assert "node2:kill@10: 1.30" in row[4] and "node2:start@20: 35, 2.50, 0.20" in row[5]
-    assert row[6:9] == ["7.0500", "7.0000", "+0.0500"]
-    assert row[9] == "one seed: unknown"  # no claim about a spread that was not measured
+    assert row[6] == "node1:intrude@15: refused"
+    assert row[7:10] == ["7.0500", "7.0000", "+0.0500"]
+    assert row[10] == "one seed: unknown"  # no claim about a spread that was not measured
     assert any("## Faults" in line for line in ft_section(results))
 
 

@@ -57,12 +57,16 @@ def test_bench_runs_real_training_side_by_side(tmp_path, tmp_path_factory):
 
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 FAULT_MODES = ("netns", "shaped")
+# A well-formed wrong update in one mode (only robust aggregation bounds it), a malformed message in the other
+# (the message checks refuse it and name node 1): both kinds end to end, at no extra run.
+POISON = {"netns": "poison-flip", "shaped": "poison-index"}
 
 
 @pytest.fixture(scope="module")
 def benches_with_faults(tmp_path_factory):
-    """The real thing, small: 3 nodes x 1 rank, FlexDeMo, node 2 killed and restarted, node 1 poisoning from step
-    150 (sign-flipped updates), its twin beside it;
+    """The real thing, small: 3 nodes x 1 rank, FlexDeMo, node 2 killed and restarted, an intruder (the job's command
+    line, no secret) in node 2's free slot between, node 1 poisoning from step 150 (POISON: sign-flipped updates,
+    or out-of-range indices with a clean flag), its twin beside it;
     once in each emulation mode. 100 ms per message makes a step take ~0.2 s, so the restarted node (~15 s
     to start) rejoins a live job. The benches run one after the other (each uses about one core of the
     two: at once they slowed the multi-process lane beside them into its timeouts), each into its own
@@ -82,7 +86,8 @@ def benches_with_faults(tmp_path_factory):
         cmd = [sys.executable, "-m", "lowband", "bench",
                "--methods", "flexdemo:topk=2", "--steps", "200", "--model", "t5-tiny", "--nodes", "3",
                "--latency", "100ms", "--ranks-per-node", "1", "--bandwidth", "1gbit", "--emulation", mode,
-               "--out", str(out), "--no-progress", "--faults", "node2:kill@15,node2:start@30,node1:poison-flip@150",
+               "--out", str(out), "--no-progress", "--faults",
+               f"node2:kill@15,node2:intrude@20,node2:start@30,node1:{POISON[mode]}@150",
                "--train-args", "--max-examples 1500 --val-size 64 --vocab-size 512 --batch-size 4 "
                                "--val-batches 2 --val-every 20"]
         with open(base / f"{mode}.log", "w") as log:
@@ -115,10 +120,17 @@ def test_bench_with_faults_end_to_end(benches_with_faults, mode):
     assert results["emulation"]["mode"] == mode
     ft = faulted.fault_tolerance
     assert [e["planned"] for e in ft["events"] if e.get("planned")] == [
-        "node2:kill@15", "node2:start@30", "node1:poison-flip@150"]
+        "node2:kill@15", "node2:intrude@20", "node2:start@30", f"node1:{POISON[mode]}@150"]
+    # The intruder in the free slot was refused for want of the job's secret (every FT run of a bench has one).
+    (intruder,) = [e for e in ft["events"] if e["event"] == "intrude"]
+    assert intruder["refused"] and intruder["exit"] not in (0, None), intruder
+    assert "the job's nodes prove a secret and this node has none" in intruder["why"], intruder
     # The poison is carried out by node 1 itself (lowband train --poison), the twin runs without it.
-    assert "this node (1) sends sign-flipped updates from step 150 on" in (out / "runs" / faulted.id / "logs" /
-                                                                            "node1.log").read_text()
+    logs = out / "runs" / faulted.id / "logs"
+    says = {"poison-flip": "sign-flipped", "poison-index": "out-of-range indices in its"}[POISON[mode]]
+    assert f"this node (1) sends {says} updates from step 150 on" in (logs / "node1.log").read_text()
+    if POISON[mode] == "poison-index":  # the steady node refused node 1's messages, naming it, and went on
+        assert "index out of range" in (logs / "node0.log").read_text()
     assert "--poison" not in " ".join(twin.command) and ft["steady_node"] == 0
     steady = ft["nodes"]["0"]
     seen = [m["replicas"] for m in steady["membership"]]
@@ -128,5 +140,6 @@ def test_bench_with_faults_end_to_end(benches_with_faults, mode):
     assert healed and healed[-1]["bytes"] > 0
     report = (out / "report.md").read_text()
     assert "## Faults: each faulted run beside its fault-free twin" in report
+    assert "node2:intrude@20: refused" in report
     assert (out / "faults.png").is_file()
     json.dumps(json.loads((out / "results.json").read_text()))  # plain JSON as written

@@ -69,8 +69,9 @@ def test_a_wrong_rule_is_refused_with_the_choices():
 def test_poison_specs_parse_and_refuse_clearly():
     assert parse_poison("node2:scale@30", nodes=3) == Poison(2, "scale", 30)
     assert str(parse_poison("node0:flip@0")) == "node0:flip@0"
-    with pytest.raises(ValueError, match="kind one of scale, flip"):
-        parse_poison("node1:nan@3")
+    assert parse_poison("node1:nan@3") == Poison(1, "nan", 3) and parse_poison("node1:index@3").malformed
+    with pytest.raises(ValueError, match="kind one of scale, flip, nan, index"):
+        parse_poison("node1:inf@3")
     with pytest.raises(ValueError, match="nodes 0..1"):
         parse_poison("node2:scale@3", nodes=2)
     t = torch.ones(3)
@@ -262,3 +263,86 @@ def test_poison_is_armed_on_the_named_node_only_and_refused_for_all_reduced_meth
         arm_poison(opt, cfg("node2:flip@3"), topology=topo, rank=0)
     with pytest.raises(ValueError, match="adamw has no update of its own"):
         arm_poison(AdamWFullSync(tiny_model().parameters()), cfg("node0:scale@1", "adamw"), topology=topo)
+
+
+# ----------------------------------------------------------------------------- a lying node: malformed messages
+def _rows(chunk):
+    return tuple(-(-p.numel() // chunk) for p in tiny_model().parameters())
+
+
+def _lying_run(name, kind):
+    """``name``'s optimizer on node 0, lying from inner step 4 on (``--poison node0:KIND@4``): what it sent at
+    each exchange, the payload check its peers run, and the model."""
+    from lowband.compress.check import dense_problems, float_problems, sparse_problems, wire_problems
+
+    sent = []
+
+    class Watch(_Link if name == "noloco" else _Three):  # NoLoCo: a group of two
+        def all_gather(self, tensor, *, async_op=False):
+            sent.append(tensor.clone())
+            return super().all_gather(tensor, async_op=async_op)
+
+        def all_reduce(self, tensor, *, op="avg", async_op=False):
+            sent.append(tensor.clone())
+            return super().all_reduce(tensor, op=op, async_op=async_op)
+
+        def exchange(self, tensor, peers, *, async_op=False):
+            sent.append(tensor.clone())
+            return super().exchange(tensor, peers, async_op=async_op)
+
+    model = tiny_model()
+    if name == "flexdemo":
+        opt = FlexDeMo(model.parameters(), lr=1.0, topk=2, chunk=16, values="fp32", sign=False, link=Watch())
+        check = wire_problems(WireFormat(16, 2, "fp32"), _rows(16))
+    elif name == "sparseloco":
+        opt = SparseLoCo(model.parameters(), INNER, link=Watch(), sync_every=2, **SPARSE)
+        check = sparse_problems(SPARSE_CODEC, sum(_rows(16)))
+    elif name == "noloco":
+        opt = NoLoCo(model.parameters(), INNER, link=Watch(), sync_every=2)
+        check = float_problems  # fp32 values and the flag, exchanged as they are
+    else:  # diloco: its fp32 all-reduce (no sender to name), or gathered messages under a rule
+        opt = DiLoCo(model.parameters(), INNER, link=Watch(), sync_every=2,
+                     aggregate="mean" if name == "diloco" else "clip")
+        check = dense_problems(FP32, NUMEL)
+    opt.poison = Poison(0, kind, 4)
+    _train(model, opt, 5 if name == "flexdemo" else 4)  # FlexDeMo's 5th step is its step 4 (it counts from 0)
+    return sent, check, model, opt
+
+
+@pytest.mark.parametrize(("name", "kind", "problem"), [
+    ("sparseloco", "nan", "non-finite value(s) (values or scales) with a clean flag"),
+    ("sparseloco", "index", "index out of range: indices span [16, 16], chunk 16"),
+    ("flexdemo", "nan", "non-finite value(s) (values or scales) with a clean flag"),
+    ("flexdemo", "index", "index out of range: indices span [16, 16], chunk 16"),
+    ("noloco", "nan", "non-finite value(s) with a clean flag"),
+    ("diloco-clip", "nan", "non-finite value(s) with a clean flag"),
+])
+def test_a_lying_node_sends_what_the_message_checks_refuse_with_a_clean_flag_and_keeps_its_own_state(
+        name, kind, problem):
+    sent, check, model, _ = _lying_run(name, kind)
+    first = 4 if name == "flexdemo" else 1  # FlexDeMo exchanges at every step, the others at inner steps 2, 4
+    honest, lying = sent[first - 1], sent[first]
+    assert check(honest[:-1].unsqueeze(0)) == [None]  # before its step: an honest message
+    (found,) = check(lying[:-1].unsqueeze(0))
+    assert int(lying[-1]) == 0 and found is not None and found.endswith(problem), found
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # the liar's own state goes on honestly
+
+
+def test_nan_in_diloco_fp32_all_reduce_names_no_sender_and_every_replica_drops_the_outer_step():
+    sent, _, model, opt = _lying_run("diloco", "nan")
+    assert torch.isfinite(sent[0]).all() and not torch.isfinite(sent[1][:-1]).all() and float(sent[1][-1]) == 0.0
+    assert opt.dropped_outer_steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_index_poison_needs_a_method_that_sends_indices():
+    from types import SimpleNamespace
+
+    from lowband.poison import arm_poison
+
+    topo = SimpleNamespace(num_nodes=2, node_of=lambda rank: rank)
+    cfg = SimpleNamespace(run=SimpleNamespace(poison="node0:index@3"), method=SimpleNamespace(name="diloco"))
+    with pytest.raises(ValueError, match="diloco sends no indices"):
+        arm_poison(DiLoCo(tiny_model().parameters(), INNER, link=_Three(), sync_every=2), cfg, topology=topo, rank=0)
+    opt = SparseLoCo(tiny_model().parameters(), INNER, link=_Three(), sync_every=2, **SPARSE)
+    cfg.method.name = "sparseloco"
+    assert arm_poison(opt, cfg, topology=topo, rank=0) == Poison(0, "index", 3)
