@@ -133,8 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--faults", default=None, metavar="PLAN",
         help="kill and restart nodes during every run, e.g. 'node1:kill@30,node1:start@60' (steps of the job, "
              "or @45s: seconds after the start); also node1:intrude@40 (the job's command line without its "
-             "secret, in node 1's slot: it must be refused) and node1:poison@30 or node1:poison-flip@30 (node 1 "
-             "sends huge or sign-flipped updates from step 30 on); each method then also runs fault-free under "
+             "secret, in node 1's slot: it must be refused) and node1:poison@30 (or poison-flip, poison-nan, "
+             "poison-index: from step 30 on node 1 sends updates x1000, sign-flipped, NaN or with out-of-range "
+             "indices); each method then also runs fault-free under "
              "fault tolerance, and the report sets the faulted run beside its twin. Implies --ft on",
     )  # fmt: skip
     parser.add_argument(
