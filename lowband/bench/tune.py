@@ -8,7 +8,9 @@ the grid's centre), before the main runs:
   validation losses go on to round 2 at ``ROUNDS[1]`` (half) of ``--steps``; the lowest there is
   chosen. While round 1's lowest loss lies at the edge of the lrs it tried, it tries one more lr
   beyond that edge (×3 or ×1/3), at most ``MAX_EXTEND`` (2) times: a centre tuned on other data is
-  often off by more than one factor of 3. The runs are real bench runs (:func:`lowband.bench.runner.run_bench`, equal steps, at the
+  often off by more than one factor of 3. Round 2 does the same while its lowest loss lies at the
+  edge of every lr tried (a longer run often wants a smaller lr: on the vim documentation SparseLoCo's
+  round 1 preferred 3e-2, its round 2 the grid's lowest, 1e-2). The runs are real bench runs (:func:`lowband.bench.runner.run_bench`, equal steps, at the
   bench's fastest link: the loss per step does not depend on the link), written under ``OUT/tune/``.
 - **What is claimed.** "best of the search" only when the chosen lr lies inside the lrs tried (a
   lower and a higher lr were tried and ended worse); at the grid's edge it is "lowest at the grid's edge"
@@ -145,7 +147,8 @@ def _key(spec: BenchMethod, config: BenchConfig, digest: str) -> str:
     what = {"model": config.model, "data": digest, "method": spec.name, "hp": hp, "centre": _lr(spec),
             "shards": spec.shards, "steps": config.steps, "nodes": config.nodes,
             "ranks_per_node": config.ranks_per_node, "train_args": list(config.train_args), "grid": list(GRID),
-            "rounds": list(ROUNDS), "keep": KEEP, "extend": MAX_EXTEND, "seed": config.seeds[0]}  # fmt: skip
+            "rounds": list(ROUNDS), "keep": KEEP, "extend": MAX_EXTEND, "extend_rounds": [1, 2],
+            "seed": config.seeds[0]}  # fmt: skip
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -192,8 +195,8 @@ def cost_line(config: BenchConfig, searches: Sequence[LrSearch]) -> str:
             f"{len(todo)} × ({len(GRID)} lrs × {steps[0]} steps + {KEEP} × {steps[1]} steps) = {len(todo) * runs_per} "
             f"runs, {len(todo) * steps_per} steps")
     if todo:
-        text += (f" (and up to {MAX_EXTEND} runs of {steps[0]} steps more per variant whose best lr lies at the grid's "
-                 "edge: the grid is extended by ×3 that way)")
+        text += (f" (and up to {MAX_EXTEND} runs of {steps[0]} steps, then of {steps[1]} steps, more per variant whose "
+                 "best lr lies at the edge of the lrs tried in that round: the grid is extended by ×3 that way)")
         text += (f", about {est / 60:.0f} min (estimated: {EST_RUN_OVERHEAD_S:g} s per run for start-up and validation "
                  f"+ {EST_STEP_S:g} s per step)")
     return text + "."
@@ -271,10 +274,23 @@ def run_searches(config: BenchConfig, searches: Sequence[LrSearch], out_dir: Pat
             print(f"lr search {n}/{len(todo)}: {search.spec}, round 2: lr {', '.join(f'{x:g}' for x in keep)} at "
                   f"{steps[1]} steps", file=sys.stderr, flush=True)
             second = _run_round(config, spec, keep, steps[1], out_dir / "tune" / f"{i:02d}-{slug}" / "round2", run)
-            points += [{"lr": lr, "round": 2, "steps": steps[1], "val_loss": v} for lr, v in second.items()]
+            for extension in range(1, MAX_EXTEND + 1):
+                # A longer run often wants a smaller lr: round 2's lowest at the edge of every lr tried gets one
+                # more lr beyond it at round 2's steps, so that "best" is claimed against worse neighbours.
+                finals = sorted((v, lr) for lr, v in second.items() if v is not None)
+                tried = set(lrs) | set(second)
+                if not finals or min(tried) < finals[0][1] < max(tried):
+                    break
+                beyond = float(f"{finals[0][1] * (3.0 if finals[0][1] == max(tried) else 1 / 3):.3g}")
+                print(f"lr search {n}/{len(todo)}: {search.spec}, round 2: lowest at the edge ({finals[0][1]:g}), "
+                      f"also lr {beyond:g}", file=sys.stderr, flush=True)
+                second |= _run_round(config, spec, [beyond], steps[1],
+                                     out_dir / "tune" / f"{i:02d}-{slug}" / f"round2-edge{extension}", run)
+            points += [{"lr": lr, "round": 2, "steps": steps[1], "val_loss": v} for lr, v in sorted(second.items())]
             finals = sorted((v, lr) for lr, v in second.items() if v is not None) or ranked
             chosen = finals[0][1]
-            claim = "best" if min(lrs) < chosen < max(lrs) else "edge"
+            tried = set(lrs) | set(second)
+            claim = "best" if min(tried) < chosen < max(tried) else "edge"
         search = dataclasses.replace(search, points=points, chosen=chosen, claim=claim)
         if claim != "failed":
             cache = _cache_dir()

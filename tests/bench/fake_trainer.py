@@ -59,7 +59,11 @@ FAKE_TRAINER = textwrap.dedent(
             import math
 
             lr = float(getattr(cfg.method.hp, "lr", None) or 1e-3)
-            offset = 0.2 * math.log10(lr / float(env["FAKE_BEST_LR"])) ** 2
+            best = float(env["FAKE_BEST_LR"])
+            if env.get("FAKE_BEST_LR_FROM"):  # "STEPS:LR": runs of at least STEPS steps are best at LR instead
+                at, other = env["FAKE_BEST_LR_FROM"].split(":")
+                best = float(other) if steps >= int(at) else best
+            offset = 0.2 * math.log10(lr / best) ** 2
             history = [{**h, "val_loss": h["val_loss"] + offset} for h in history]
         summary = {
             "rank": rank, "node": node, "method": method, "topk": topk, "chunk": chunk, "shards": shards,

@@ -38,7 +38,8 @@ def test_tune_searches_each_variant_uses_the_chosen_lr_says_where_it_came_from_a
                                      "--methods", "adamw", "adamw:lr=0.01,nseeds=1", "--tune")
     # The cost is announced before the first search run; the given lr (adamw:lr=0.01) is not searched.
     assert "lr search (--tune): 1 variant(s), 0 from the cache; to run: 1 × (3 lrs × 3 steps + 2 × 6 steps) = 5 runs, " \
-           "21 steps (and up to 2 runs of 3 steps more per variant whose best lr lies at the grid's edge" in io.err
+           "21 steps (and up to 2 runs of 3 steps, then of 6 steps, more per variant whose best lr lies at the edge of the lrs " \
+           "tried in that round" in io.err
     assert "(estimated:" in io.err
     assert io.err.index("lr search (--tune)") < io.err.index("lr search 1/1: adamw, round 1: lr 0.000333, 0.001, 0.003")
     assert len(calls) == 5 + 2
@@ -67,15 +68,18 @@ def test_tune_searches_each_variant_uses_the_chosen_lr_says_where_it_came_from_a
 @pytest.mark.timeout(180)
 def test_a_lowest_loss_at_the_grids_edge_is_not_called_best(tmp_path, fake_trainer, monkeypatch, capsys,
                                                             cache) -> None:  # fmt: skip
-    monkeypatch.setenv("FAKE_BEST_LR", "0.1")
+    monkeypatch.setenv("FAKE_BEST_LR", "10")
     results, out, calls, io = _bench(tmp_path, fake_trainer, monkeypatch, capsys, "edge", "--methods", "adamw",
                                      "--tune")
     (search,) = results["tuning"]
-    # Round 1 went past the grid's edge twice (0.009, 0.027), still lowest at the edge: no best claimed.
+    # Round 1 went past the grid's edge twice (0.009, 0.027), round 2 twice more (0.081, 0.243), still lowest at
+    # the edge: no best claimed.
     assert [p["lr"] for p in search["points"] if p["round"] == 1] == [0.000333, 0.001, 0.003, 0.009, 0.027]
-    assert "lowest at the edge (0.003), also lr 0.009" in io.err and len(calls) == 3 + 2 + 2 + 1
-    assert search["chosen"] == 0.027 and search["claim"] == "edge"
-    assert "lowest at the grid's edge" in results["lr_sources"]["adamw:lr=0.027"]
+    assert [p["lr"] for p in search["points"] if p["round"] == 2] == [0.009, 0.027, 0.081, 0.243]
+    assert "round 1: lowest at the edge (0.003), also lr 0.009" in io.err
+    assert "round 2: lowest at the edge (0.081), also lr 0.243" in io.err and len(calls) == 3 + 2 + 2 + 2 + 1
+    assert search["chosen"] == 0.243 and search["claim"] == "edge"
+    assert "lowest at the grid's edge" in results["lr_sources"]["adamw:lr=0.243"]
     assert "a better lr may lie beyond it, so no best lr is claimed" in (out / "report.md").read_text()
 
 
@@ -88,6 +92,23 @@ def test_a_best_lr_beyond_the_grid_is_found_by_extending_it_and_then_called_best
     assert [p["lr"] for p in search["points"] if p["round"] == 1] == [0.000333, 0.001, 0.003, 0.009, 0.027]
     assert search["chosen"] == 0.009 and search["claim"] == "best" and len(calls) == 3 + 2 + 2 + 1
     assert results["lr_sources"]["adamw:lr=0.009"].startswith("tuned here (best of the search")
+
+
+@pytest.mark.timeout(180)
+def test_round_two_goes_past_the_edge_when_the_longer_runs_want_a_smaller_lr(
+        tmp_path, fake_trainer, monkeypatch, capsys, cache) -> None:  # fmt: skip
+    # Round 1 (3 steps) is best near the centre 1e-3 (3.33e-4 second); runs of 6 steps and more are best at 1e-4 (as
+    # SparseLoCo on the vim documentation: 3e-2 at 50 steps, 1e-2 or lower at 100).
+    monkeypatch.setenv("FAKE_BEST_LR", "0.0008")
+    monkeypatch.setenv("FAKE_BEST_LR_FROM", "6:0.0001")
+    results, _, calls, io = _bench(tmp_path, fake_trainer, monkeypatch, capsys, "longer", "--methods", "adamw",
+                                   "--tune")
+    (search,) = results["tuning"]
+    assert [p["lr"] for p in search["points"] if p["round"] == 1] == [0.000333, 0.001, 0.003]  # no edge there
+    # Round 2 kept 1e-3 and 3.33e-4; the lower won, at the edge of all tried: 1.11e-4 (better), then 3.7e-5 (worse).
+    assert [p["lr"] for p in search["points"] if p["round"] == 2] == [0.000037, 0.000111, 0.000333, 0.001]
+    assert "round 2: lowest at the edge (0.000333), also lr 0.000111" in io.err and len(calls) == 3 + 2 + 2 + 1
+    assert search["chosen"] == 0.000111 and search["claim"] == "best"  # worse at 3.7e-5 and 3.33e-4, both 6 steps
 
 
 def test_the_cache_key_follows_the_datas_content_not_its_path(tmp_path, cache) -> None:
