@@ -73,20 +73,41 @@ def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: py
 
 # With pytest-xdist (the README's `-n 2`), two workers share this machine's two cores, in two lanes:
 # - "multiprocess": the tests that start processes and time their peers (fault tolerance with its
-#   heartbeats and timeouts, admission, launches killed or hung, the bench runner), one after another
-#   on one worker, as without xdist: two of them at once would load the clocks they watch;
+#   heartbeats and timeouts, admission, launches killed or hung, the bench runner's interrupts, time budgets,
+#   measured link times), one after another on one worker, as without xdist: two of them at once would load
+#   the clocks they watch;
 # - "beside": on the other worker, one after another too, the benches that wait on an emulated link most
 #   of their time (100 ms per message: the cores are mostly idle) and the multi-process tests that time
 #   nothing, whose checks are exact or loose in loss (golden trajectories, every method learns, the
-#   examples): they fill the cores the link-bound benches leave idle. The unit and slow layers (one process
-#   each) fill both workers' gaps.
+#   examples, the optimizers' and the trainer's gloo tests): they fill the cores the link-bound benches leave
+#   idle. The unit and slow layers (one process each) fill both workers' gaps.
 BESIDE = (
     "tests/e2e/test_bench.py::test_bench_with_faults_end_to_end",
+    "tests/e2e/test_bench.py::test_bench_runs_real_training_side_by_side",
     "tests/e2e/test_learns.py::test_every_method_learns_to_reverse",
     "tests/e2e/test_golden.py::test_every_method_follows_its_golden_trajectory",
     "tests/e2e/test_examples.py::test_flexdemo_example_trains_across_two_nodes",
     "tests/e2e/test_examples.py::test_diloco_example_syncs_every_h_steps",
 )
+# Whole files of multi-process tests that time nothing (exact checks on gloo ranks).
+BESIDE_FILES = (
+    "tests/optim/test_flexdemo.py",
+    "tests/optim/test_flexdemo_overlap.py",
+    "tests/optim/test_noloco.py",
+    "tests/optim/test_sparseloco.py",
+    "tests/test_sharding.py",
+    "tests/test_tied_embedding.py",
+    "tests/test_checkpoint.py",
+    "tests/train/test_loop.py",
+    "tests/train/test_step.py",
+    "tests/train/test_heal.py",
+)
+
+
+def lane_of(nodeid: str) -> str:
+    """The xdist lane of a multi-process test (its node id)."""
+    beside = nodeid.split("[")[0] in BESIDE or nodeid.split("::")[0] in BESIDE_FILES
+    return "beside" if beside else "multiprocess"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
@@ -96,8 +117,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker(MARKER) is None:
             continue
-        lane = "beside" if item.nodeid.split("[")[0] in BESIDE else "multiprocess"
-        item.add_marker(pytest.mark.xdist_group(lane))
+        item.add_marker(pytest.mark.xdist_group(lane_of(item.nodeid)))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -33,3 +33,20 @@ def test_subprocess_and_posix_spawn_are_refused():
 @pytest.mark.multiprocess
 def test_a_marked_test_may_start_a_process():
     assert subprocess.run([sys.executable, "-c", "pass"], check=False).returncode == 0
+
+
+def test_the_beside_lane_names_tests_that_exist():
+    """A renamed test or file named in tests/conftest.py's BESIDE lists would fall back to the timed lane unseen."""
+    from pathlib import Path
+
+    from tests.conftest import BESIDE, BESIDE_FILES, lane_of
+
+    root = Path(__file__).resolve().parents[1]
+    for nodeid in BESIDE:
+        path, name = nodeid.split("::")
+        assert f"def {name}(" in (root / path).read_text(), nodeid
+        assert lane_of(nodeid + "[x]") == "beside"
+    for path in BESIDE_FILES:
+        assert "multiprocess" in (root / path).read_text(), path
+        assert lane_of(path + "::test_x") == "beside"
+    assert lane_of("tests/e2e/test_fault_tolerance.py::test_x") == "multiprocess"

@@ -57,21 +57,23 @@ def test_bench_runs_real_training_side_by_side(tmp_path, tmp_path_factory):
 
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 FAULT_MODES = ("netns", "shaped")
-# A well-formed wrong update in one mode (only robust aggregation bounds it), a malformed message in the other
-# (the message checks refuse it and name node 1): both kinds end to end, at no extra run.
-POISON = {"netns": "poison-flip", "shaped": "poison-index"}
+# The whole plan in one emulation mode: node 2 killed and restarted (an intruder with the job's command line but
+# not its secret in its free slot between), node 1 sending well-formed sign-flipped updates (only robust
+# aggregation bounds them). In the other mode, a short run of the other kind of malice: node 1 sending out-of-range
+# indices with a clean flag (the message checks refuse them and name node 1). Where network namespaces are not
+# available, shaped runs the whole plan.
+WHOLE = {"faults": "node2:kill@15,node2:intrude@20,node2:start@30,node1:poison-flip@150", "steps": 200}
+SHORT = {"faults": "node1:poison-index@20", "steps": 40}
 
 
 @pytest.fixture(scope="module")
 def benches_with_faults(tmp_path_factory):
-    """The real thing, small: 3 nodes x 1 rank, FlexDeMo, node 2 killed and restarted, an intruder (the job's command
-    line, no secret) in node 2's free slot between, node 1 poisoning from step 150 (POISON: sign-flipped updates,
-    or out-of-range indices with a clean flag), its twin beside it;
-    once in each emulation mode. 100 ms per message makes a step take ~0.2 s, so the restarted node (~15 s
-    to start) rejoins a live job. The benches run one after the other (each uses about one core of the
+    """The real thing, small: 3 nodes x 1 rank, FlexDeMo, a faulted run and its twin beside it, in each emulation
+    mode (WHOLE in one, SHORT in the other). 100 ms per message makes a step take ~0.2 s, so the restarted node
+    (~15 s to start) rejoins a live job. The benches run one after the other (each uses about one core of the
     two: at once they slowed the multi-process lane beside them into its timeouts), each into its own
     directory, beside the multi-process tests (tests/conftest.py's "beside" lane).
-    {mode: (exit code, output, out dir)}."""
+    {mode: (plan, exit code, output, out dir)}."""
     from lowband.cluster import netns_available
 
     base = tmp_path_factory.mktemp("bench-faults")
@@ -82,12 +84,12 @@ def benches_with_faults(tmp_path_factory):
         if mode == "netns" and not ok:
             procs[mode] = reason
             continue
+        plan = SHORT if mode == "shaped" and ok else WHOLE
         out = base / mode
         cmd = [sys.executable, "-m", "lowband", "bench",
-               "--methods", "flexdemo:topk=2", "--steps", "200", "--model", "t5-tiny", "--nodes", "3",
+               "--methods", "flexdemo:topk=2", "--steps", str(plan["steps"]), "--model", "t5-tiny", "--nodes", "3",
                "--latency", "100ms", "--ranks-per-node", "1", "--bandwidth", "1gbit", "--emulation", mode,
-               "--out", str(out), "--no-progress", "--faults",
-               f"node2:kill@15,node2:intrude@20,node2:start@30,node1:{POISON[mode]}@150",
+               "--out", str(out), "--no-progress", "--faults", plan["faults"],
                "--train-args", "--max-examples 1500 --val-size 64 --vocab-size 512 --batch-size 4 "
                                "--val-batches 2 --val-every 20"]
         with open(base / f"{mode}.log", "w") as log:
@@ -97,7 +99,7 @@ def benches_with_faults(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 code = proc.wait()
-        procs[mode] = (code, (base / f"{mode}.log").read_text(), out)
+        procs[mode] = (plan, code, (base / f"{mode}.log").read_text(), out)
     return procs
 
 
@@ -105,13 +107,14 @@ def benches_with_faults(tmp_path_factory):
 @pytest.mark.parametrize("mode", [pytest.param("netns", marks=pytest.mark.netns), "shaped"])
 @pytest.mark.skipif(not HAS_TORCHFT, reason="torchft not installed")
 def test_bench_with_faults_end_to_end(benches_with_faults, mode):
-    """A node killed and restarted in a bench: the faulted run beside its fault-free twin, in the report."""
+    """Faults in a bench (a node killed and restarted, an intruder, a poisoning node): the faulted run beside its
+    fault-free twin, in the report."""
     from lowband.bench.results import load_results
 
     entry = benches_with_faults[mode]
     if isinstance(entry, str):
         pytest.skip(f"network namespaces unavailable: {entry}")
-    code, output, out = entry
+    plan, code, output, out = entry
     assert code == 0, output[-3000:]
     results = load_results(out)
     twin, faulted = results["runs"]
@@ -119,27 +122,31 @@ def test_bench_with_faults_end_to_end(benches_with_faults, mode):
     assert twin.status == faulted.status == "ok"
     assert results["emulation"]["mode"] == mode
     ft = faulted.fault_tolerance
-    assert [e["planned"] for e in ft["events"] if e.get("planned")] == [
-        "node2:kill@15", "node2:intrude@20", "node2:start@30", f"node1:{POISON[mode]}@150"]
+    events = plan["faults"].split(",")
+    assert [e["planned"] for e in ft["events"] if e.get("planned")] == events
+    # The poison is carried out by node 1 itself (lowband train --poison), the twin runs without it.
+    poison = events[-1]
+    step = int(poison.split("@")[1])
+    logs = out / "runs" / faulted.id / "logs"
+    says = {"poison-flip": "sign-flipped", "poison-index": "out-of-range indices in its"}[poison.split(":")[1].split("@")[0]]
+    assert f"this node (1) sends {says} updates from step {step} on" in (logs / "node1.log").read_text()
+    if "poison-index" in poison:  # the steady node refused node 1's messages, naming it, and went on
+        assert "index out of range" in (logs / "node0.log").read_text()
+    assert "--poison" not in " ".join(twin.command) and ft["steady_node"] == 0
+    steady = ft["nodes"]["0"]
+    assert steady["end"]["dropped_steps"] <= 1
+    report = (out / "report.md").read_text()
+    assert "## Faults: each faulted run beside its fault-free twin" in report
+    assert (out / "faults.png").is_file()
+    json.dumps(json.loads((out / "results.json").read_text()))  # plain JSON as written
+    if plan is SHORT:
+        return
     # The intruder in the free slot was refused for want of the job's secret (every FT run of a bench has one).
     (intruder,) = [e for e in ft["events"] if e["event"] == "intrude"]
     assert intruder["refused"] and intruder["exit"] not in (0, None), intruder
     assert "the job's nodes prove a secret and this node has none" in intruder["why"], intruder
-    # The poison is carried out by node 1 itself (lowband train --poison), the twin runs without it.
-    logs = out / "runs" / faulted.id / "logs"
-    says = {"poison-flip": "sign-flipped", "poison-index": "out-of-range indices in its"}[POISON[mode]]
-    assert f"this node (1) sends {says} updates from step 150 on" in (logs / "node1.log").read_text()
-    if POISON[mode] == "poison-index":  # the steady node refused node 1's messages, naming it, and went on
-        assert "index out of range" in (logs / "node0.log").read_text()
-    assert "--poison" not in " ".join(twin.command) and ft["steady_node"] == 0
-    steady = ft["nodes"]["0"]
+    assert "node2:intrude@20: refused" in report
     seen = [m["replicas"] for m in steady["membership"]]
     assert 2 in seen and seen[-1] == 3, seen  # 3 -> 2 -> 3
-    assert steady["end"]["dropped_steps"] <= 1
     healed = ft["nodes"]["2"]["end"]["healed"]
     assert healed and healed[-1]["bytes"] > 0
-    report = (out / "report.md").read_text()
-    assert "## Faults: each faulted run beside its fault-free twin" in report
-    assert "node2:intrude@20: refused" in report
-    assert (out / "faults.png").is_file()
-    json.dumps(json.loads((out / "results.json").read_text()))  # plain JSON as written
