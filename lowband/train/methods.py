@@ -46,6 +46,13 @@ from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo, Spa
 from lowband.optim._common import NONFINITE_POLICIES
 from lowband.optim.diloco import DILOCO_INNER_DEFAULTS
 from lowband.optim.flexdemo import OVERLAP_APPLY
+from lowband.optim.muon import (
+    INNER_OPTIMIZERS,
+    MuonAdamW,
+    has_torch_muon,
+    hidden_matrices,
+    muon_missing_message,
+)
 from lowband.optim.noloco import NOLOCO_INNER_DEFAULTS
 from lowband.optim.outer import check_delay, unmerged_tail_note
 from lowband.optim.robust import AGGREGATES
@@ -282,11 +289,19 @@ def _overlap_fields(owner: type) -> dict[str, Any]:
     )
 
 
+def _inner_field() -> Any:
+    """``inner``: which inner optimizer DiLoCo, NoLoCo and SparseLoCo take their local steps with."""
+    return option("adamw", "the inner optimizer: adamw, or muon (torch's Muon on the hidden layers' weight matrices, "
+                  "AdamW on embeddings, output layer, norms and biases, one lr for both: MuLoCo)",
+                  choices=INNER_OPTIMIZERS)
+
+
 def _local_fields(owner: type, inner: Mapping[str, float]) -> dict[str, Any]:
-    """DiLoCo's and NoLoCo's shared fields: the inner AdamW, the dense outer formats, overlap."""
+    """DiLoCo's and NoLoCo's shared fields: the inner optimizer, the dense outer formats, overlap."""
     return dict(
         lr=_lr(inner["lr"]),
         weight_decay=option(inner["weight_decay"], "the inner optimizer's weight decay", minimum=0.0),
+        inner=_inner_field(),
         values=option(_signature_default(owner, "values"), "wire format of the outer messages",
                   choices=OUTER_VALUE_FORMATS),
         quant_block=option(_signature_default(owner, "quant_block"), "elements per scale for int8/int4", minimum=1),
@@ -305,6 +320,8 @@ class _LocalConfig(MethodConfig):
 
     def check(self) -> None:
         self.outer_delay()
+        if self.inner == "muon" and not has_torch_muon():  # type: ignore[attr-defined]
+            raise ValueError(muon_missing_message())
 
     def tail_note(self, steps: int) -> str | None:
         """Why a run of ``steps`` ends between outer steps (its last inner steps unmerged), or None."""
@@ -315,9 +332,19 @@ class _LocalConfig(MethodConfig):
             raise ValueError("an overlapped outer step (overlap/delay) does not run under fault tolerance yet; "
                              "use the blocking outer step (overlap=false, delay=0)")
 
-    def _optimizer_kwargs(self) -> tuple[Any, dict[str, Any]]:
+    def _optimizer_kwargs(self, model: torch.nn.Module | None) -> tuple[Any, dict[str, Any]]:
+        """The inner optimizer's factory (over the param groups) and the outer optimizer's keyword arguments.
+
+        ``inner=muon``: :class:`~lowband.optim.muon.MuonAdamW`, Muon on ``model``'s hidden weight
+        matrices (:func:`~lowband.optim.muon.hidden_matrices`; without a model, chosen by name).
+        """
         kw = self.as_dict()
-        inner = functools.partial(torch.optim.AdamW, lr=kw.pop("lr"), weight_decay=kw.pop("weight_decay"))
+        lr, weight_decay = kw.pop("lr"), kw.pop("weight_decay")
+        if kw.pop("inner") == "muon":
+            inner = functools.partial(MuonAdamW, lr=lr, weight_decay=weight_decay,
+                                      muon_params=None if model is None else hidden_matrices(model))
+        else:
+            inner = functools.partial(torch.optim.AdamW, lr=lr, weight_decay=weight_decay)
         kw.pop("overlap")
         kw["delay"] = self.outer_delay()
         return inner, kw
@@ -330,10 +357,11 @@ _SPARSELOCO = _overlap_fields(SparseLoCo)
 
 @dataclass(frozen=True, kw_only=True)
 class DiLoCoConfig(_LocalConfig):
-    """DiLoCo (:class:`lowband.optim.DiLoCo`) with an inner AdamW(lr, weight_decay)."""
+    """DiLoCo (:class:`lowband.optim.DiLoCo`) with an inner AdamW(lr, weight_decay), or Muon + AdamW (inner=muon)."""
 
     lr: float = _DILOCO["lr"]
     weight_decay: float = _DILOCO["weight_decay"]
+    inner: str = _DILOCO["inner"]
     # Trainer's choice: H = 50 (DiLoCo's own default is the paper's 500, longer than most runs here).
     sync_every: int = option(50, "inner steps H between outer steps", alias="H", minimum=1)
     outer_lr: float = option(_signature_default(DiLoCo, "outer_lr"), "outer learning rate", minimum=0.0,
@@ -351,16 +379,20 @@ class DiLoCoConfig(_LocalConfig):
     aggregate: str = _DILOCO["aggregate"]
 
     def build(self, params, *, link, model=None):
-        inner, kw = self._optimizer_kwargs()
+        inner, kw = self._optimizer_kwargs(model)
         return DiLoCo(params, inner, link=link, **kw)
 
 
 @dataclass(frozen=True, kw_only=True)
 class NoLoCoConfig(_LocalConfig):
-    """NoLoCo (:class:`lowband.optim.NoLoCo`) with an inner AdamW(lr, weight_decay) (Adam at weight_decay 0)."""
+    """NoLoCo (:class:`lowband.optim.NoLoCo`) with an inner AdamW(lr, weight_decay) (Adam at weight_decay 0).
+
+    inner=muon: Muon + AdamW (:class:`lowband.optim.muon.MuonAdamW`).
+    """
 
     lr: float = _NOLOCO["lr"]
     weight_decay: float = _NOLOCO["weight_decay"]
+    inner: str = _NOLOCO["inner"]
     sync_every: int = option(_signature_default(NoLoCo, "sync_every"), "inner steps H between outer steps", alias="H",
                          minimum=1)
     alpha: float = option(_signature_default(NoLoCo, "alpha"), "momentum alpha, in [0, 1)", minimum=0.0, below_one=True)
@@ -382,17 +414,18 @@ class NoLoCoConfig(_LocalConfig):
     aggregate: str = _NOLOCO["aggregate"]
 
     def build(self, params, *, link, model=None):
-        inner, kw = self._optimizer_kwargs()
+        inner, kw = self._optimizer_kwargs(model)
         return NoLoCo(params, inner, link=link, **kw)
 
 
 @dataclass(frozen=True, kw_only=True)
 class SparseLoCoConfig(_LocalConfig):
-    """SparseLoCo (:class:`lowband.optim.SparseLoCo`) with an inner AdamW(lr, weight_decay)."""
+    """SparseLoCo (:class:`lowband.optim.SparseLoCo`) with an inner AdamW(lr, weight_decay), or inner=muon."""
 
     lr: float = _lr(SPARSELOCO_INNER_DEFAULTS["lr"])
     weight_decay: float = option(SPARSELOCO_INNER_DEFAULTS["weight_decay"], "the inner optimizer's weight decay",
                                  minimum=0.0)
+    inner: str = _inner_field()
     sync_every: int = option(_signature_default(SparseLoCo, "sync_every"), "inner steps H between outer steps",
                              alias="H", minimum=1)
     outer_lr: float = option(_signature_default(SparseLoCo, "outer_lr"), "outer learning rate alpha", minimum=0.0,
@@ -420,7 +453,7 @@ class SparseLoCoConfig(_LocalConfig):
         super().check()
 
     def build(self, params, *, link, model=None):
-        inner, kw = self._optimizer_kwargs()
+        inner, kw = self._optimizer_kwargs(model)
         return SparseLoCo(params, inner, link=link, **kw)
 
 

@@ -50,6 +50,8 @@ def _optimizer_default(config: type, name: str):
         return INNER[config.__name__][name]
     if name == "overlap" and config.__name__ in INNER:
         return False  # DiLoCo/NoLoCo: overlap=true is a spelling of delay=1, not an optimizer argument
+    if name == "inner" and config.__name__ in INNER:
+        return "adamw"  # which factory the config builds, not an optimizer argument; AdamW as before
     if name in ("beta1", "beta2"):
         return inspect.signature(torch.optim.AdamW).parameters["betas"].default[name == "beta2"]
     params = inspect.signature(cls.__init__).parameters
