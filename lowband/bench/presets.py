@@ -129,15 +129,20 @@ QUALITY_PRESET = Preset(
 #   chunks; the DCT variants use it too). FlexDeMo, DiLoCo and NoLoCo at the quality preset's
 #   (its 200-step sweep; DiLoCo and NoLoCo were swept at H = 20, not 10); SparseLoCo's Top-4 takes
 #   Top-2's (added 2026-12-05, not swept). Two seeds: 18 runs, about 45 minutes on 2 cores.
+# - SparseLoCo Top-1 on the DCT with Muon as its inner optimizer (inner=muon, MuLoCo; added 2026-12-05):
+#   the stretch's bytes (~4,000x) with the inner steps that ended 0.30 below AdamW there on these settings
+#   (docs/time-to-quality.md, "Muon as SparseLoCo's inner optimizer"); its lr is the AdamW inner steps' (Moonlight's
+#   lr matching), not swept. 20 runs, about 50 minutes.
 FRONTIER_PRESET = Preset(
     name="frontier",
-    description="quality per byte: AdamW, FlexDeMo, DiLoCo, NoLoCo and SparseLoCo from 32 down to ~0.008 bits "
-                "per parameter per step, 300 steps (30 outer steps at H=10), 2 seeds",
+    description="quality per byte: AdamW, FlexDeMo, DiLoCo, NoLoCo and SparseLoCo (with AdamW or Muon inner steps) "
+                "from 32 down to ~0.008 bits per parameter per step, 300 steps (30 outer steps at H=10), 2 seeds",
     settings=dict(
         methods=("adamw:lr=0.01", "diloco:H=10,lr=0.003", "noloco:H=10,lr=0.01", "flexdemo:topk=8,lr=0.03",
                  "flexdemo:topk=1,lr=0.03", "sparseloco:H=10,topk=4,lr=0.03,transform=dct",
                  "sparseloco:H=10,lr=0.03", "sparseloco:H=10,lr=0.03,transform=dct",
-                 "sparseloco:H=10,topk=1,lr=0.03,transform=dct"),
+                 "sparseloco:H=10,topk=1,lr=0.03,transform=dct",
+                 "sparseloco:H=10,topk=1,lr=0.03,transform=dct,inner=muon"),
         bandwidths=("1gbit",),
         steps=300,
         seeds=(0, 1),
@@ -149,7 +154,8 @@ FRONTIER_PRESET = Preset(
         "over the data) with warm-up and cosine decay, 2 seeds, 2 nodes × 2 ranks at 1 Gbit/s (bytes and loss "
         "do not depend on the link); the local-step methods at H = 10, 30 outer steps each; AdamW's and "
         "SparseLoCo's learning rates from a 300-step sweep at these settings, the others' from the quality "
-        "preset's 200-step sweep.",
+        "preset's 200-step sweep; SparseLoCo with Muon's inner steps at AdamW's inner lr (Moonlight's lr "
+        "matching, not swept).",
     facts="The loss axis matters from about 7.5 down: the targets' unigram cross-entropy is 6.84 nats "
           "(t5-mini's tokenizer on the embedded Wikipedia pairs, 16 target tokens).",
     lrs_tuned_on="t5-mini on the embedded Wikipedia pairs (64/16 tokens; docs/time-to-quality.md)",
