@@ -16,7 +16,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed (pip install -e '.[ft]')", allow_module_level=True)
 
-ARGS = ["--method", "flexdemo", "--topk", "2", "--steps", "400", "--model", "t5-tiny", "--max-examples", "600",
+# --steps is a bound: the job ends by its stop file once node 2 has been refused (on a loaded CI machine nodes 0
+# and 1 ran out 400 steps before node 2 had started, and node 2, alone, trained and exited 0).
+ARGS = ["--method", "flexdemo", "--topk", "2", "--steps", "100000", "--model", "t5-tiny", "--max-examples", "600",
         "--val-size", "32", "--vocab-size", "512", "--batch-size", "4", "--val-batches", "1"]
 
 # An outsider on this machine: copies a live id from the status page, asks for quorums under it with its own
@@ -41,7 +43,8 @@ def test_a_wrong_secret_and_a_copied_id_are_refused_and_the_job_drops_no_step(tm
     from lowband.secret import write_secret
 
     key, other = write_secret(tmp_path / "job.secret"), write_secret(tmp_path / "other.secret")
-    with FaultTolerantJob(train_args=ARGS, nodes=3, ranks_per_node=1, out=tmp_path, start_nodes=2,
+    args = [*ARGS, "--stop-file", str(tmp_path / "stop")]
+    with FaultTolerantJob(train_args=args, nodes=3, ranks_per_node=1, out=tmp_path, start_nodes=2,
                           secret_file=key) as job:
         job.start(0)
         job.start(1)
@@ -50,6 +53,7 @@ def test_a_wrong_secret_and_a_copied_id_are_refused_and_the_job_drops_no_step(tm
         assert fake.returncode == 0, fake.stderr[-2000:]
         job.start(2, secret_file=other)
         assert job.procs[2].wait(timeout=200) != 0
+        job.end_soon()
         codes = job.wait(timeout_s=240)
     assert codes[0] == 0 and codes[1] == 0, (tmp_path / "node0.log").read_text()[-3000:]
     log = (tmp_path / "node2.log").read_text()
