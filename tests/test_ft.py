@@ -44,7 +44,7 @@ def test_methods_that_cannot_run_under_fault_tolerance_refuse_before_any_process
         cfg.validate()
 
 
-@pytest.mark.parametrize("method", ["flexdemo", "adamw", "deto-full", "diloco", "noloco"])
+@pytest.mark.parametrize("method", ["flexdemo", "adamw", "muon", "deto-full", "diloco", "noloco", "sparseloco"])
 def test_methods_that_run_under_fault_tolerance_pass_the_check(method):
     method_config(method, {}).check_fault_tolerance()  # raises if refused
 

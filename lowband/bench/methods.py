@@ -4,6 +4,7 @@ A *method spec* names a training method of :data:`lowband.train.methods.METHODS`
 some of its hyper-parameters::
 
     adamw                         AdamW, gradients all-reduced between nodes every step (HSDP)
+    muon                          Muon on the hidden matrices, AdamW on the rest, all-reduced likewise
     deto-full                     FlexDeMo's pipeline with the gradient fully all-reduced
     demo                          FlexDeMo with shards=1 (every rank a replica)
     flexdemo:topk=8               FlexDeMo, top-8 of every chunk of 128 DCT coefficients

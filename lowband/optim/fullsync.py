@@ -5,7 +5,10 @@ Both take the gradient shard FSDP2 leaves after backward (the intra-node mean) a
 equals HSDP's gradient (the mean over all W ranks), so:
 
 - :class:`AdamWFullSync` is AdamW with hybrid sharding (the paper's "AdamW" baseline);
-- :class:`DetoFull` is sign-SGD on the fully synchronised gradient (the paper's "Deto-Full").
+- :class:`DetoFull` is sign-SGD on the fully synchronised gradient (the paper's "Deto-Full");
+- :class:`MuonFullSync` is Muon on the hidden weight matrices and AdamW on the rest
+  (:class:`~lowband.optim.muon.MuonAdamW`) on that gradient: the full-synchronisation reference for
+  the methods whose inner steps are Muon's (``inner=muon``).
 
 A NaN/Inf anywhere is detected on every rank through one extra element of the same message:
 the offending rank sends zeros and the flag, so nothing non-finite reaches a peer. The mean that
@@ -35,9 +38,10 @@ from lowband.optim._common import (
     local,
     run_closure,
 )
+from lowband.optim.muon import MuonAdamW
 from lowband.optim.protocol import OptimizerStats
 
-__all__ = ["AdamWFullSync", "DetoFull", "sync_gradients", "sync_gradients_checked"]
+__all__ = ["AdamWFullSync", "DetoFull", "MuonFullSync", "sync_gradients", "sync_gradients_checked"]
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +130,7 @@ class _FullSyncMixin:
     def state_owners(self) -> list:
         return [self]
 
-    def _sync(self) -> bool:
+    def _sync_gradients(self) -> bool:
         """All-reduce the gradients; True if the step may go ahead."""
         grads = [local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]  # type: ignore[attr-defined]
         bad = sync_gradients_checked(grads, self.link, shard_group=self._shard_group)
@@ -171,8 +175,34 @@ class AdamWFullSync(_FullSyncMixin, AdamW):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         loss = run_closure(closure)
-        if self._sync():
+        if self._sync_gradients():
             AdamW.step(self)
+        return loss
+
+
+class MuonFullSync(_FullSyncMixin, MuonAdamW):
+    """Muon on the hidden weight matrices and AdamW on the rest (:class:`~lowband.optim.muon.MuonAdamW`),
+    on the gradient all-reduced over the replicate group: what ``inner=muon`` steps with, every step on
+    the full gradient. The reference a low-bandwidth method with Muon's inner steps is measured against
+    (AdamW is the other optimizer's).
+
+    Args:
+        params, lr, weight_decay, betas, eps, muon_*: as :class:`~lowband.optim.muon.MuonAdamW`.
+        link: the inter-node link; None for a single process.
+        nonfinite: "raise" (default) or "skip" when a gradient holds NaN/Inf.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, *, link: Link | None = None,
+                 nonfinite: str = "raise", **muon_kwargs) -> None:
+        check_lr(lr)
+        MuonAdamW.__init__(self, params, lr=lr, **muon_kwargs)
+        self._init_sync(link, nonfinite)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
+        loss = run_closure(closure)
+        if self._sync_gradients():
+            MuonAdamW.step(self)
         return loss
 
 
@@ -199,7 +229,7 @@ class DetoFull(_FullSyncMixin, Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         loss = run_closure(closure)
-        if not self._sync():
+        if not self._sync_gradients():
             return loss
         for group in self.param_groups:
             lr = group["lr"]

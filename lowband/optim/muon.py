@@ -47,9 +47,9 @@ def has_torch_muon() -> bool:
     return hasattr(torch.optim, "Muon") and _zeropower_via_newtonschulz is not None
 
 
-def muon_missing_message() -> str:
-    return (f"inner=muon needs torch.optim.Muon, which this torch ({torch.__version__}) lacks; upgrade torch or "
-            "use inner=adamw")
+def muon_missing_message(what: str = "inner=muon", instead: str = "inner=adamw") -> str:
+    return (f"{what} needs torch.optim.Muon, which this torch ({torch.__version__}) lacks; upgrade torch or "
+            f"use {instead}")
 
 
 def hidden_matrices(model: nn.Module) -> list[torch.Tensor]:
@@ -159,7 +159,7 @@ class MuonAdamW(Optimizer):
             mine = {id(p) for g in self.param_groups for p in g["params"]}
             if not set(self._chosen) <= mine:
                 raise ValueError("muon_params holds a tensor this optimizer was not given")
-        # The parts are made with these hyper-parameters, so they validate them; _sync sets their groups.
+        # The parts are made with these hyper-parameters, so they validate them; _sync_parts sets their groups.
         self.muon = torch.optim.Muon([{"params": []}], lr=lr, weight_decay=weight_decay, momentum=muon_momentum,
                                      nesterov=muon_nesterov, ns_steps=muon_ns_steps, adjust_lr_fn=muon_adjust_lr_fn)
         self.adamw = AdamW([{"params": []}], lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
@@ -181,7 +181,7 @@ class MuonAdamW(Optimizer):
         """Whether parameter ``p`` takes Muon's step (else AdamW's)."""
         return id(p) in self._muon_ids
 
-    def _sync(self) -> None:
+    def _sync_parts(self) -> None:
         """The parts' groups from this optimizer's (parameters split, hyper-parameters copied); one state."""
         muon_groups, adamw_groups = [], []
         for i, group in enumerate(self.param_groups):
@@ -212,7 +212,7 @@ class MuonAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._sync()
+        self._sync_parts()
         self.muon.step()
         for group, mg in zip(self.param_groups, self.muon.param_groups, strict=True):
             for p in group["params"]:

@@ -42,7 +42,7 @@ from lowband.compress.quant import OUTER_VALUE_FORMATS
 from lowband.compress.sparse import SPARSE_VALUE_FORMATS
 from lowband.compress.wire import VALUE_FORMATS
 from lowband.link import Link
-from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo, SparseLoCo
+from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, MuonFullSync, NoLoCo, SparseLoCo
 from lowband.optim._common import NONFINITE_POLICIES
 from lowband.optim.diloco import DILOCO_INNER_DEFAULTS
 from lowband.optim.flexdemo import OVERLAP_APPLY
@@ -69,6 +69,7 @@ __all__ = [
     "FlexDeMoConfig",
     "MethodConfig",
     "MethodSpec",
+    "MuonConfig",
     "NoLoCoConfig",
     "SparseLoCoConfig",
     "build_optimizer",
@@ -225,6 +226,27 @@ class AdamWConfig(MethodConfig):
     def build(self, params, *, link, model=None):
         kw = self.as_dict()
         return AdamWFullSync(params, link=link, betas=(kw.pop("beta1"), kw.pop("beta2")), **kw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MuonConfig(MethodConfig):
+    """Muon on the hidden weight matrices, AdamW on the rest, on the all-reduced gradient
+    (:class:`lowband.optim.MuonFullSync`): the full-sync reference for ``inner=muon``. Its defaults are
+    :class:`~lowband.optim.muon.MuonAdamW`'s, the inner optimizer ``inner=muon`` builds."""
+
+    lr: float = _lr(_signature_default(MuonAdamW, "lr"))
+    weight_decay: float = option(_signature_default(MuonAdamW, "weight_decay"), "decoupled weight decay of both parts",
+                                 minimum=0.0)
+    nonfinite: str = _nonfinite(MuonFullSync)
+
+    def check(self) -> None:
+        super().check()
+        if not has_torch_muon():
+            raise ValueError(muon_missing_message("the method muon", "adamw"))
+
+    def build(self, params, *, link, model=None):
+        return MuonFullSync(params, link=link, muon_params=None if model is None else hidden_matrices(model),
+                            **self.as_dict())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -521,6 +543,9 @@ METHODS: dict[str, MethodSpec] = {
     for m in (
         MethodSpec(name="adamw", display="AdamW", family="full", reference=True, config=AdamWConfig,
                    description="AdamW, gradients all-reduced between nodes every step (HSDP-equivalent)"),
+        MethodSpec(name="muon", display="Muon", family="full", config=MuonConfig,
+                   description="Muon on the hidden weight matrices and AdamW on the rest, gradients all-reduced "
+                   "between nodes every step: the full-sync reference for inner=muon"),
         MethodSpec(name="deto-full", display="Deto-Full", family="full", shard_sweep=True, config=DetoFullConfig,
                    description="sign-SGD on gradients all-reduced between nodes every step (the paper's Deto-Full)"),
         MethodSpec(name="flexdemo", display="FlexDeMo", family="demo", shard_sweep=True, config=FlexDeMoConfig,

@@ -242,3 +242,65 @@ def test_fsdp2_shards_step_as_the_unsharded_run():
         assert r["muon"] == [True, False, True, False, False, False]
         assert r["dtensor"] and min(r["moved"]) > 0
         assert r["diff"] == [0.0] * 6, r  # bit for bit
+
+
+# ----------------------------------------------------------------------------- the full-sync reference, method muon
+def test_muon_full_sync_in_one_process_is_muon_adamw():
+    """The method ``muon`` (MuonFullSync) with no link steps as MuonAdamW, bit for bit; a NaN gradient is refused."""
+    from lowband.optim import MuonFullSync, NonFiniteGradientError
+
+    a, b = _Net(), _Net()
+    ref = MuonAdamW(a.named_parameters(), lr=LR, weight_decay=WD, muon_params=hidden_matrices(a))
+    opt = method_config("muon", {"lr": LR, "weight_decay": WD}).build(list(b.named_parameters()), link=None, model=b)
+    assert isinstance(opt, MuonFullSync) and [opt.uses_muon(p) for p in b.parameters()] == \
+        [ref.uses_muon(p) for p in a.parameters()]
+    _train(a, ref, 4)
+    _train(b, opt, 4)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    opt.zero_grad()
+    _loss(b, 9).backward()
+    next(iter(b.parameters())).grad.view(-1)[0] = float("nan")
+    with pytest.raises(NonFiniteGradientError):
+        opt.step()
+
+
+def _full_sync_vs_mean(rank: int) -> dict:
+    """2 nodes x 2 ranks: the method muon through the link (each rank its own batch) against MuonAdamW on the
+    mean of the four ranks' losses in this process."""
+    from lowband.link import Link
+    from lowband.topology import Topology
+
+    topo = Topology.from_env()
+    net, whole = tiny_sharded(topo), tiny_model()
+    link = Link(topo)
+    opt = build_optimizer("muon", net.named_parameters(), link=link, hp={"lr": LR}, model=net)
+    ref = MuonAdamW(whole.named_parameters(), lr=LR, muon_params=hidden_matrices(whole))
+    start = [p.detach().clone() for p in whole.parameters()]
+    sent = []
+    for step in range(4):
+        opt.zero_grad()
+        tiny_loss(net, rank, step).backward()
+        opt.step()
+        sent.append(link.end_step())
+        ref.zero_grad()
+        (sum(tiny_loss(whole, r, step) for r in range(4)) / 4).backward()
+        ref.step()
+    diff = [(p.full_tensor() - q).abs().max().item() for p, q in zip(net.parameters(), whole.parameters(), strict=True)]
+    moved = [(q - s).abs().max().item() for q, s in zip(whole.parameters(), start, strict=True)]
+    adamw_net, adamw_link = tiny_sharded(topo), Link(topo)
+    adamw = build_optimizer("adamw", adamw_net.named_parameters(), link=adamw_link, hp={"lr": LR})
+    adamw_net(torch.zeros(1, 13)).sum().backward()
+    adamw.step()
+    return dict(diff=diff, moved=moved, ops=sorted({o.kind for t in sent for o in t.ops}),
+                bytes=[t.inter_node_bytes_sent for t in sent], adamw_bytes=adamw_link.end_step().inter_node_bytes_sent)
+
+
+@pytest.mark.multiprocess
+def test_muon_full_sync_on_2x2_steps_as_muon_on_the_mean_gradient():
+    """The all-reduced gradient is the mean over all four ranks, and Muon steps on it (up to the sum's rounding,
+    which bf16 Newton–Schulz carries into the update)."""
+    for r in run_ranks(_full_sync_vs_mean, world_size=4, ranks_per_node=2, timeout_s=120):
+        assert min(r["moved"]) > 1e-3, r
+        assert max(r["diff"]) < 1e-4, r
+        assert r["ops"] == ["all_reduce"], r
+        assert r["bytes"] == [r["adamw_bytes"]] * 4 and r["adamw_bytes"] > 0, r  # AdamW's message, every step

@@ -27,7 +27,7 @@ from lowband.testing import run_ranks
 pytestmark = pytest.mark.multiprocess
 
 # Every method that passes check_fault_tolerance (tests/test_ft.py), with H small enough for outer steps here.
-METHODS = {"adamw": {}, "deto-full": {}, "flexdemo": {"topk": 2}, "diloco": {"H": 2}, "noloco": {"H": 2},
+METHODS = {"adamw": {}, "muon": {}, "deto-full": {}, "flexdemo": {"topk": 2}, "diloco": {"H": 2}, "noloco": {"H": 2},
            "sparseloco": {"H": 2}}
 TRAINED = 3  # steps the peer trains before the healer copies it: mid-window at H = 2
 AFTER = 4  # steps both train after the heal: two outer steps at H = 2

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from lowband.bench.methods import method_label, parse_method_spec, shown_params, train_hp_args
-from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, NoLoCo, SparseLoCo
+from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, MuonFullSync, NoLoCo, SparseLoCo
 from lowband.optim.diloco import DILOCO_INNER_DEFAULTS
+from lowband.optim.muon import MuonAdamW
 from lowband.optim.noloco import NOLOCO_INNER_DEFAULTS
 from lowband.optim.sparseloco import SPARSELOCO_INNER_DEFAULTS
 from lowband.train.cli import add_arguments, config_from_args
@@ -31,7 +32,7 @@ from lowband.train.methods import (
     reference_method,
 )
 
-OPTIMIZER = {"AdamWConfig": AdamWFullSync, "DetoFullConfig": DetoFull, "FlexDeMoConfig": FlexDeMo,
+OPTIMIZER = {"AdamWConfig": AdamWFullSync, "MuonConfig": MuonFullSync, "DetoFullConfig": DetoFull, "FlexDeMoConfig": FlexDeMo,
              "DiLoCoConfig": DiLoCo, "NoLoCoConfig": NoLoCo, "SparseLoCoConfig": SparseLoCo}
 INNER = {"DiLoCoConfig": DILOCO_INNER_DEFAULTS, "NoLoCoConfig": NOLOCO_INNER_DEFAULTS,
          "SparseLoCoConfig": SPARSELOCO_INNER_DEFAULTS}
@@ -55,8 +56,8 @@ def _optimizer_default(config: type, name: str):
     if name in ("beta1", "beta2"):
         return inspect.signature(torch.optim.AdamW).parameters["betas"].default[name == "beta2"]
     params = inspect.signature(cls.__init__).parameters
-    if name not in params:  # AdamWFullSync passes the rest on to torch.optim.AdamW
-        params = inspect.signature(torch.optim.AdamW).parameters
+    if name not in params:  # AdamWFullSync passes the rest on to torch.optim.AdamW, MuonFullSync to MuonAdamW
+        params = inspect.signature({AdamWFullSync: torch.optim.AdamW, MuonFullSync: MuonAdamW}[cls]).parameters
     return params[name].default
 
 
