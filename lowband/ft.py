@@ -279,6 +279,10 @@ class FaultTolerance:
         transport = state_transport(cfg, advertise=advertise, timeout=timeout, rank=rank, state_dict=state_dict,
                                     secret=cfg.secret)
         self.quorums = 0  # quorums this node took part in
+        # Whether a quorum this node accepted ever held another member: until then the node is new to the job
+        # (admission.screen), also after quorums of its own (a node that came up alone while the others had not
+        # started, or an intruder in a free slot: the first quorum with the job's nodes must still refuse it).
+        self.had_peers = False
         self.replica_ids: list[str] = []  # the last quorum's members (torchft replica ids)
         self.replica_rank: int | None = None  # this node's place among them
         self._pending: float | None = None  # perf_counter when an async quorum was started, until it is waited for
@@ -500,7 +504,7 @@ class _QuorumRecorder:
             result = self._client._quorum(*args, **kwargs)
             step = kwargs.get("step")
             behind = bool(result.heal) or (step is not None and int(result.max_step) > int(step))
-            new = self._ft.quorums == 0
+            new = not self._ft.had_peers
             # Before anything is configured, sent or fetched: does every member prove the job's secret?
             s = screen(result, secret=cfg.secret, me=me, new=new, behind=behind)
             if s.verdict == "twin":
@@ -539,6 +543,7 @@ class _QuorumRecorder:
             rounds += 1
             time.sleep(cfg.start_poll_s)
         self._ft.replica_ids = list(result.replica_ids)
+        self._ft.had_peers = self._ft.had_peers or len(self._ft.replica_ids) > 1
         self._ft.replica_rank = result.replica_rank
         self._ft.quorum_heals = bool(result.heal)
         self._ft.quorum_max_step = int(result.max_step)

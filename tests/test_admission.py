@@ -134,6 +134,22 @@ def test_the_node_with_the_wrong_secret_leaves_before_any_process_group_names_th
     assert T.decode() not in str(e.value) and S.decode() not in str(e.value) and not hasattr(ft, "replica_ids")
 
 
+def test_a_node_that_was_alone_in_its_first_quorums_is_still_refused_when_it_meets_the_job():
+    """An intruder without the secret in a free slot while the job's nodes were elsewhere (a CI run: its quorums
+    held only itself, then one of the job's nodes restarted into its quorum): it is new to the job until a
+    quorum it accepts holds another member, so it is refused then, not trained with."""
+    alone = [replica_id("a", 2) + ":u"]
+    job_node = rid(node=1)
+    ft, rec, asked = _recorder([result(alone), result(alone), result([job_node] + alone)], node=2)
+    for _ in range(2):
+        assert rec._quorum(step=0).replica_ids == alone
+        ft.quorums += 1  # as finish_quorum counts each quorum taken
+    assert not ft.had_peers
+    with pytest.raises(AdmissionRefused, match="the job's nodes prove a secret and this node has none"):
+        rec._quorum(step=0)
+    assert len(asked) == 3
+
+
 @pytest.mark.parametrize("host, public", [
     ("127.0.0.1", False), ("localhost", False), ("::1", False), ("10.0.0.2", False), ("192.168.1.4", False),
     ("fd00::2", False), ("0.0.0.0", True), ("::", True), ("", True), ("8.8.8.8", True), ("2001:4860::8888", True),

@@ -202,6 +202,7 @@ def _recorder(results, *, fp="a", timeout_s=1.0, secret=None, store="h:1", quoru
     ft.cfg = FaultToleranceConfig(lighthouse="http://h:1", node=node, max_nodes=3, fingerprint=fp,
                                   quorum_timeout_s=timeout_s, start_poll_s=0.001, secret=secret)
     ft.replica_id, ft.quorums = replica_id(fp, node, secret=secret, store=store, manager=store) + ":u", quorums
+    ft.had_peers = quorums > 0  # a node with quorums behind it here has had peers in them
     client = type("C", (), {})()
     asked = []
     client._quorum = lambda **kw: (asked.append(kw), results.pop(0))[1]

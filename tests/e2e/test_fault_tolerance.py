@@ -337,5 +337,8 @@ def test_when_every_node_dies_the_job_resumes_from_checkpoints_with_the_same_com
         assert resumed and min(resumed) >= 40, log[-3000:]  # a checkpoint at or after step 40, not step 0
         assert max(int(x["step"]) for x in _records_of(tmp_path, n, "train")) == stop_at  # it trained on from there
     recs = [[json.loads((tmp_path / f"node{n}" / f"ft_rank{r}.json").read_text()) for r in range(2)] for n in range(2)]
-    for rank in range(2):
-        assert recs[0][rank]["param_sha256"] == recs[1][rank]["param_sha256"]
+    for rank in range(2):  # on a mismatch: each node's resume, heals, dropped steps and membership, to tell why
+        assert recs[0][rank]["param_sha256"] == recs[1][rank]["param_sha256"], (
+            rank, [{k: recs[n][rank].get(k) for k in ("steps", "healed", "dropped_steps")} for n in range(2)],
+            [re.findall(r"resumed from \S+ at step \d+", (tmp_path / f"node{n}.log").read_text()) for n in range(2)],
+            [_membership(tmp_path, n) for n in range(2)])
