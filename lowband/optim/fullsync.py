@@ -157,7 +157,26 @@ class _FullSyncMixin:
         return True
 
 
-class AdamWFullSync(_FullSyncMixin, AdamW):
+class _LocalOnSyncedGradient(_FullSyncMixin):
+    """``LOCAL`` (a torch-style optimizer class, the second base) stepping on the all-reduced gradient."""
+
+    LOCAL: type[Optimizer]
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, *, link: Link | None = None,
+                 nonfinite: str = "raise", **kwargs) -> None:
+        check_lr(lr)
+        self.LOCAL.__init__(self, params, lr=lr, **kwargs)
+        self._init_sync(link, nonfinite)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
+        loss = run_closure(closure)
+        if self._sync_gradients():
+            self.LOCAL.step(self)
+        return loss
+
+
+class AdamWFullSync(_LocalOnSyncedGradient, AdamW):
     """AdamW on the gradient all-reduced over the replicate group (HSDP-equivalent).
 
     Args:
@@ -166,21 +185,10 @@ class AdamWFullSync(_FullSyncMixin, AdamW):
         nonfinite: "raise" (default) or "skip" when a gradient holds NaN/Inf.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, *, link: Link | None = None,
-                 nonfinite: str = "raise", **adamw_kwargs) -> None:
-        check_lr(lr)
-        AdamW.__init__(self, params, lr=lr, **adamw_kwargs)
-        self._init_sync(link, nonfinite)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
-        loss = run_closure(closure)
-        if self._sync_gradients():
-            AdamW.step(self)
-        return loss
+    LOCAL = AdamW
 
 
-class MuonFullSync(_FullSyncMixin, MuonAdamW):
+class MuonFullSync(_LocalOnSyncedGradient, MuonAdamW):
     """Muon on the hidden weight matrices and AdamW on the rest (:class:`~lowband.optim.muon.MuonAdamW`),
     on the gradient all-reduced over the replicate group: what ``inner=muon`` steps with, every step on
     the full gradient. The reference a low-bandwidth method with Muon's inner steps is measured against
@@ -192,18 +200,7 @@ class MuonFullSync(_FullSyncMixin, MuonAdamW):
         nonfinite: "raise" (default) or "skip" when a gradient holds NaN/Inf.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, *, link: Link | None = None,
-                 nonfinite: str = "raise", **muon_kwargs) -> None:
-        check_lr(lr)
-        MuonAdamW.__init__(self, params, lr=lr, **muon_kwargs)
-        self._init_sync(link, nonfinite)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
-        loss = run_closure(closure)
-        if self._sync_gradients():
-            MuonAdamW.step(self)
-        return loss
+    LOCAL = MuonAdamW
 
 
 class DetoFull(_FullSyncMixin, Optimizer):
