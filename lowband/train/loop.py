@@ -543,8 +543,11 @@ class Trainer:
         self._healed_before = len(self.ft.healed_at)
         first = self.ft.quorums == 0 and self.ft.quorum_pending is False
         self.ft.start_step(step)
-        if first and step == 0 and not self._earlier_life:
-            self.ft.gather(step)  # a new job: wait for its nodes (a node joining a running job does not)
+        # A new job, or one whose nodes resume from their checkpoints (every node died and was started again),
+        # waits for its nodes; a node joining a running job stops waiting at once (it is behind: it heals).
+        # Without the wait, resumed nodes that came up seconds apart each trained on alone and diverged.
+        if first and ((step == 0 and not self._earlier_life) or (self.start_step > 0 and step == self.start_step)):
+            self.ft.gather(step)
         if self.ft_cfg.async_quorum:
             return step
         return self._membership_done(step, trained=False)

@@ -315,7 +315,11 @@ def test_when_every_node_dies_the_job_resumes_from_checkpoints_with_the_same_com
     """Nothing is left to heal from: the nodes are started again with the same arguments and each
     resumes from its newest checkpoint (``--resume if-any`` started afresh the first time). FlexDeMo's
     state is created by its first step, which torch.distributed.checkpoint runs at zero lr to load it:
-    before any quorum the link is a group of one and that step commits."""
+    before any quorum the link is a group of one and that step commits.
+
+    The nodes come back one after the other, node 1 only once node 0 has resumed and its run's end is set a few
+    steps on (as in a loaded CI run, where they came up seconds apart): node 0 must wait for node 1, as a new
+    job's nodes wait for each other, not train on alone to the end (both did, and ended on different weights)."""
     from lowband.cluster.ftjob import FaultTolerantJob
 
     args = ["--method", "flexdemo", "--steps", "200", *COMMON, "--ckpt-every", "20", "--resume", "if-any",
@@ -325,8 +329,14 @@ def test_when_every_node_dies_the_job_resumes_from_checkpoints_with_the_same_com
         job.wait_for_step(0, 45)
         job.kill(0)
         job.kill(1)
-        job.start_all()
+        mark = len(job.log_path(0).read_text())
+        job.start(0)
+        deadline = time.monotonic() + 200
+        while "resumed from" not in job.log_path(0).read_text()[mark:]:
+            assert job.procs[0].poll() is None and time.monotonic() < deadline, job.log_path(0).read_text()[-3000:]
+            time.sleep(0.2)
         stop_at = job.end_soon()  # past the last step before the kill: past the resume too
+        job.start(1)
         codes = job.wait(timeout_s=360)
     assert codes == {0: 0, 1: 0}, {n: (tmp_path / f"node{n}.log").read_text()[-3000:] for n in codes}
     import re
@@ -336,6 +346,9 @@ def test_when_every_node_dies_the_job_resumes_from_checkpoints_with_the_same_com
         resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", log)]
         assert resumed and min(resumed) >= 40, log[-3000:]  # a checkpoint at or after step 40, not step 0
         assert max(int(x["step"]) for x in _records_of(tmp_path, n, "train")) == stop_at  # it trained on from there
+        # Resumed nodes wait for each other (as a new job's do): neither trained on alone after the resume.
+        after = [e["replicas"] for e in _membership(tmp_path, n) if e["step"] > min(resumed)]
+        assert after and set(after) == {2}, (n, _membership(tmp_path, n))
     recs = [[json.loads((tmp_path / f"node{n}" / f"ft_rank{r}.json").read_text()) for r in range(2)] for n in range(2)]
     for rank in range(2):  # on a mismatch: each node's resume, heals, dropped steps and membership, to tell why
         assert recs[0][rank]["param_sha256"] == recs[1][rank]["param_sha256"], (
