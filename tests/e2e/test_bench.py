@@ -72,9 +72,9 @@ SHORT = {"faults": "node1:poison-index@20", "steps": 40}
 def benches_with_faults(tmp_path_factory):
     """The real thing, small: 3 nodes x 1 rank, FlexDeMo, a faulted run and its twin beside it, in each emulation
     mode (WHOLE in one, SHORT in the other). 100 ms per message makes a step take ~0.2 s, so the restarted node
-    (~15 s to start alone, up to 66 s in a loaded CI run) rejoins a live job. The benches run one after the other (each uses about one core of the
-    two: at once they slowed the multi-process lane beside them into its timeouts), each into its own
-    directory, beside the multi-process tests (tests/conftest.py's "beside" lane).
+    (~15 s to start alone, up to 66 s in a loaded CI run) rejoins a live job. The benches run one after the
+    other (each uses about one core of the two: at once they slowed the multi-process lane beside them into its
+    timeouts), each into its own directory, beside the multi-process tests (tests/conftest.py's "beside" lane).
     {mode: (plan, exit code, output, out dir)}."""
     from lowband.cluster import netns_available
 
