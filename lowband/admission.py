@@ -97,14 +97,17 @@ def proves(secret: bytes, rid: str) -> bool:
 
 
 # --------------------------------------------------------------------------- admission
-def admit(replica_ids: list[str], mine: str, *, behind: bool, rounds: int) -> str:
+def admit(replica_ids: list[str], mine: str, *, behind: bool, rounds: int, patience: int = 1) -> str:
     """What a node does with a quorum whose members are not all of one job (one fingerprint).
 
     Every member sees the same members, so they all judge alike: the job with the most nodes in the
     quorum stays and asks for a quorum again (the Lighthouse forms it without the others once they
     leave); the nodes of every other job leave. When two jobs have as many nodes, a node that is
-    behind (a newcomer: someone in the quorum is at a newer step) leaves first; if the tie remains a
-    round later, the job with the smaller fingerprint stays.
+    behind (a newcomer: someone in the quorum is at a newer step) leaves first; if the tie remains
+    ``patience`` rounds later, the job with the smaller fingerprint stays. Patience lets the nodes of
+    both jobs that are still starting arrive and break the tie by number (in a loaded CI run one node
+    of a job and a foreign node met alone at the start, and the job's node, whose fingerprint was the
+    larger, left a round later, before its job's two other nodes were up).
 
     Returns ``"accept"`` (one job), ``"retry"`` or ``"leave"``.
     """
@@ -122,7 +125,7 @@ def admit(replica_ids: list[str], mine: str, *, behind: bool, rounds: int) -> st
         return "retry"
     if behind:
         return "leave"
-    if rounds == 0:
+    if rounds < patience:
         return "retry"
     return "retry" if mine == tied[0] else "leave"
 

@@ -525,7 +525,10 @@ class _QuorumRecorder:
                 rounds += 1
                 time.sleep(cfg.start_poll_s)
                 continue
-            verdict = admit(list(result.replica_ids), mine, behind=behind, rounds=rounds)
+            # A tie between jobs waits half the quorum timeout for more of their nodes before the fingerprint
+            # decides (the job's other nodes may still be starting); the rest of it is for the losers to leave.
+            verdict = admit(list(result.replica_ids), mine, behind=behind, rounds=rounds,
+                            patience=max(1, max_rounds // 2))
             if verdict == "accept":
                 break
             others = sorted({f"node{member_of(r)[1]} ({member_of(r)[0] or '?'})" for r in result.replica_ids

@@ -182,12 +182,17 @@ def test_a_replica_id_carries_the_job_and_the_slot_and_torchft_still_reads_the_s
     # both at the newest step and still tied a round later: the smaller fingerprint stays
     (["lowband_a_node0", "lowband_b_node1"], "a", False, 1, "retry"),
     (["lowband_a_node0", "lowband_b_node1"], "b", False, 1, "leave"),
+    # with patience (the nodes ask half the quorum timeout long): still retrying while patience lasts
+    (["lowband_a_node0", "lowband_b_node1"], "b", False, (1, 5), "retry"),
+    (["lowband_a_node0", "lowband_b_node1"], "b", False, (5, 5), "leave"),
+    (["lowband_a_node0", "lowband_b_node1"], "b", True, (1, 5), "leave"),  # a newcomer still leaves at once
     # a minority of several jobs leaves, the largest stays
     (["lowband_a_node0", "lowband_c_node1", "lowband_b_node2", "lowband_b_node3"], "c", False, 0, "leave"),
     (["lowband_a_node0", "lowband_c_node1", "lowband_b_node2", "lowband_b_node3"], "b", True, 0, "retry"),
 ])
 def test_every_member_judges_a_mixed_quorum_alike(ids, mine, behind, rounds, verdict):
-    assert admit([i + ":uuid" for i in ids], mine, behind=behind, rounds=rounds) == verdict
+    rounds, patience = rounds if isinstance(rounds, tuple) else (rounds, 1)
+    assert admit([i + ":uuid" for i in ids], mine, behind=behind, rounds=rounds, patience=patience) == verdict
 
 
 class _Result:
