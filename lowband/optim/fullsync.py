@@ -1,6 +1,6 @@
-"""The FlexDeMo paper's full-synchronisation baselines, through the same link.
+"""The full-synchronisation baselines (the FlexDeMo paper's two, and Muon's), through the same link.
 
-Both take the gradient shard FSDP2 leaves after backward (the intra-node mean) and all-reduce it
+Each takes the gradient shard FSDP2 leaves after backward (the intra-node mean) and all-reduces it
 (mean) over the replicate group through the link, as one flat fp32 message per step. The result
 equals HSDP's gradient (the mean over all W ranks), so:
 
