@@ -150,7 +150,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="first a short lr search per method variant on this model and data (successive halving over "
              "lr x 1/3, 1, 3 around its preset or default lr, a quarter then half of --steps, one seed; cached "
              "under $LOWBAND_CACHE/tune), then the main runs at the chosen lrs. Its cost is printed before it "
-             "starts. An lr given in a spec (adamw:lr=0.01) is kept, not searched",
+             "starts. An lr given in a spec (adamw:lr=0.01) is kept, not searched, unless the spec is written as "
+             "the --preset has it (the preset's lrs were tuned on its own data: they are searched)",
     )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
