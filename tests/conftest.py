@@ -28,6 +28,25 @@ platform.platform()
 import matplotlib.font_manager  # noqa: E402,F401
 
 
+def _bytecode_note() -> str | None:
+    # A check that the suite's hundreds of processes start from cached bytecode: with pip's --no-compile and
+    # PYTHONDONTWRITEBYTECODE set (as on some machines), each compiled torch's and transformers' sources again.
+    import importlib.util
+    import sys
+
+    torch_init = importlib.util.find_spec("torch").origin
+    if not sys.dont_write_bytecode or os.path.exists(importlib.util.cache_from_source(torch_init)):
+        return None
+    return ("bytecode: torch's is not cached and this Python writes none (PYTHONDONTWRITEBYTECODE): every process "
+            "the tests start compiles torch's sources again (about 4 s of CPU each); install without --no-compile")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    note = _bytecode_note()
+    if note:
+        terminalreporter.write_line(note, yellow=True)
+
+
 @lru_cache(maxsize=1)
 def netns_status() -> tuple[bool, str]:
     """Whether network namespaces work here, and why not; probed once, by the first test marked ``netns``."""
