@@ -301,6 +301,9 @@ def test_muon_full_sync_on_2x2_steps_as_muon_on_the_mean_gradient():
     which bf16 Newton–Schulz carries into the update)."""
     for r in run_ranks(_full_sync_vs_mean, world_size=4, ranks_per_node=2, timeout_s=120):
         assert min(r["moved"]) > 1e-3, r
-        assert max(r["diff"]) < 1e-4, r
+        # Within 1e-4, or within 2^-6 of how far the parameter moved: bf16 Newton-Schulz turns a different
+        # rounding of the sum into a bf16 rounding flip of an update (on this CPU, 1.9e-4 on one matrix that
+        # moved by more than 1e-2). A rank on its own gradient, not the mean, misses by tens of percent.
+        assert all(d < max(1e-4, 2**-6 * m) for d, m in zip(r["diff"], r["moved"], strict=True)), r
         assert r["ops"] == ["all_reduce"], r
         assert r["bytes"] == [r["adamw_bytes"]] * 4 and r["adamw_bytes"] > 0, r  # AdamW's message, every step
