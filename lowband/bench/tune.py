@@ -10,7 +10,15 @@ the grid's centre), before the main runs:
   beyond that edge (×3 or ×1/3), at most ``MAX_EXTEND`` (2) times: a centre tuned on other data is
   often off by more than one factor of 3. Round 2 does the same while its lowest loss lies at the
   edge of every lr tried (a longer run often wants a smaller lr: on the vim documentation SparseLoCo's
-  round 1 preferred 3e-2, its round 2 the grid's lowest, 1e-2). The runs are real bench runs (:func:`lowband.bench.runner.run_bench`, equal steps, at the
+  round 1 preferred 3e-2, its round 2 the grid's lowest, 1e-2).
+- **Near-ties go to the smaller lr.** Losses within ``TIE`` (1 %) of a round's lowest are tied, and the
+  smallest lr among them leads the round, provided a still smaller lr was tried and ended clearly worse (so
+  the tie is a plateau past the lrs that learn, not a run of lrs too small to learn, where the largest
+  leads as before). Short runs favour large lrs: on the frontier preset AdamW's round 1 (75 of 300 steps)
+  ended 7.045, 7.040 and 7.038 at lr 0.03, 0.09 and 0.27, 7.099 at 0.01 and 7.539 at 0.0033; by the lowest
+  loss alone the search chose 0.27, which at 300 steps ended 6.644 against 6.588 at 0.01 (2 seeds each).
+  1 % is about the seed spread at the end of those runs (0.05 on AdamW's 6.59, 0.04 on Muon's 6.26): a
+  difference below it in one seed's short run is no evidence for the larger lr. The runs are real bench runs (:func:`lowband.bench.runner.run_bench`, equal steps, at the
   bench's fastest link: the loss per step does not depend on the link), written under ``OUT/tune/``.
 - **What is claimed.** "best of the search" only when the chosen lr lies inside the lrs tried (a
   lower and a higher lr were tried and ended worse); at the grid's edge it is "lowest at the grid's edge"
@@ -51,6 +59,7 @@ __all__ = [
     "GRID",
     "KEEP",
     "ROUNDS",
+    "TIE",
     "LrSearch",
     "apply_tuning",
     "cost_line",
@@ -73,6 +82,8 @@ KEEP = 2
 #: Round 1 goes on past the grid's edge by one factor of 3 at a time, at most this often, while its best lr
 #: lies at the edge of what it tried (on data the centre was not tuned on, the best lr is often beyond it).
 MAX_EXTEND = 2
+#: Losses within this fraction of a round's lowest are tied; the smallest tied lr leads (see the module's docstring).
+TIE = 0.01
 #: MODELLED cost of one search run besides its steps (start-up, validation, exit) and of one step, on 2 CPU cores.
 EST_RUN_OVERHEAD_S = 15.0  # measured 2026-12-03: t5-tiny search runs took 13 s each (5 runs, 35 steps: 64 s)
 EST_STEP_S = 0.5
@@ -147,7 +158,7 @@ def _key(spec: BenchMethod, config: BenchConfig, digest: str) -> str:
     what = {"model": config.model, "data": digest, "method": spec.name, "hp": hp, "centre": _lr(spec),
             "shards": spec.shards, "steps": config.steps, "nodes": config.nodes,
             "ranks_per_node": config.ranks_per_node, "train_args": list(config.train_args), "grid": list(GRID),
-            "rounds": list(ROUNDS), "keep": KEEP, "extend": MAX_EXTEND, "extend_rounds": [1, 2],
+            "rounds": list(ROUNDS), "keep": KEEP, "extend": MAX_EXTEND, "extend_rounds": [1, 2], "tie": TIE,
             "seed": config.seeds[0]}  # fmt: skip
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -178,6 +189,30 @@ def plan_searches(config: BenchConfig) -> list[LrSearch]:
                 log.warning("ignoring an unreadable tuning cache %s", cached)
         out.append(search)
     return out
+
+
+def _tied(losses: Mapping[float, float | None]) -> set[float]:
+    """The lrs whose loss lies within ``TIE`` of the round's lowest."""
+    ok = [v for v in losses.values() if v is not None]
+    if not ok:
+        return set()
+    low = min(ok)
+    return {lr for lr, v in losses.items() if v is not None and v <= low + TIE * abs(low)}
+
+
+def _worse(losses: Mapping[float, float | None]) -> set[float]:
+    """The lrs of a round that ended clearly worse than its lowest (outside the tie)."""
+    return {lr for lr, v in losses.items() if v is not None} - _tied(losses)
+
+
+def _ranked(losses: Mapping[float, float | None], worse: set[float] = frozenset()) -> list[tuple[float, float]]:
+    """``[(loss, lr)]`` of a round's finished runs, its leader first: the lowest loss, or the smallest lr tied with
+    it when an lr below the tie ended clearly worse (in this round or in ``worse``, an earlier round's)."""
+    ranked = sorted((v, lr) for lr, v in losses.items() if v is not None)
+    tied = _tied(losses)
+    if tied and any(w < min(tied) for w in worse | _worse(losses)):
+        ranked.sort(key=lambda p: p[1] != min(tied))  # stable: the others stay by loss
+    return ranked
 
 
 def _round_steps(config: BenchConfig) -> list[int]:
@@ -257,7 +292,7 @@ def run_searches(config: BenchConfig, searches: Sequence[LrSearch], out_dir: Pat
               f"{steps[0]} steps", file=sys.stderr, flush=True)
         first = _run_round(config, spec, lrs, steps[0], out_dir / "tune" / f"{i:02d}-{slug}" / "round1", run)
         for extension in range(1, MAX_EXTEND + 1):  # the best at an edge: one more lr beyond it
-            ranked = sorted((v, lr) for lr, v in first.items() if v is not None)
+            ranked = _ranked(first)
             if not ranked or min(first) < ranked[0][1] < max(first):
                 break
             beyond = float(f"{ranked[0][1] * (3.0 if ranked[0][1] == max(first) else 1 / 3):.3g}")
@@ -267,7 +302,7 @@ def run_searches(config: BenchConfig, searches: Sequence[LrSearch], out_dir: Pat
                                 out_dir / "tune" / f"{i:02d}-{slug}" / f"round1-edge{extension}", run)
         lrs = sorted(first)
         points = [{"lr": lr, "round": 1, "steps": steps[0], "val_loss": first[lr]} for lr in lrs]
-        ranked = sorted((v, lr) for lr, v in first.items() if v is not None)
+        ranked = _ranked(first)
         chosen, claim = search.centre, "failed"
         if ranked:
             keep = [lr for _, lr in ranked[:KEEP]]
@@ -277,7 +312,7 @@ def run_searches(config: BenchConfig, searches: Sequence[LrSearch], out_dir: Pat
             for extension in range(1, MAX_EXTEND + 1):
                 # A longer run often wants a smaller lr: round 2's lowest at the edge of every lr tried gets one
                 # more lr beyond it at round 2's steps, so that "best" is claimed against worse neighbours.
-                finals = sorted((v, lr) for lr, v in second.items() if v is not None)
+                finals = _ranked(second, _worse(first))
                 tried = set(lrs) | set(second)
                 if not finals or min(tried) < finals[0][1] < max(tried):
                     break
@@ -287,7 +322,7 @@ def run_searches(config: BenchConfig, searches: Sequence[LrSearch], out_dir: Pat
                 second |= _run_round(config, spec, [beyond], steps[1],
                                      out_dir / "tune" / f"{i:02d}-{slug}" / f"round2-edge{extension}", run)
             points += [{"lr": lr, "round": 2, "steps": steps[1], "val_loss": v} for lr, v in sorted(second.items())]
-            finals = sorted((v, lr) for lr, v in second.items() if v is not None) or ranked
+            finals = _ranked(second, _worse(first)) or ranked
             chosen = finals[0][1]
             tried = set(lrs) | set(second)
             claim = "best" if min(tried) < chosen < max(tried) else "edge"
@@ -374,8 +409,9 @@ def tuning_section(results: Mapping[str, Any], plots: Sequence[str] = ()) -> lis
            "Where each variant's lr came from: *given* on the command line, a *preset default* (tuned on the "
            "preset's own model and data), the *method default*, or *tuned here* by `--tune` (successive halving "
            f"over lr × {', '.join(f'{f:.3g}' for f in GRID)} around the centre, the best {KEEP} again at "
-           "twice the steps, one seed, on this model and data). \"Best of the search\" only where a lower and a higher "
-           "lr were tried and ended worse.", ""]  # fmt: skip
+           f"twice the steps, one seed, on this model and data; losses within {TIE:.0%} of a round's lowest are tied and "
+           "the smallest tied lr leads, where a smaller lr ended worse: short runs favour large lrs). \"Best of the "
+           "search\" only where a lower and a higher lr were tried and ended worse.", ""]  # fmt: skip
     if sources:
         out += [markdown_table(["Variant", "lr", "lr from"], [[k, _lr_text(k), v] for k, v in sources.items()]), ""]
     for i, s in enumerate(searches):

@@ -64,6 +64,10 @@ FAKE_TRAINER = textwrap.dedent(
                 at, other = env["FAKE_BEST_LR_FROM"].split(":")
                 best = float(other) if steps >= int(at) else best
             offset = 0.2 * math.log10(lr / best) ** 2
+            if env.get("FAKE_PLATEAU"):  # "STEPS:LR": runs under STEPS steps end, at every lr above LR, level with
+                at, edge = env["FAKE_PLATEAU"].split(":")  # LR's loss but 0.001 lower per decade (a near-tie that
+                if steps < int(at) and lr > float(edge):  # favours large lrs, as AdamW's short runs on the frontier)
+                    offset = 0.2 * math.log10(float(edge) / best) ** 2 - 0.001 * math.log10(lr / float(edge))
             history = [{**h, "val_loss": h["val_loss"] + offset} for h in history]
         summary = {
             "rank": rank, "node": node, "method": method, "topk": topk, "chunk": chunk, "shards": shards,

@@ -111,6 +111,40 @@ def test_round_two_goes_past_the_edge_when_the_longer_runs_want_a_smaller_lr(
     assert search["chosen"] == 0.000111 and search["claim"] == "best"  # worse at 3.7e-5 and 3.33e-4, both 6 steps
 
 
+@pytest.mark.timeout(180)
+def test_a_near_tie_of_large_lrs_in_short_runs_goes_to_the_smaller_lr(
+        tmp_path, fake_trainer, monkeypatch, capsys, cache) -> None:  # fmt: skip
+    # Runs under 12 steps end level at every lr above 1e-3, 0.001 lower per decade (as AdamW's 75-step runs on the
+    # frontier: 7.045, 7.040, 7.038 at 0.03, 0.09, 0.27); the 12-step main runs are best at 1e-3. By the lowest
+    # loss alone the search went up to 0.243 ("edge"), a main-run loss 1.1 above 1e-3's.
+    monkeypatch.setenv("FAKE_BEST_LR", "0.001")
+    monkeypatch.setenv("FAKE_PLATEAU", "12:0.001")
+    results, out, calls, io = _bench(tmp_path, fake_trainer, monkeypatch, capsys, "plateau", "--methods", "adamw",
+                                     "--tune")
+    (search,) = results["tuning"]
+    # 3e-3 ended lowest (by 0.0005), tied with 1e-3 within 1 %; 3.33e-4 clearly worse: 1e-3 leads, no edge.
+    r1 = {p["lr"]: p["val_loss"] for p in search["points"] if p["round"] == 1}
+    assert list(r1) == [0.000333, 0.001, 0.003] and min(r1, key=r1.get) == 0.003 and "lowest at the edge" not in io.err
+    assert [p["lr"] for p in search["points"] if p["round"] == 2] == [0.001, 0.003] and len(calls) == 3 + 2 + 1
+    assert search["chosen"] == 0.001 and search["claim"] == "best"
+    assert [r.spec for r in results["runs"]] == ["adamw:lr=0.001"]
+    assert "losses within 1% of a round's lowest are tied" in (out / "report.md").read_text()
+
+
+def test_a_tie_leads_with_its_smallest_lr_only_past_an_lr_that_ended_clearly_worse() -> None:
+    # A plateau past a worse lr: the smallest tied lr leads; the others stay by loss.
+    assert tune._ranked({0.000333: 4.0455, 0.001: 4.0, 0.003: 3.9995}) == [
+        (4.0, 0.001), (3.9995, 0.003), (4.0455, 0.000333)]
+    # lrs too small to learn also end level (within 1 %) but nothing below them ended worse: the lowest loss leads,
+    # so the search goes on up, not down.
+    assert tune._ranked({1e-5: 10.40, 3e-5: 10.39, 1e-4: 10.38})[0] == (10.38, 1e-4)
+    # Round 2's finalists tie: the smaller leads when round 1 saw a worse lr below them, else the lower loss.
+    assert tune._ranked({0.01: 6.80, 0.27: 6.75}, {0.0033})[0] == (6.80, 0.01)
+    assert tune._ranked({0.01: 6.80, 0.27: 6.75})[0] == (6.75, 0.27)
+    assert tune._ranked({0.01: 6.90, 0.27: 6.75}, {0.0033})[0] == (6.75, 0.27)  # 2 % apart: no tie
+    assert tune._ranked({0.01: None, 0.03: 6.8}) == [(6.8, 0.03)]  # a failed run is left out
+
+
 def test_the_cache_key_follows_the_datas_content_not_its_path(tmp_path, cache) -> None:
     a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
     rows = "\n".join(json.dumps({"source": f"text {i}", "target": f"t {i}"}) for i in range(40))
