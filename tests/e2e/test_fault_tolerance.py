@@ -108,6 +108,12 @@ def _wait_healed(out, node: int, since_step: int, job, timeout_s: float = 240.0)
 # back by about step 450 on 2 idle cores, but by step 750 on a loaded CI machine the survivors had run out
 # theirs while nodes were restarting (a start takes 10-20 s alone and much longer under load).
 STEPS_BOUND = 100_000
+# The fault jobs below wait on starts (a restarted or foreign node: 10-20 s each), and their survivors trained
+# flat out meanwhile, taking the cores from the starting node and from the other lane of the suite. 100 ms per
+# message between nodes makes them wait on the link instead: measured alone (2026-12-06, the FlexDeMo job and
+# the four one-kill jobs), 229 s of CPU against 304 s without it, 192 s of wall-clock time against 209 s. What
+# the tests check does not depend on the pace: faults come at steps, and the jobs end by their stop file.
+PACE = ["--link-latency", "100ms"]
 # The job takes about 3 minutes on 2 idle cores and 3 times that when the cores are shared (a step
 # 0.14 s alone, 0.6 s under load: its steps, not its clock, set when each fault comes). The test that
 # runs first pays for the job: its limit is the job's, not a single test's.
@@ -119,7 +125,7 @@ def flex_faults(tmp_path_factory):
     from lowband.cluster.ftjob import FaultTolerantJob
 
     out = tmp_path_factory.mktemp("ft-flexdemo")
-    args = ["--method", "flexdemo", "--topk", "2", "--steps", str(STEPS_BOUND), *COMMON, "--stop-file", str(out / "stop")]
+    args = ["--method", "flexdemo", "--topk", "2", "--steps", str(STEPS_BOUND), *COMMON, *PACE, "--stop-file", str(out / "stop")]
     seen: dict = {"out": out}
     with FaultTolerantJob(train_args=args, nodes=4, ranks_per_node=2, out=out, start_nodes=3) as job:
         # 1. Three nodes of the job and one of another job (seed 7) in slot 3, at the same moment.
@@ -262,7 +268,7 @@ def test_a_killed_agent_takes_its_ranks_with_it_and_the_node_heals_on_return(fle
 def test_a_killed_node_leaves_the_others_training_and_rejoins_equal(tmp_path, method, extra, ranks):
     from lowband.cluster.ftjob import FaultTolerantJob
 
-    args = ["--method", method, *extra, "--steps", str(STEPS_BOUND), *COMMON, "--stop-file", str(tmp_path / "stop")]
+    args = ["--method", method, *extra, "--steps", str(STEPS_BOUND), *COMMON, *PACE, "--stop-file", str(tmp_path / "stop")]
     with FaultTolerantJob(train_args=args, nodes=3, ranks_per_node=ranks, out=tmp_path) as job:
         job.start_all()
         job.wait_for_step(2, 10)  # two outer steps of DiLoCo and NoLoCo (H = 5) with all three
