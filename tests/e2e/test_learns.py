@@ -10,8 +10,11 @@ target tokens, 2.49 nats, is what a model that learnt only token frequencies rea
 well below the blind bound: a method under it must put the right symbols in the right order.
 
 One launch on a 2 × 2 gloo mesh trains every method (t5-tiny, the library's sharding, link and
-optimizers) for LEARN_STEPS steps at lr 3e-3 (DiLoCo's inner AdamW 1e-3, its outer step 0.7 with
-Nesterov momentum). At lr 3e-3 and 200 steps a probe run on this machine ended (mean of the last
+optimizers) for LEARN_STEPS steps (DiLoCo: DILOCO_STEPS) at lr 3e-3 (DiLoCo's inner AdamW 1e-3, its outer
+step 0.7 with Nesterov momentum). Measured on this machine (2026-12-06), the mean of the last 10 steps at
+step 100 / 150: AdamW 0.856 / 0.776, Deto-Full 0.749 / 0.689, DeMo 0.950 / 0.754, FlexDeMo Top-1 0.988 /
+0.718, Top-8 0.750 / 0.677, Top-1 with 1-bit values 0.981 / 0.786, NoLoCo 0.922 / 0.793; DiLoCo 1.208 /
+1.078, too near the bound at 100, so it keeps 150 (the others ran 150 until then: the suite's CPU). At lr 3e-3 and 200 steps a probe run on this machine ended (mean of the last
 10 steps) at 0.63-0.72 nats for every method but DiLoCo, which plateaus near 1.05 (1.03 at inner
 lr 1e-3, 1.08 at 3e-3, 1.12 with H=5); lr 1e-3, the paper's, is too slow for the sign-based
 methods at this budget.
@@ -27,7 +30,8 @@ import pytest
 from lowband.testing import REVERSE_SYMBOLS, reverse_task_batch, run_ranks, train_reverse_task
 
 LEARN_LEN = 2
-LEARN_STEPS = 150
+LEARN_STEPS = 100
+DILOCO_STEPS = 150
 LEARN_BATCH = 32
 # Mean training loss over the last LAST_STEPS steps must be below this (nats per target token).
 LOSS_BOUND = 1.25
@@ -66,8 +70,8 @@ def _train_all(rank: int) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    return {name: train_reverse_task(rank, method=m, hp=hp, steps=LEARN_STEPS, batch_size=LEARN_BATCH,
-                                     length=LEARN_LEN)
+    return {name: train_reverse_task(rank, method=m, hp=hp, steps=DILOCO_STEPS if m == "diloco" else LEARN_STEPS,
+                                     batch_size=LEARN_BATCH, length=LEARN_LEN)
             for name, (m, hp) in CONFIGS.items()}
 
 
@@ -87,5 +91,6 @@ def test_every_method_learns_to_reverse():
     final = {name: sum(ls[-LAST_STEPS:]) / LAST_STEPS for name, ls in losses.items()}
     first = {name: ls[0] for name, ls in losses.items()}
     failed = {n: round(v, 3) for n, v in final.items() if not v < LOSS_BOUND}
-    assert not failed, (f"mean loss of the last {LAST_STEPS} of {LEARN_STEPS} steps not below {LOSS_BOUND} "
+    assert not failed, (f"mean loss of the last {LAST_STEPS} steps (of {LEARN_STEPS}, DiLoCo's of {DILOCO_STEPS}) "
+                        f"not below {LOSS_BOUND} "
                         f"(blind bound {blind:.3f}, start {first}): {failed}")
