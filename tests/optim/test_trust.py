@@ -337,3 +337,47 @@ def test_finite_messages_whose_mean_overflows_drop_the_outer_step(caplog):
     assert all(torch.isfinite(state_view(opt.state[p]["error"])).all() for p in model.parameters())
     assert opt.stats().bad_messages == {-1: 1} and opt.stats().dropped_steps == 1
     assert "not finite" in caplog.text
+
+
+# ----------------------------------------------------------------------------- a failed commit
+class _FailingLink(_Link):
+    """A link whose commit fails once, at its ``fail_at``-th call (a collective between nodes failed there)."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__(lambda m: m)  # an identical peer
+        self.fail_at, self.calls = fail_at, 0
+
+    def commit(self) -> bool:
+        self.calls += 1
+        return self.calls != self.fail_at
+
+
+DROPPERS = {
+    "flexdemo": lambda link: _flexdemo(link),
+    "adamw": lambda link: (m := tiny_model(), AdamWFullSync(m.parameters(), lr=1e-2, link=link)),
+    "deto-full": lambda link: (m := tiny_model(), DetoFull(m.parameters(), lr=1e-2, link=link)),
+    "diloco": lambda link: _outer(DiLoCo, link),  # sync_every=2: its second step is the outer step
+    "sparseloco": lambda link: _outer(SparseLoCo, link, topk=2, chunk=16),
+}
+
+
+@pytest.mark.parametrize("method", sorted(DROPPERS))
+def test_a_step_whose_exchange_failed_is_counted_as_dropped_and_moves_no_parameter(method):
+    """Under fault tolerance a step whose collective failed somewhere is dropped whole: no parameter moves
+    (an outer method: its outer weights φ do not), and ``stats().dropped_steps`` counts it (the trainer's
+    "dropped" records and the bench's fault report read it). The steps around it go on."""
+    model, opt = DROPPERS[method](_FailingLink(fail_at=2))
+    outer = method in ("diloco", "sparseloco")  # they commit at their outer steps, every second step
+    period = 2 if outer else 1
+
+    def kept():  # what a dropped step must leave as it was
+        return [state_view(opt.state[p]["slow"]).clone() for p in model.parameters()] if outer else _params(model)
+
+    _train(model, opt, period)  # commit 1: applied
+    assert opt.stats().dropped_steps == 0
+    before = kept()
+    _train(model, opt, period)  # commit 2 fails
+    _assert_same(kept(), before)
+    assert opt.stats().dropped_steps == 1
+    _train(model, opt, period)  # commit 3: applied again
+    assert opt.stats().dropped_steps == 1 and not all(torch.equal(a, b) for a, b in zip(kept(), before, strict=True))
