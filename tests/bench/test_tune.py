@@ -30,6 +30,16 @@ def _bench(tmp_path, fake_trainer, monkeypatch, capsys, name: str, *argv: str):
     return load_results(out), out, calls, capsys.readouterr()
 
 
+def _search_adamw(tmp_path, fake_trainer, monkeypatch, capsys, name: str, **env: str):
+    """``--tune`` of adamw alone against the fake trainer with ``env`` (FAKE_*) set: (its search, results, out dir,
+    launches, captured output)."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    results, out, calls, io = _bench(tmp_path, fake_trainer, monkeypatch, capsys, name, "--methods", "adamw", "--tune")
+    (search,) = results["tuning"]
+    return search, results, out, calls, io
+
+
 @pytest.mark.timeout(180)
 def test_tune_searches_each_variant_uses_the_chosen_lr_says_where_it_came_from_and_reuses_its_cache(
         tmp_path, fake_trainer, monkeypatch, capsys, cache) -> None:  # fmt: skip
@@ -99,11 +109,8 @@ def test_round_two_goes_past_the_edge_when_the_longer_runs_want_a_smaller_lr(
         tmp_path, fake_trainer, monkeypatch, capsys, cache) -> None:  # fmt: skip
     # Round 1 (3 steps) is best near the centre 1e-3 (3.33e-4 second); runs of 6 steps and more are best at 1e-4 (as
     # SparseLoCo on the vim documentation: 3e-2 at 50 steps, 1e-2 or lower at 100).
-    monkeypatch.setenv("FAKE_BEST_LR", "0.0008")
-    monkeypatch.setenv("FAKE_BEST_LR_FROM", "6:0.0001")
-    results, _, calls, io = _bench(tmp_path, fake_trainer, monkeypatch, capsys, "longer", "--methods", "adamw",
-                                   "--tune")
-    (search,) = results["tuning"]
+    search, _, _, calls, io = _search_adamw(tmp_path, fake_trainer, monkeypatch, capsys, "longer",
+                                            FAKE_BEST_LR="0.0008", FAKE_BEST_LR_FROM="6:0.0001")
     assert [p["lr"] for p in search["points"] if p["round"] == 1] == [0.000333, 0.001, 0.003]  # no edge there
     # Round 2 kept 1e-3 and 3.33e-4; the lower won, at the edge of all tried: 1.11e-4 (better), then 3.7e-5 (worse).
     assert [p["lr"] for p in search["points"] if p["round"] == 2] == [0.000037, 0.000111, 0.000333, 0.001]
@@ -117,11 +124,8 @@ def test_a_near_tie_of_large_lrs_in_short_runs_goes_to_the_smaller_lr(
     # Runs under 12 steps end level at every lr above 1e-3, 0.001 lower per decade (as AdamW's 75-step runs on the
     # frontier: 7.045, 7.040, 7.038 at 0.03, 0.09, 0.27); the 12-step main runs are best at 1e-3. By the lowest
     # loss alone the search went up to 0.243 ("edge"), a main-run loss 1.1 above 1e-3's.
-    monkeypatch.setenv("FAKE_BEST_LR", "0.001")
-    monkeypatch.setenv("FAKE_PLATEAU", "12:0.001")
-    results, out, calls, io = _bench(tmp_path, fake_trainer, monkeypatch, capsys, "plateau", "--methods", "adamw",
-                                     "--tune")
-    (search,) = results["tuning"]
+    search, results, out, calls, io = _search_adamw(tmp_path, fake_trainer, monkeypatch, capsys, "plateau",
+                                                    FAKE_BEST_LR="0.001", FAKE_PLATEAU="12:0.001")
     # 3e-3 ended lowest (by 0.0005), tied with 1e-3 within 1 %; 3.33e-4 clearly worse: 1e-3 leads, no edge.
     r1 = {p["lr"]: p["val_loss"] for p in search["points"] if p["round"] == 1}
     assert list(r1) == [0.000333, 0.001, 0.003] and min(r1, key=r1.get) == 0.003 and "lowest at the edge" not in io.err
