@@ -10,7 +10,9 @@ the grid's centre), before the main runs:
   beyond that edge (×3 or ×1/3), at most ``MAX_EXTEND`` (2) times: a centre tuned on other data is
   often off by more than one factor of 3. Round 2 does the same while its lowest loss lies at the
   edge of every lr tried (a longer run often wants a smaller lr: on the vim documentation SparseLoCo's
-  round 1 preferred 3e-2, its round 2 the grid's lowest, 1e-2).
+  round 1 preferred 3e-2, its round 2 the grid's lowest, 1e-2). The runs are real bench runs
+  (:func:`lowband.bench.runner.run_bench`, equal steps, at the bench's fastest link: the loss per step does not
+  depend on the link), written under ``OUT/tune/``.
 - **Near-ties go to the smaller lr.** Losses within ``TIE`` (1 %) of a round's lowest are tied, and the
   smallest lr among them leads the round, provided a still smaller lr was tried and ended clearly worse (so
   the tie is a plateau past the lrs that learn, not a run of lrs too small to learn, where the largest
@@ -18,8 +20,7 @@ the grid's centre), before the main runs:
   ended 7.045, 7.040 and 7.038 at lr 0.03, 0.09 and 0.27, 7.099 at 0.01 and 7.539 at 0.0033; by the lowest
   loss alone the search chose 0.27, which at 300 steps ended 6.644 against 6.588 at 0.01 (2 seeds each).
   1 % is about the seed spread at the end of those runs (0.05 on AdamW's 6.59, 0.04 on Muon's 6.26): a
-  difference below it in one seed's short run is no evidence for the larger lr. The runs are real bench runs (:func:`lowband.bench.runner.run_bench`, equal steps, at the
-  bench's fastest link: the loss per step does not depend on the link), written under ``OUT/tune/``.
+  difference below it in one seed's short run is no evidence for the larger lr.
 - **What is claimed.** "best of the search" only when the chosen lr lies inside the lrs tried (a
   lower and a higher lr were tried and ended worse); at the grid's edge it is "lowest at the grid's edge"
   (a better lr may lie beyond), and when every search run failed the centre is kept. One seed: a
@@ -210,8 +211,10 @@ def _ranked(losses: Mapping[float, float | None], worse: set[float] = frozenset(
     it when an lr below the tie ended clearly worse (in this round or in ``worse``, an earlier round's)."""
     ranked = sorted((v, lr) for lr, v in losses.items() if v is not None)
     tied = _tied(losses)
-    if tied and any(w < min(tied) for w in worse | _worse(losses)):
-        ranked.sort(key=lambda p: p[1] != min(tied))  # stable: the others stay by loss
+    if tied:
+        lead = min(tied)
+        if any(w < lead for w in worse) or any(lr < lead for _, lr in ranked):  # below the tie: clearly worse
+            ranked.sort(key=lambda p: p[1] != lead)  # stable: the others stay by loss
     return ranked
 
 

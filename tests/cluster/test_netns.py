@@ -46,21 +46,16 @@ CRASHER = textwrap.dedent(
     """
     import os, signal, subprocess, sys, time
     from lowband.cluster import EmulatedNetwork
+    from lowband.cluster.netns import namespace_pids
     net = EmulatedNetwork(2, 100e6, prefix=sys.argv[1]).__enter__()
     sleeper = subprocess.Popen(
         net.exec_argv(1, ["sleep", "300"]), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    # `ip netns exec` enters the namespace and then becomes `sleep`: under load that takes a while, and a
-    # process not inside yet is not the network's to stop. Say the pid once it runs inside.
-    ours, deadline = os.readlink("/proc/self/ns/net"), time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{sleeper.pid}/comm") as comm:
-                if comm.read().strip() == "sleep" and os.readlink(f"/proc/{sleeper.pid}/ns/net") != ours:
-                    break
-        except OSError:
-            pass
-        time.sleep(0.01)
+    # `ip netns exec` enters the namespace only after it starts: under load that takes a while, and a process
+    # not inside yet is not the network's to stop. Say the pid once the teardown would see it inside.
+    deadline = time.monotonic() + 60
+    while sleeper.pid not in namespace_pids(net.node(1).namespace) and time.monotonic() < deadline:
+        time.sleep(0.05)
     print(sleeper.pid, flush=True)
     if sys.argv[2] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)  # a crash: no cleanup runs

@@ -14,7 +14,8 @@ optimizers) for LEARN_STEPS steps (DiLoCo: DILOCO_STEPS) at lr 3e-3 (DiLoCo's in
 step 0.7 with Nesterov momentum). Measured on this machine (2026-12-06), the mean of the last 10 steps at
 step 100 / 150: AdamW 0.856 / 0.776, Deto-Full 0.749 / 0.689, DeMo 0.950 / 0.754, FlexDeMo Top-1 0.988 /
 0.718, Top-8 0.750 / 0.677, Top-1 with 1-bit values 0.981 / 0.786, NoLoCo 0.922 / 0.793; DiLoCo 1.208 /
-1.078, too near the bound at 100, so it keeps 150 (the others ran 150 until then: the suite's CPU). At lr 3e-3 and 200 steps a probe run on this machine ended (mean of the last
+1.078, too near the bound at 100, so it keeps 150 (the others ran 150 until then: the suite's CPU).
+At lr 3e-3 and 200 steps a probe run on this machine ended (mean of the last
 10 steps) at 0.63-0.72 nats for every method but DiLoCo, which plateaus near 1.05 (1.03 at inner
 lr 1e-3, 1.08 at 3e-3, 1.12 with H=5); lr 1e-3, the paper's, is too slow for the sign-based
 methods at this budget.

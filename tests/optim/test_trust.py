@@ -353,7 +353,7 @@ class _FailingLink(_Link):
 
 
 DROPPERS = {
-    "flexdemo": lambda link: _flexdemo(link),
+    "flexdemo": _flexdemo,
     "adamw": lambda link: (m := tiny_model(), AdamWFullSync(m.parameters(), lr=1e-2, link=link)),
     "deto-full": lambda link: (m := tiny_model(), DetoFull(m.parameters(), lr=1e-2, link=link)),
     "diloco": lambda link: _outer(DiLoCo, link),  # sync_every=2: its second step is the outer step
