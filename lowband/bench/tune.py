@@ -402,6 +402,17 @@ def _lr_text(spec: str) -> str:
     return "-" if lr is None else f"{lr:g}"
 
 
+def _tie_note(s: Mapping[str, Any]) -> str:
+    """Where the tie rule chose over a lower loss in the deciding round: which lr ended lower, and why it lost."""
+    last = max((p["round"] for p in s["points"] if p["lr"] == s["chosen"]), default=None)
+    done = {p["lr"]: p["val_loss"] for p in s["points"] if p["round"] == last and p["val_loss"] is not None}
+    if s["chosen"] not in done or min(done.values()) >= done[s["chosen"]]:
+        return ""
+    low = min(done, key=done.__getitem__)
+    return (f" (round {last}'s lowest loss was at lr {low:g}, {done[low]:.4f} against {done[s['chosen']]:.4f}: within "
+            f"{TIE:.0%}, a tie, and the smaller lr leads)")
+
+
 def tuning_section(results: Mapping[str, Any], plots: Sequence[str] = ()) -> list[str]:
     """``report.md``'s "Learning rates" section: where every lr came from, and each search ([] without sources)."""
     sources = results.get("lr_sources") or {}
@@ -425,7 +436,7 @@ def tuning_section(results: Mapping[str, Any], plots: Sequence[str] = ()) -> lis
                            "beyond it, so no best lr is claimed",
                    "failed": f"every search run failed: the centre {s['centre']:g} is kept"}.get(s["claim"], "")
         out += [f"### lr search: {s['spec']}" + (" (from the cache)" if s.get("cached") else ""), "",
-                f"Centre {s['centre']:g} ({s['centre_source']}); {verdict}.", ""]
+                f"Centre {s['centre']:g} ({s['centre_source']}); {verdict}{_tie_note(s)}.", ""]
         if _plot_name(i) in plots:
             out += [f"![lr search]({_plot_name(i)})", ""]
         out += [markdown_table(["lr", "round", "steps", "final val loss"], rows), ""]

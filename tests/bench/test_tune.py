@@ -132,7 +132,11 @@ def test_a_near_tie_of_large_lrs_in_short_runs_goes_to_the_smaller_lr(
     assert [p["lr"] for p in search["points"] if p["round"] == 2] == [0.001, 0.003] and len(calls) == 3 + 2 + 1
     assert search["chosen"] == 0.001 and search["claim"] == "best"
     assert [r.spec for r in results["runs"]] == ["adamw:lr=0.001"]
-    assert "losses within 1% of a round's lowest are tied" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "losses within 1% of a round's lowest are tied" in report
+    # The report says where the choice is not the round's lowest loss, and why.
+    assert "chosen 0.001, the best of the search (round 2's lowest loss was at lr 0.003, 3.9995 against 4.0000: " \
+           "within 1%, a tie, and the smaller lr leads)." in report
 
 
 def test_a_tie_leads_with_its_smallest_lr_only_past_an_lr_that_ended_clearly_worse() -> None:
