@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -245,6 +246,30 @@ def _run_one(
     return record
 
 
+def _exit_text(code: int | None) -> str:
+    """A node's exit code in words: "exited 0", "exited 1", "was killed by SIGKILL"."""
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited {code}"
+
+
+def unplanned_exit_error(bad: dict[int, int | None], expected: dict[int, int], logs: Path) -> str:
+    """A fault-tolerant run's error when node(s) ``bad`` ended outside the fault plan: a headline that names each
+    node and how it ended, first and whole (a long error keeps only its end, and a killed node's log ends in
+    torchft's own lines, which do not say that it was killed), then the end of each log that says more."""
+    ended = "; ".join(f"node {n} {_exit_text(c)} (expected: {_exit_text(expected[n])})" for n, c in sorted(bad.items()))
+    others = [n for n in sorted(expected) if n not in bad]
+    headline = (f"under fault tolerance, node(s) {sorted(bad)} ended outside the fault plan: {ended}; node(s) "
+                f"{others} ended as planned. The run's figures would not be the plan's, so it is not counted; the "
+                f"nodes' logs are under {logs}")
+    tails = "\n".join(f"node {n}, the end of its log:\n{log_excerpt(logs / f'node{n}.log')}"
+                      for n in sorted(bad) if (bad[n] or 0) >= 0)  # a killed node's log says nothing of it
+    return headline + ("\n" + truncate_error(tails) if tails else "")
+
+
 def _steady_node(plan: RunPlan) -> int:
     """A node the fault plan never kills, nor makes poison if it can (its record is the run's; its progress
     moves the bar)."""
@@ -297,9 +322,7 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: P
     expected = {n: (-9 if last.get(n) == "kill" else 0) for n in range(plan.nodes)}
     bad = {n: c for n, c in codes.items() if c != expected[n]}
     if bad:
-        tails = "\n".join(f"node {n}: exit {c} (expected {expected[n]}); log {run_dir / 'logs' / f'node{n}.log'}:\n"
-                          f"{log_excerpt(run_dir / 'logs' / f'node{n}.log')}" for n, c in bad.items())
-        record.error = truncate_error(f"under fault tolerance, node(s) {sorted(bad)} ended badly:\n{tails}")
+        record.error = unplanned_exit_error(bad, expected, run_dir / "logs")
         return record
     admitted = _check_intruders(events, run_dir / "logs")
     if admitted:

@@ -86,3 +86,22 @@ def test_malformed_poison_events_map_to_lowband_train_and_index_needs_indices():
     with pytest.raises(ValueError, match="diloco's are dense"):
         make_config(methods=["sparseloco:H=5", "diloco:H=5"], nodes=3, faults="node2:poison-index@10", steps=40)
     make_config(methods=["sparseloco:H=5", "flexdemo"], nodes=3, faults="node2:poison-index@10", steps=40)
+
+
+def test_a_node_that_ends_outside_the_plan_is_named_first_with_how_it_ended(tmp_path):
+    """An unplanned kill -9 of node 1 (tried by hand: the survivors trained on, the run was not counted, and the
+    error's kept end was torchft's log lines, which never say the node was killed): the headline names it."""
+    from lowband.bench.report import error_headline
+    from lowband.bench.runner import unplanned_exit_error
+
+    (tmp_path / "node2.log").write_text("step 3\nRuntimeError: boom\n")
+    error = unplanned_exit_error({1: -9, 2: 1}, {0: 0, 1: 0, 2: 0}, tmp_path)
+    first = error.splitlines()[0]
+    assert first.startswith("under fault tolerance, node(s) [1, 2] ended outside the fault plan: node 1 was killed "
+                            "by SIGKILL (expected: exited 0); node 2 exited 1 (expected: exited 0); node(s) [0] "
+                            "ended as planned.")
+    assert "node 2, the end of its log:" in error and "RuntimeError: boom" in error
+    assert "node 1, the end of its log" not in error  # a killed node's log says nothing of it
+    killed_only = unplanned_exit_error({1: -9}, {0: 0, 1: 0, 2: -9}, tmp_path)
+    assert error_headline(killed_only) == killed_only.splitlines()[0]  # what the console prints
+    assert "node(s) [0, 2] ended as planned" in killed_only
