@@ -214,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
     """
     from lowband.bench.data_passes import data_passes_note
     from lowband.bench.report import console_summary, write_report
-    from lowband.bench.results import load_results
+    from lowband.bench.results import RESULTS_FILE, load_results
     from lowband.bench.runner import (
         check_out_dir,
         choose_emulation,
@@ -236,11 +236,12 @@ def main(args: argparse.Namespace) -> int:
     from lowband.bench import tune
 
     searches = tune.plan_searches(config) if getattr(args, "tune", False) else []
+    plans = plan_runs(config)
     if searches:
-        print(f"lowband bench: {tune.cost_line(config, searches)}", file=sys.stderr, flush=True)
+        print(f"lowband bench: {tune.cost_line(config, searches)} {tune.main_runs_line(config, plans)}.",
+              file=sys.stderr, flush=True)
     elif not getattr(args, "tune", False) and (warning := tune.preset_lr_warning(config)):
         print(f"lowband bench: note: {warning}", file=sys.stderr, flush=True)
-    plans = plan_runs(config)
     prepare_out_dir(out_dir)
     print(
         f"lowband bench: {len(plans)} run(s), emulation {mode}, writing {out_dir}",
@@ -263,11 +264,18 @@ def main(args: argparse.Namespace) -> int:
                 plans=plans,
             )
     except (KeyboardInterrupt, SystemExit) as exc:
-        try:
-            write_report(out_dir, load_results(out_dir))
-        except Exception:  # noqa: BLE001 - best effort while stopping
-            log.exception("could not write the report of the interrupted bench")
-        print(f"lowband bench: interrupted; partial results in {out_dir}", file=sys.stderr)
+        if (out_dir / RESULTS_FILE).exists():
+            try:
+                write_report(out_dir, load_results(out_dir))
+            except Exception:  # noqa: BLE001 - best effort while stopping
+                log.exception("could not write the report of the interrupted bench")
+            print(f"lowband bench: interrupted; partial results in {out_dir}", file=sys.stderr)
+        elif searches:  # stopped in the lr search, before any main run: there is no report to write
+            print(f"lowband bench: interrupted during the lr search, before the main runs (its runs so far are in "
+                  f"{out_dir / 'tune'}); every search that finished is cached, and the same command goes on from "
+                  "the first that did not", file=sys.stderr)
+        else:
+            print(f"lowband bench: interrupted before the first run wrote its results ({out_dir})", file=sys.stderr)
         if isinstance(exc, SystemExit) and exc.code not in (None, 0, 130):
             raise
         return 130

@@ -65,6 +65,7 @@ __all__ = [
     "apply_tuning",
     "cost_line",
     "lr_sources",
+    "main_runs_line",
     "preset_lr_warning",
     "plan_searches",
     "run_searches",
@@ -238,6 +239,14 @@ def cost_line(config: BenchConfig, searches: Sequence[LrSearch]) -> str:
         text += (f", about {est / 60:.0f} min (estimated: {EST_RUN_OVERHEAD_S:g} s per run for start-up and validation "
                  f"+ {EST_STEP_S:g} s per step)")
     return text + "."
+
+
+def main_runs_line(config: BenchConfig, plans: Sequence[Any]) -> str:
+    """The main runs' cost in words, after the search's (:func:`cost_line`), estimated the same way (MODELLED)."""
+    steps = sum(p.steps or config.steps for p in plans)
+    est = len(plans) * EST_RUN_OVERHEAD_S + steps * EST_STEP_S
+    return (f"Then the main runs: {len(plans)} run(s), {steps} steps, about {est / 60:.0f} min (estimated as the "
+            "search's; an lr search may add a run at the edge of its grid)")
 
 
 def preset_lr_warning(config: BenchConfig) -> str | None:

@@ -51,6 +51,8 @@ def test_tune_searches_each_variant_uses_the_chosen_lr_says_where_it_came_from_a
            "21 steps (and up to 2 runs of 3 steps, then of 6 steps, more per variant whose best lr lies at the edge of the lrs " \
            "tried in that round" in io.err
     assert "(estimated:" in io.err
+    # and the main runs' cost after it: adamw and adamw:lr=0.01 at one seed, 12 steps each (2 × 15 s + 24 × 0.5 s)
+    assert "Then the main runs: 2 run(s), 24 steps, about 1 min (estimated as the search's" in io.err
     assert io.err.index("lr search (--tune)") < io.err.index("lr search 1/1: adamw, round 1: lr 0.000333, 0.001, 0.003")
     assert len(calls) == 5 + 2
     (search,) = results["tuning"]
@@ -176,3 +178,27 @@ def test_a_preset_on_other_data_says_before_it_starts_that_its_lrs_were_tuned_el
     assert tune.preset_lr_warning(bench.config_from_args(bench_args("--preset", "quality"))) is None
     sources = tune.lr_sources(bench.config_from_args(bench_args("--preset", "quality")))
     assert sources["adamw:lr=0.03"] == "preset default"
+
+
+@pytest.mark.timeout(180)
+def test_an_interrupt_during_the_search_says_where_its_runs_are_and_that_a_rerun_goes_on(
+        tmp_path, fake_trainer, monkeypatch, capsys, cache) -> None:  # fmt: skip
+    """Ctrl-C in the lr search, before any main run: no results.json exists yet, so there is no report to write;
+    the bench says so (no traceback), names where the search's runs are, and exits 130."""
+    calls: list = []
+    inner = in_process_launcher(load_fake(fake_trainer), calls)
+
+    def launch(**kwargs):
+        if len(calls) == 2:  # the search's third run
+            raise KeyboardInterrupt
+        return inner(**kwargs)
+
+    monkeypatch.setattr(runner, "launch_nodes", launch)
+    out = tmp_path / "stopped"
+    argv = ("--steps", "12", "--model", "t5-tiny", "--emulation", "shaped", "--out", str(out), "--no-progress",
+            "--methods", "adamw", "--tune")
+    assert bench.main(bench_args(*argv)) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted during the lr search, before the main runs (its runs so far are in {out / 'tune'})" in err
+    assert "Traceback" not in err and "could not write the report" not in err
+    assert not (out / "results.json").exists() and not list(cache.glob("tune/*.json"))
