@@ -425,9 +425,15 @@ class FlexDeMo(OverlapMixin, Optimizer):
         picks = []
         for w, gflats in zip(work, grads, strict=True):
             idx, vals = self._topk_of_momentum(w, gflats)
-            if self.poison is not None:
-                self.poison.apply_([vals], self._steps_taken(work))
             payload, sent_vals = w.plan.wire.encode_many(idx, vals, w.plan.rows)  # sent: what peers unpack
+            if self.poison is not None and self.poison.active(self._steps_taken(work)) and not self.poison.malformed:
+                # Fault injection only: the peers get the wrong update, and this node's δ loses what it would have
+                # sent (its state stays honest). Removing the flipped or scaled values from δ instead made δ grow
+                # by 2x (flip) or 999x (scale) wherever they were picked, until the node's own momentum overflowed:
+                # the poisoner ended itself, and with it an attack a real one would keep up.
+                poisoned = vals.clone()
+                self.poison.apply_([poisoned], self._steps_taken(work))
+                payload = w.plan.wire.encode_many(idx, poisoned, w.plan.rows)[0]
             picks.append((idx, sent_vals, payload))
         # One check covers the gradients too (no pass over them of its own): a NaN or Inf anywhere in a
         # chunk of β·δ + lr·g makes the chunk's DCT coefficients non-finite (every coefficient sums all

@@ -18,7 +18,7 @@ from lowband.compress.wire import WireFormat
 from lowband.optim import DiLoCo, FlexDeMo, NoLoCo, SparseLoCo
 from lowband.optim._common import state_view
 from lowband.optim.robust import check_aggregate, clip_scales, robust_sum, trimmed_mean
-from lowband.poison import Poison, parse_poison
+from lowband.poison import POISON_KINDS, Poison, parse_poison
 from lowband.testing import tiny_model
 from tests.optim.test_trust import INNER, NUMEL, _dense_reencode, _Link, _params, _sparse_reencode, _train
 
@@ -240,6 +240,39 @@ def test_the_poisoning_node_sends_its_update_times_the_factor_from_its_step():
     torch.testing.assert_close(sent[0], sent[2])
     torch.testing.assert_close(sent[1], 1000 * sent[3])
     assert all(torch.isfinite(state_view(opt.state[p]["slow"])).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["flip", "scale"])
+def test_a_poisoning_flexdemo_node_sends_the_wrong_update_and_keeps_its_own_momentum_honest(kind):
+    """Only the message is poisoned: the node's δ loses what it would honestly have sent. When δ lost the
+    poisoned values instead, it grew 2x (flip) or 999x (scale) wherever they were picked, and the poisoner's own
+    momentum overflowed within a bench's 150 steps, ending the attack."""
+    rows = tuple(-(-p.numel() // 16) for p in tiny_model().parameters())
+    wire = WireFormat(16, 2, "fp32")
+
+    def run(poison):
+        sent = []
+
+        class Watch(_Three):
+            def all_gather(self, tensor, *, async_op=False):
+                sent.append(wire.unpack_many(tensor[:-1], rows))
+                return super().all_gather(tensor, async_op=async_op)
+
+        model = tiny_model()
+        opt = FlexDeMo(model.parameters(), lr=1e-2, topk=2, chunk=16, values="fp32", sign=False, link=Watch())
+        opt.poison = poison
+        _train(model, opt, 40)
+        deltas = torch.cat([state_view(opt.state[p]["delta"]).reshape(-1) for p in model.parameters()])
+        return sent, deltas
+
+    honest_sent, honest = run(None)
+    sent, poisoned = run(Poison(0, kind, 0))
+    # The first step starts from the same state: the same indices, the values times the factor.
+    assert torch.equal(sent[0][0], honest_sent[0][0])
+    torch.testing.assert_close(sent[0][1], POISON_KINDS[kind] * honest_sent[0][1])
+    # Its δ stays of honest size (it differs: the applied updates were the poisoned ones).
+    assert torch.isfinite(poisoned).all()
+    assert float(poisoned.abs().max()) < 4 * float(honest.abs().max())
 
 
 def test_poison_is_armed_on_the_named_node_only_and_refused_for_all_reduced_methods():
