@@ -119,8 +119,9 @@ class DiLoCo(OuterStepOptimizer):
         delay: τ, inner steps between the start of an outer step's exchange and its merge
             (0 ≤ τ < H; 0: blocking). The bench spec's ``overlap=true`` means τ = 1.
         aggregate: how the members' pseudo-gradients are combined (:mod:`lowband.optim.robust`):
-            ``"mean"`` (default, the paper's), ``"clip"`` (each bounded by the members' median norm)
-            or ``"trimmed"`` (coordinate-wise, the largest and smallest dropped; R ≥ 3). Any rule but
+            ``"mean"`` (default, the paper's), ``"clip"`` (each bounded by the members' median norm),
+            ``"trimmed"`` (coordinate-wise, the largest and smallest dropped; R ≥ 3) or ``"agree"`` (a
+            member pointing against most of the others' left out, then clip; R ≥ 3). Any rule but
             the mean all-gathers the messages (fp32 too): (R−1)·(nbytes(n) + 1) bytes per rank instead
             of the all-reduce's 2(R−1)/R·(4n + 4).
 

@@ -55,7 +55,7 @@ from lowband.optim.flexdemo_tiles import (
     width_name,
 )
 from lowband.optim.protocol import OptimizerStats
-from lowband.optim.robust import ClipTally, check_aggregate, clip_scales
+from lowband.optim.robust import ClipTally, agreeing, check_aggregate, kept_clip_scales, sparse_gram
 
 __all__ = ["FlexDeMo", "OVERLAP_APPLY"]
 
@@ -212,9 +212,11 @@ class FlexDeMo(OverlapMixin, Optimizer):
             mean one step later) or "stale" (step with the mean one step late).
         tile: 0 (default): 1-D chunks of ``chunk`` elements; t > 0: a 2-D DCT over t × t tiles of each
             matrix shard, ``topk`` per tile (1 ≤ topk ≤ t²; indices fit uint8 for t ≤ 16).
-        aggregate: ``"mean"`` (default) or ``"clip"``: each replica's kept values (per param group) scaled
+        aggregate: ``"mean"`` (default), ``"clip"``: each replica's kept values (per param group) scaled
             to at most the replicas' median norm before the mean (:mod:`lowband.optim.robust`; no
-            extra bytes). With ``values="sign"`` every value has the same size and nothing is clipped.
+            extra bytes; with ``values="sign"`` every value has the same size and nothing is clipped), or
+            ``"agree"`` (3 or more replicas): a replica whose values point against most of the others' (a
+            negative inner product) is left out of the step, then ``clip`` among the rest.
     """
 
     def __init__(
@@ -391,7 +393,8 @@ class FlexDeMo(OverlapMixin, Optimizer):
     def stats(self) -> OptimizerStats:
         return OptimizerStats(dropped_steps=self.dropped_steps, skipped_steps=self.skipped_steps,
                               bad_messages=dict(self.bad_messages.total),
-                              bad_in_a_row=dict(self.bad_messages.in_a_row), clipped=dict(self.clip_tally.clipped))
+                              bad_in_a_row=dict(self.bad_messages.in_a_row), clipped=dict(self.clip_tally.clipped),
+                              left_out=dict(self.clip_tally.left_out))
 
     def state_owners(self) -> list[Optimizer]:
         return [self]
@@ -640,12 +643,17 @@ class FlexDeMo(OverlapMixin, Optimizer):
                          for x, r in zip(targets, plan.rows, strict=True)]
             else:
                 sinks = [x.view(-1) if x is not None else None for x in targets]
-            if self.aggregate == "clip" and replicas > 1:  # each replica's values bounded by the median norm
-                norms = torch.linalg.vector_norm(vals.double().reshape(replicas, -1), dim=1)
-                scales = clip_scales(norms)
-                self.clip_tally.record(list(range(replicas)), norms, scales, f"FlexDeMo step {self._steps_taken(work)}")
-                vals = vals.mul_(scales.to(vals.dtype).view(-1, *([1] * (vals.dim() - 1))))
-            vals = vals.div_(replicas)  # (Σ_r v_r)/R·B[i] as (Σ_r v_r/R)·B[i]: the same floats for R = 2^j
+            kept = replicas
+            if self.aggregate != "mean" and replicas > 1:  # clip: each replica's values bounded by the median norm
+                where = f"FlexDeMo step {self._steps_taken(work)}"
+                keep = agreeing(sparse_gram(idx, vals)) if self.aggregate == "agree" else torch.ones(replicas, dtype=torch.bool)
+                norms = torch.linalg.vector_norm(vals.double().reshape(replicas, -1), dim=1).cpu()
+                scales = kept_clip_scales(norms, keep)  # agree: the others left out (scale 0)
+                self.clip_tally.record_left_out(list(range(replicas)), keep, where)
+                self.clip_tally.record(keep.nonzero().flatten().tolist(), norms[keep], scales[keep], where)
+                vals = vals.mul_(scales.to(vals.dtype).to(vals.device).view(-1, *([1] * (vals.dim() - 1))))
+                kept = int(keep.sum())
+            vals = vals.div_(kept)  # (Σ_r v_r)/R·B[i] as (Σ_r v_r/R)·B[i]: the same floats for R = 2^j
             basis = basis_of(w, vals.dtype, vals.device)
             ws = Workspace(plan)
             for seg in plan.segs:  # block by block, so that the temporaries stay one block's size

@@ -100,7 +100,7 @@ class NoLoCo(OuterStepOptimizer):
         delay: τ, as for :class:`DiLoCo` (0 ≤ τ < H; 0: blocking).
         aggregate: how the group's θ − φ halves are combined (:mod:`lowband.optim.robust`): ``"mean"``
             (default, the paper's), ``"clip"`` (each bounded by the group's median norm; in a group of 2
-            the larger brought to the smaller's) or ``"trimmed"`` (groups of 3 or more; else clip). The
+            the larger brought to the smaller's), ``"trimmed"`` or ``"agree"`` (groups of 3 or more; else clip). The
             φ halves are always averaged: a member's φ is its weights, not an update, and a poisoned
             φ is not bounded by this rule (see docs/trust.md).
 

@@ -173,7 +173,7 @@ class OuterStepOptimizer(Optimizer):
         dense: bool = True,
     ) -> None:
         self.codec = BlockQuant(values, quant_block)  # validates both
-        #: How the members' updates are combined: "mean" (the papers'), "clip" or "trimmed" (lowband.optim.robust).
+        #: How the members' updates are combined: "mean" (the papers'), "clip", "trimmed" or "agree" (lowband.optim.robust).
         self.aggregate = check_aggregate(aggregate, method=type(self).__name__, dense=dense)
         self.clip_tally = ClipTally()
         #: A poisoning member on purpose (lowband.poison; fault injection): None on an honest node.
@@ -567,7 +567,8 @@ class OuterStepOptimizer(Optimizer):
         """Dropped outer steps; non-finite pseudo-gradients raise (never skipped); outer steps taken."""
         return OptimizerStats(dropped_steps=self.dropped_outer_steps, outer_steps=self.outer_steps,
                               bad_messages=dict(self.bad_messages.total),
-                              bad_in_a_row=dict(self.bad_messages.in_a_row), clipped=dict(self.clip_tally.clipped))
+                              bad_in_a_row=dict(self.bad_messages.in_a_row), clipped=dict(self.clip_tally.clipped),
+                              left_out=dict(self.clip_tally.left_out))
 
     def state_owners(self) -> list[Optimizer]:
         return [self, self.inner_optimizer]

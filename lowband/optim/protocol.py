@@ -31,6 +31,8 @@ class OptimizerStats:
             what a trainer would evict a member on after N.
         clipped: per member, how many of its updates robust aggregation (``aggregate='clip'``, or
             ``'trimmed'`` with 2 members) scaled down to the members' median norm.
+        left_out: per member, how many of its updates ``aggregate='agree'`` left out (pointing against
+            most of the others').
     """
 
     dropped_steps: int = 0
@@ -39,6 +41,7 @@ class OptimizerStats:
     bad_messages: dict[int, int] = field(default_factory=dict)
     bad_in_a_row: dict[int, int] = field(default_factory=dict)
     clipped: dict[int, int] = field(default_factory=dict)
+    left_out: dict[int, int] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -89,8 +89,9 @@ class SparseLoCo(OuterStepOptimizer):
             (0 ≤ τ < H; 0: blocking), as DiLoCo's: the τ inner steps after step kH run while the
             messages travel, step kH + τ decodes them, updates φ and e, and merges
             θ ← φ_new + (θ − θ_sent). The bench spec's ``overlap=true`` means τ = 1.
-        aggregate: ``"mean"`` (default) or ``"clip"``: each member's decoded message bounded by the
-            members' median norm (:mod:`lowband.optim.robust`; no extra bytes).
+        aggregate: ``"mean"`` (default), ``"clip"``: each member's decoded message bounded by the
+            members' median norm (:mod:`lowband.optim.robust`; no extra bytes), or ``"agree"``: a member
+            whose message points against most of the others' left out, then clip (R ≥ 3).
     """
 
     _OUTER_KEYS = ("outer_lr", "decay")

@@ -197,7 +197,8 @@ def _check_range(f: dataclasses.Field, value: Any) -> None:
 
 
 _AGGREGATE_HELP = ("how the replicas' updates are combined: mean (the paper's), clip (each bounded by the members' "
-                   "median norm), trimmed (coordinate-wise, largest and smallest dropped; dense, 3+ members)")
+                   "median norm), trimmed (coordinate-wise, largest and smallest dropped; dense, 3+ members), agree "
+                   "(3+ members: one whose update points against most of the others' is left out, then clip)")
 
 
 def _lr(default: float) -> Any:
@@ -282,7 +283,7 @@ class FlexDeMoConfig(MethodConfig):
                                 "(step with the mean one step late)", choices=OVERLAP_APPLY)
     tile: int = option(_signature_default(FlexDeMo, "tile"), "t > 0: 2-D DCT over t x t tiles of each matrix "
                        "shard, topk per tile, chunk unused (1-D params: chunks of t^2); 0: 1-D chunks", minimum=0)
-    aggregate: str = option("mean", _AGGREGATE_HELP + " (mean, clip)", choices=("mean", "clip"))
+    aggregate: str = option("mean", _AGGREGATE_HELP + " (mean, clip, agree)", choices=("mean", "clip", "agree"))
 
     def check(self) -> None:
         if self.tile:
@@ -328,7 +329,7 @@ def _local_fields(owner: type, inner: Mapping[str, float]) -> dict[str, Any]:
                   choices=OUTER_VALUE_FORMATS),
         quant_block=option(_signature_default(owner, "quant_block"), "elements per scale for int8/int4", minimum=1),
         **_overlap_fields(owner),
-        aggregate=option("mean", _AGGREGATE_HELP + " (mean, clip, trimmed)", choices=AGGREGATES),
+        aggregate=option("mean", _AGGREGATE_HELP + " (mean, clip, trimmed, agree)", choices=AGGREGATES),
     )
 
 
@@ -467,7 +468,7 @@ class SparseLoCoConfig(_LocalConfig):
                                          alias="clip", minimum=0.0, exclusive=True)
     overlap: bool = _SPARSELOCO["overlap"]
     delay: int = _SPARSELOCO["delay"]
-    aggregate: str = option("mean", _AGGREGATE_HELP + " (mean, clip)", choices=("mean", "clip"))
+    aggregate: str = option("mean", _AGGREGATE_HELP + " (mean, clip, agree)", choices=("mean", "clip", "agree"))
 
     def check(self) -> None:
         if self.topk > self.chunk:

@@ -12,12 +12,22 @@ import logging
 import pytest
 import torch
 
+from lowband.compress.dct import scatter_chunks
 from lowband.compress.quant import BlockQuant
 from lowband.compress.sparse import SparseCodec
 from lowband.compress.wire import WireFormat
 from lowband.optim import DiLoCo, FlexDeMo, NoLoCo, SparseLoCo
 from lowband.optim._common import state_view
-from lowband.optim.robust import check_aggregate, clip_scales, robust_sum, trimmed_mean
+from lowband.optim.robust import (
+    ClipTally,
+    agreeing,
+    check_aggregate,
+    clip_scales,
+    dense_gram,
+    robust_sum,
+    sparse_gram,
+    trimmed_mean,
+)
 from lowband.poison import POISON_KINDS, Poison, parse_poison
 from lowband.testing import tiny_model
 from tests.optim.test_trust import INNER, NUMEL, _dense_reencode, _Link, _params, _sparse_reencode, _train
@@ -156,6 +166,67 @@ def test_diloco_trimmed_undoes_a_sign_flipped_member_that_clip_lets_through():
     clipped, _ = _run("diloco", _Three(lambda m: reencode(m, _times(-1.0))), "clip")
     assert _farthest(trimmed, honest) == 0.0
     assert _farthest(clipped, honest) > 1e-3
+
+
+def test_agree_keeps_the_members_that_point_the_way_of_at_least_half_of_the_others():
+    g = torch.Generator().manual_seed(0)
+    honest = [torch.randn(64, generator=g) + 2.0 for _ in range(3)]  # pairwise positive
+    flipped = -honest[0]
+    assert agreeing(dense_gram([*honest[:2], flipped])).tolist() == [True, True, False]
+    assert agreeing(dense_gram([*honest, flipped])).tolist() == [True, True, True, False]
+    # two members: no one can tell which is wrong; nobody agreeing with anybody: no evidence, all kept
+    assert agreeing(dense_gram([honest[0], flipped])).tolist() == [True, True]
+    e = torch.eye(3)
+    assert agreeing(dense_gram([e[0], e[1], e[2]])).tolist() == [True, True, True]
+    # the sum: R/K times the kept members' clipped sum (here the two honest ones, of equal norm)
+    a, b = honest[0], honest[0].clone()
+    torch.testing.assert_close(robust_sum([a, b, -a], "agree"), 3 * a)
+    tally = ClipTally()
+    robust_sum([a, b, -a], "agree", members=[4, 5, 6], tally=tally)
+    assert tally.left_out == {6: 1} and tally.clipped == {}
+
+
+def test_the_sparse_gram_is_the_inner_products_of_the_decoded_messages():
+    g = torch.Generator().manual_seed(1)
+    r, rows, chunk, k = 3, 5, 16, 4
+    idx = torch.stack([torch.stack([torch.randperm(chunk, generator=g)[:k] for _ in range(rows)]) for _ in range(r)])
+    vals = torch.randn(r, rows, k, generator=g)
+    dense = [scatter_chunks(idx[j], vals[j], chunk).reshape(-1) for j in range(r)]
+    torch.testing.assert_close(sparse_gram(idx, vals), dense_gram(dense))
+
+
+def _flexdemo_flipped(bad, aggregate, steps=4):
+    model = tiny_model()
+    opt = FlexDeMo(model.parameters(), lr=1.0, topk=2, chunk=16, values="fp32", sign=False, link=_Three(bad),
+                   aggregate=aggregate)
+    _train(model, opt, steps)
+    return model, opt
+
+
+def _flexdemo_reflip(m):
+    rows = tuple(-(-p.numel() // 16) for p in tiny_model().parameters())
+    wire = WireFormat(16, 2, "fp32")
+    idx, vals = wire.unpack_many(m[:-1], rows)
+    return torch.cat([wire.encode_many(idx, -vals, rows)[0], m[-1:]])
+
+
+@pytest.mark.parametrize("case", [*sorted(CASES), "flexdemo"])
+def test_agree_leaves_out_a_sign_flipped_member_that_clip_lets_through(case, caplog):
+    """One member of three sends its honest update with the sign flipped: under ``agree`` the replicas step as
+    with honest members only; under ``clip`` they do not (it has the honest norm)."""
+    if case == "flexdemo":
+        run, flip, outer = (lambda bad, agg: _flexdemo_flipped(bad, agg)), _flexdemo_reflip, 4
+    else:
+        _, reencode = CASES[case]
+        run, flip, outer = (lambda bad, agg: _run(case, _Three(bad), agg)), (lambda m: reencode(m, _times(-1.0))), 2
+    honest, _ = run(None, "agree")
+    with caplog.at_level(logging.WARNING):
+        agreed, opt = run(flip, "agree")
+    clipped, _ = run(flip, "clip")
+    assert _farthest(agreed, honest) < 1e-6
+    assert _farthest(clipped, honest) > 1e-3
+    assert opt.stats().left_out == {2: outer} and opt.stats().bad_messages == {}
+    assert "member 2's update points against most of the others'" in caplog.text
 
 
 def test_diloco_with_a_rule_gathers_even_fp32_and_without_one_all_reduces():
