@@ -646,7 +646,8 @@ class FlexDeMo(OverlapMixin, Optimizer):
             kept = replicas
             if self.aggregate != "mean" and replicas > 1:  # clip: each replica's values bounded by the median norm
                 where = f"FlexDeMo step {self._steps_taken(work)}"
-                keep = agreeing(sparse_gram(idx, vals)) if self.aggregate == "agree" else torch.ones(replicas, dtype=torch.bool)
+                agree = self.aggregate == "agree" and replicas >= 3  # with 2, nobody can tell which is wrong: clip
+                keep = agreeing(sparse_gram(idx, vals)) if agree else torch.ones(replicas, dtype=torch.bool)
                 norms = torch.linalg.vector_norm(vals.double().reshape(replicas, -1), dim=1).cpu()
                 scales = kept_clip_scales(norms, keep)  # agree: the others left out (scale 0)
                 self.clip_tally.record_left_out(list(range(replicas)), keep, where)

@@ -160,7 +160,8 @@ def robust_sum(vectors: Sequence[torch.Tensor], aggregate: str, *, members: Sequ
         return trimmed_mean(vectors).mul_(len(vectors))
     if aggregate in ("clip", "trimmed", "agree") and len(vectors) >= 2:
         members = list(members) if members is not None else list(range(len(vectors)))
-        keep = agreeing(dense_gram(vectors)) if aggregate == "agree" else torch.ones(len(vectors), dtype=torch.bool)
+        agree = aggregate == "agree" and len(vectors) >= 3  # with 2, nobody can tell which is wrong: clip
+        keep = agreeing(dense_gram(vectors)) if agree else torch.ones(len(vectors), dtype=torch.bool)
         norms = torch.stack([torch.linalg.vector_norm(v.double()) for v in vectors])
         scales = kept_clip_scales(norms, keep)
         if tally is not None:
