@@ -422,6 +422,30 @@ def _tie_note(s: Mapping[str, Any]) -> str:
             f"{TIE:.0%}, a tie, and the smaller lr leads)")
 
 
+def _noise_note(s: Mapping[str, Any], runs: Sequence[Any]) -> str:
+    """The deciding round's margin (the chosen lr's loss against the nearest other lr's) beside the seed spread of
+    the variant's main runs at the chosen lr: a search at one seed tells lrs apart only beyond that noise."""
+    if s.get("claim") not in ("best", "edge") or s.get("chosen") is None:
+        return ""
+    last = max(p["round"] for p in s["points"] if p["lr"] == s["chosen"])
+    done = {p["lr"]: p["val_loss"] for p in s["points"] if p["round"] == last and p["val_loss"] is not None}
+    if s["chosen"] not in done or len(done) < 2:
+        return ""
+    margin = min(abs(v - done[s["chosen"]]) for lr, v in done.items() if lr != s["chosen"])
+    orig = _parse(s["spec"])
+    tuned = str(dataclasses.replace(_spec_at(orig, s["chosen"]), nseeds=orig.nseeds))
+    losses = [r.val_loss for r in runs if r.spec == tuned and r.status == "ok" and r.val_loss is not None]
+    if len(losses) < 2:
+        return ""
+    spread = max(losses) - min(losses)
+    head = (f"Round {last}'s nearest other lr ended {margin:.4f} from the chosen one; the main runs at the chosen lr "
+            f"spread {spread:.4f} over {len(losses)} seeds")
+    if margin > spread:
+        return head + ": the search's choice is beyond that seed noise."
+    return (head + ": within that seed noise, so the search (one seed) does not tell these lrs apart; a neighbouring "
+            "lr may train as well.")
+
+
 def tuning_section(results: Mapping[str, Any], plots: Sequence[str] = ()) -> list[str]:
     """``report.md``'s "Learning rates" section: where every lr came from, and each search ([] without sources)."""
     sources = results.get("lr_sources") or {}
@@ -444,8 +468,10 @@ def tuning_section(results: Mapping[str, Any], plots: Sequence[str] = ()) -> lis
                    "edge": f"chosen {s['chosen']:g}, the lowest loss but at the grid's edge: a better lr may lie "
                            "beyond it, so no best lr is claimed",
                    "failed": f"every search run failed: the centre {s['centre']:g} is kept"}.get(s["claim"], "")
+        noise = _noise_note(s, results.get("runs") or [])
         out += [f"### lr search: {s['spec']}" + (" (from the cache)" if s.get("cached") else ""), "",
-                f"Centre {s['centre']:g} ({s['centre_source']}); {verdict}{_tie_note(s)}.", ""]
+                f"Centre {s['centre']:g} ({s['centre_source']}); {verdict}{_tie_note(s)}." + (f" {noise}" if noise else ""),
+                ""]
         if _plot_name(i) in plots:
             out += [f"![lr search]({_plot_name(i)})", ""]
         out += [markdown_table(["lr", "round", "steps", "final val loss"], rows), ""]

@@ -69,6 +69,8 @@ FAKE_TRAINER = textwrap.dedent(
                 if steps < int(at) and lr > float(edge):  # favours large lrs, as AdamW's short runs on the frontier)
                     offset = 0.2 * math.log10(float(edge) / best) ** 2 - 0.001 * math.log10(lr / float(edge))
             history = [{**h, "val_loss": h["val_loss"] + offset} for h in history]
+        if env.get("FAKE_SEED_NOISE"):  # each seed ends this much higher than the one before (a seed spread)
+            history = [{**h, "val_loss": h["val_loss"] + float(env["FAKE_SEED_NOISE"]) * cfg.run.seed} for h in history]
         summary = {
             "rank": rank, "node": node, "method": method, "topk": topk, "chunk": chunk, "shards": shards,
             "nodes": world // per_node, "ranks_per_node": per_node, "replicas": world // shards,

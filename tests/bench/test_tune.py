@@ -30,12 +30,13 @@ def _bench(tmp_path, fake_trainer, monkeypatch, capsys, name: str, *argv: str):
     return load_results(out), out, calls, capsys.readouterr()
 
 
-def _search_adamw(tmp_path, fake_trainer, monkeypatch, capsys, name: str, **env: str):
-    """``--tune`` of adamw alone against the fake trainer with ``env`` (FAKE_*) set: (its search, results, out dir,
-    launches, captured output)."""
+def _search_adamw(tmp_path, fake_trainer, monkeypatch, capsys, name: str, *argv: str, **env: str):
+    """``--tune`` of adamw alone (with ``argv``, more bench options) against the fake trainer with ``env`` (FAKE_*)
+    set: (its search, results, out dir, launches, captured output)."""
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    results, out, calls, io = _bench(tmp_path, fake_trainer, monkeypatch, capsys, name, "--methods", "adamw", "--tune")
+    results, out, calls, io = _bench(tmp_path, fake_trainer, monkeypatch, capsys, name, "--methods", "adamw", "--tune",
+                                     *argv)
     (search,) = results["tuning"]
     return search, results, out, calls, io
 
@@ -202,3 +203,21 @@ def test_an_interrupt_during_the_search_says_where_its_runs_are_and_that_a_rerun
     assert f"interrupted during the lr search, before the main runs (its runs so far are in {out / 'tune'})" in err
     assert "Traceback" not in err and "could not write the report" not in err
     assert not (out / "results.json").exists() and not list(cache.glob("tune/*.json"))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("noise, says", [
+    ("0.001", "the search's choice is beyond that seed noise."),
+    ("0.5", "within that seed noise, so the search (one seed) does not tell these lrs apart"),
+])
+def test_the_report_sets_the_searchs_deciding_margin_beside_the_main_runs_seed_spread(
+        tmp_path, fake_trainer, monkeypatch, capsys, cache, noise, says) -> None:  # fmt: skip
+    """Round 2's lrs 1e-3 and 3e-3 end 0.2·log10(3)² ≈ 0.046 apart (the fake's loss is lowest at 1e-3); the main runs
+    at 1e-3 spread 0.001 or 0.5 over seeds 0 and 1."""
+    monkeypatch.setenv("FAKE_SEED_NOISE", noise)
+    search, _, out, _, _ = _search_adamw(tmp_path, fake_trainer, monkeypatch, capsys, f"noise{noise}",
+                                         "--seeds", "0,1", FAKE_BEST_LR="0.001")
+    assert search["chosen"] == 0.001
+    report = (out / "report.md").read_text()
+    assert f"Round 2's nearest other lr ended 0.0455 from the chosen one; the main runs at the chosen lr spread " \
+           f"{float(noise):.4f} over 2 seeds: {says}" in report
