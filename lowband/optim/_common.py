@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lowband.compress.check import BadMessage
+from lowband.compress.check import UNATTRIBUTED, BadMessage
 from lowband.link import Link
 from lowband.topology import Topology
 
@@ -161,19 +161,54 @@ def committed(link: Link | None) -> bool:
     return False
 
 
+def membership_key(link: Link | None) -> Any:
+    """Who the exchange's replica indices name: under fault tolerance the quorum's replica ids, else None."""
+    ft = getattr(link, "ft", None)
+    ids = getattr(ft, "replica_ids", None) if ft is not None else None
+    return tuple(ids) if ids else None
+
+
+#: A member whose messages failed their check this many exchanges in a row is evicted from the exchange.
+EVICT_AFTER = 3
+_UNSET = object()
+
+
 class BadMessageTally:
-    """Received messages that failed their check, per sender: totals, and bad exchanges in a row.
+    """Received messages that failed their check, per sender: totals, bad exchanges in a row, and evictions.
 
     ``total[s]`` counts sender s's bad messages over the run; ``in_a_row[s]`` its current run of
-    consecutive checked exchanges with a bad message (reset by a good one), for eviction after N.
+    consecutive checked exchanges with a bad message (reset by a good one). After :data:`EVICT_AFTER`
+    in a row the sender is *evicted* from the exchange: whatever it sends later, well-formed or not, is
+    left out (:meth:`evicted_among`), until the membership changes (:meth:`membership`). An honest node
+    never sends a malformed message (its own check flags the step instead), so the count needs no
+    patience. The member stays in torchft's quorum: the Lighthouse keeps any member that heartbeats,
+    and lowband cannot remove it there (docs/trust.md).
     """
 
     def __init__(self) -> None:
         self.total: dict[int, int] = {}
         self.in_a_row: dict[int, int] = {}
+        self.evicted: set[int] = set()
+        self._members: Any = _UNSET
+
+    def membership(self, key: Any) -> None:
+        """The exchange's members as a comparable ``key`` (under fault tolerance, the quorum's replica ids; None
+        without). When it changes the replica indices name other members: runs in a row and evictions restart."""
+        if key != self._members:
+            if self._members is not _UNSET:
+                self.in_a_row.clear()
+                self.evicted.clear()
+            self._members = key
+
+    def evicted_among(self, senders: Iterable[int], known: Iterable[BadMessage] = ()) -> list[BadMessage]:
+        """The evicted ``senders`` not already in ``known``, as bad messages (left out like them)."""
+        named = {b.sender for b in known}
+        return [BadMessage(s, f"evicted after {EVICT_AFTER} bad messages in a row")
+                for s in senders if s in self.evicted and s not in named]
 
     def record(self, bad: list[BadMessage], checked: Iterable[int], what: str, outcome: str) -> None:
-        """Count ``bad`` among the senders ``checked`` in one exchange and warn, naming each sender.
+        """Count ``bad`` among the senders ``checked`` in one exchange and warn, naming each sender (an evicted one
+        only when it is evicted).
 
         ``what``: the exchange (e.g. "FlexDeMo step 12"); ``outcome``: what the step does about it."""
         senders = {b.sender for b in bad}
@@ -184,5 +219,12 @@ class BadMessageTally:
             self.total[s] = self.total.get(s, 0) + 1
             self.in_a_row[s] = self.in_a_row.get(s, 0) + 1
         for b in bad:
+            if b.sender in self.evicted:
+                continue
             log.warning("%s: %s; %s (%d bad from this sender, %d in a row)", what, b, outcome,
                         self.total[b.sender], self.in_a_row[b.sender])
+            if b.sender != UNATTRIBUTED and self.in_a_row[b.sender] >= EVICT_AFTER:
+                self.evicted.add(b.sender)
+                log.warning("%s: replica %d is evicted from the exchange after %d bad messages in a row: nothing it "
+                            "sends is used until the membership changes (it stays in torchft's quorum, which keeps "
+                            "any member that heartbeats: stop that node)", what, b.sender, self.in_a_row[b.sender])

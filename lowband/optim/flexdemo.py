@@ -29,6 +29,7 @@ from lowband.optim._common import (
     check_sharded,
     committed,
     local,
+    membership_key,
     replica_state_like,
     run_closure,
     state_view,
@@ -394,7 +395,7 @@ class FlexDeMo(OverlapMixin, Optimizer):
         return OptimizerStats(dropped_steps=self.dropped_steps, skipped_steps=self.skipped_steps,
                               bad_messages=dict(self.bad_messages.total),
                               bad_in_a_row=dict(self.bad_messages.in_a_row), clipped=dict(self.clip_tally.clipped),
-                              left_out=dict(self.clip_tally.left_out))
+                              left_out=dict(self.clip_tally.left_out), evicted=sorted(self.bad_messages.evicted))
 
     def state_owners(self) -> list[Optimizer]:
         return [self]
@@ -557,6 +558,8 @@ class FlexDeMo(OverlapMixin, Optimizer):
 
         bad = check_messages(gathered, nbytes=sum(w.plan.nbytes for w in work) + 1, dtype=torch.uint8,
                              allowed_flags=(0, 1, _NOT_COUNTED), payload=payload)
+        self.bad_messages.membership(membership_key(self.link))
+        bad += self.bad_messages.evicted_among(range(gathered.shape[0]), bad)
         self.bad_messages.record(bad, range(gathered.shape[0]), "FlexDeMo exchange",
                                  "its message is left out of this step's mean")
         if not bad:

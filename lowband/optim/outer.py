@@ -48,6 +48,7 @@ from lowband.optim._common import (
     committed,
     grads_nonfinite,
     local,
+    membership_key,
     replica_state_like,
     run_closure,
     state_view,
@@ -568,7 +569,7 @@ class OuterStepOptimizer(Optimizer):
         return OptimizerStats(dropped_steps=self.dropped_outer_steps, outer_steps=self.outer_steps,
                               bad_messages=dict(self.bad_messages.total),
                               bad_in_a_row=dict(self.bad_messages.in_a_row), clipped=dict(self.clip_tally.clipped),
-                              left_out=dict(self.clip_tally.left_out))
+                              left_out=dict(self.clip_tally.left_out), evicted=sorted(self.bad_messages.evicted))
 
     def state_owners(self) -> list[Optimizer]:
         return [self, self.inner_optimizer]
@@ -631,6 +632,8 @@ class OuterStepOptimizer(Optimizer):
         payload), each named in a warning and counted; their messages are left out of the mean."""
         bad = check_messages(messages, nbytes=nbytes, dtype=dtype, allowed_flags=(0, 1), payload=payload,
                              senders=senders)
+        self.bad_messages.membership(membership_key(self.link))
+        bad += self.bad_messages.evicted_among(senders, bad)
         self.bad_messages.record(bad, senders, f"{type(self).__name__} outer step {self.outer_steps}",
                                  "its message is left out of this outer step")
         return {b.sender for b in bad}

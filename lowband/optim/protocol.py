@@ -28,11 +28,13 @@ class OptimizerStats:
         bad_messages: received messages that failed their check (:mod:`lowband.compress.check`), by
             sender (its replica index in the exchange's group; −1: a sum that cannot be attributed).
         bad_in_a_row: per sender, how many of its last exchanges in a row were bad (0 not listed):
-            what a trainer would evict a member on after N.
+            a sender is evicted after :data:`lowband.optim._common.EVICT_AFTER`.
         clipped: per member, how many of its updates robust aggregation (``aggregate='clip'``, or
             ``'trimmed'`` with 2 members) scaled down to the members' median norm.
         left_out: per member, how many of its updates ``aggregate='agree'`` left out (pointing against
             most of the others').
+        evicted: the senders evicted from the exchange (:data:`lowband.optim._common.EVICT_AFTER` bad
+            messages in a row; nothing they send is used until the membership changes).
     """
 
     dropped_steps: int = 0
@@ -42,6 +44,7 @@ class OptimizerStats:
     bad_in_a_row: dict[int, int] = field(default_factory=dict)
     clipped: dict[int, int] = field(default_factory=dict)
     left_out: dict[int, int] = field(default_factory=dict)
+    evicted: list[int] = field(default_factory=list)
 
 
 @runtime_checkable

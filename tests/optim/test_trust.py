@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lowband.compress.check import UNATTRIBUTED, BadMessage
 from lowband.compress.quant import BlockQuant
 from lowband.compress.sparse import SparseCodec
 from lowband.compress.wire import WireFormat
@@ -25,7 +26,7 @@ from lowband.optim import (
     NonFiniteGradientError,
     SparseLoCo,
 )
-from lowband.optim._common import state_view
+from lowband.optim._common import EVICT_AFTER, BadMessageTally, state_view
 from lowband.testing import tiny_loss, tiny_model
 
 INNER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
@@ -164,6 +165,36 @@ def test_a_good_streak_resets_the_count_in_a_row():
     opt.link.peer = lambda m: m
     _train(model, opt, 1)
     assert opt.stats().bad_messages == {1: 2} and opt.stats().bad_in_a_row == {}
+
+
+def test_a_sender_bad_three_times_in_a_row_is_evicted_until_the_membership_changes(caplog):
+    """After EVICT_AFTER bad messages in a row, whatever the sender sends is left out, well-formed or not (here its
+    honest message with the sign flipped): the replica steps as with its own message alone. A new membership (under
+    fault tolerance: another quorum's replica ids) names other members by the indices: the eviction ends."""
+    ref_model, ref = _flexdemo(_Link())
+    _train(ref_model, ref, EVICT_AFTER)
+    _train(ref_model, ref, 2)  # the same batches as below
+    model, opt = _flexdemo(_Link(FLEX_BAD["index >= chunk"]))
+    with caplog.at_level(logging.WARNING):
+        _train(model, opt, EVICT_AFTER)
+    assert opt.stats().evicted == [1] and "replica 1 is evicted from the exchange after 3 bad messages" in caplog.text
+    caplog.clear()
+    opt.link.peer = lambda m: _flexdemo_reencode(m, lambda v: -v)  # well-formed, finite, wrong
+    with caplog.at_level(logging.WARNING):
+        _train(model, opt, 2)
+    _assert_same(_params(model), _params(ref_model))
+    assert opt.stats().bad_messages == {1: EVICT_AFTER + 2} and caplog.text == ""  # named once, when evicted
+    opt.link.ft = SimpleNamespace(replica_ids=["lowband_a_node0:1", "lowband_a_node2:2"])
+    opt.link.peer = lambda m: m
+    _train(model, opt, 1)
+    assert opt.stats().evicted == [] and opt.stats().bad_in_a_row == {}
+
+
+def test_an_unattributable_sum_is_never_evicted():
+    tally = BadMessageTally()
+    for _ in range(EVICT_AFTER + 1):
+        tally.record([BadMessage(UNATTRIBUTED, "an impossible mean")], [UNATTRIBUTED], "x", "y")
+    assert tally.in_a_row == {UNATTRIBUTED: EVICT_AFTER + 1} and tally.evicted == set()
 
 
 # ----------------------------------------------------------------------------- the outer-step methods
