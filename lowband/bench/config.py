@@ -43,7 +43,7 @@ from lowband.bench.presets import (
     sequence_lengths,
 )
 from lowband.bench.timebudget import check_time_budget, parse_time_budget, reference_first
-from lowband.optim.outer import unmerged_tail_note
+from lowband.optim.outer_schedule import unmerged_tail_note
 from lowband.units import parse_bandwidth, parse_duration, parse_int_list, split_list
 
 __all__ = [

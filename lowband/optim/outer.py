@@ -53,11 +53,11 @@ from lowband.optim._common import (
     run_closure,
     state_view,
 )
+from lowband.optim.outer_schedule import check_delay
 from lowband.optim.protocol import OptimizerStats
 from lowband.optim.robust import ClipTally, check_aggregate, robust_sum
 
-__all__ = ["DROP", "InnerOptimizer", "OuterFlight", "OuterStepOptimizer", "check_delay", "check_unit_interval",
-           "unmerged_tail_note"]
+__all__ = ["DROP", "InnerOptimizer", "OuterFlight", "OuterStepOptimizer", "check_unit_interval"]
 
 log = logging.getLogger(__name__)
 
@@ -73,37 +73,6 @@ def check_unit_interval(name: str, value: float) -> None:
     """Refuse a hyper-parameter ``name`` outside [0, 1) (momenta and decays)."""
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {value}")
-
-
-def check_delay(delay: Any, sync_every: int) -> int:
-    """Validate τ (``delay``) against H (``sync_every``): an integer with 0 <= τ < H; returns it.
-
-    The outer step started after inner step kH is merged after inner step kH + τ, which must come
-    before the next one starts at (k + 1)H.
-    """
-    if not isinstance(delay, numbers.Integral) or isinstance(delay, bool) or delay < 0:
-        raise ValueError(f"delay (τ, inner steps an outer step runs behind) must be an integer >= 0, got {delay!r}")
-    if delay >= sync_every:
-        raise ValueError(
-            f"delay τ={delay} must be below sync_every H={sync_every}: the outer step started after inner step "
-            f"kH is merged τ steps later, before the next one starts. Use delay <= {sync_every - 1} or raise H "
-            f"to at least {int(delay) + 1}" + (" (H=1 leaves no room for overlap: use delay=0)" if sync_every == 1 else "")
-        )
-    return int(delay)
-
-
-def unmerged_tail_note(steps: int, sync_every: int) -> str | None:
-    """Why ``steps`` inner steps end between outer steps, or None when they end on one.
-
-    The last ``steps % H`` inner steps of such a run are never merged by an outer step, so the
-    final weights (and their validation) are each replica's own, not the replicas' agreed ones.
-    """
-    tail = steps % sync_every
-    if tail == 0 or steps < sync_every:
-        return None
-    return (f"--steps {steps} is not a multiple of H={sync_every}: the last {tail} inner steps are never "
-            "merged by an outer step, so the final weights and validation are one replica's own; give "
-            f"--steps {steps - tail} or {steps - tail + sync_every}")
 
 
 @dataclass

@@ -54,7 +54,7 @@ from lowband.optim.muon import (
     muon_missing_message,
 )
 from lowband.optim.noloco import NOLOCO_INNER_DEFAULTS
-from lowband.optim.outer import check_delay, unmerged_tail_note
+from lowband.optim.outer_schedule import check_delay, unmerged_tail_note
 from lowband.optim.robust import AGGREGATES
 from lowband.optim.sparseloco import SPARSELOCO_INNER_DEFAULTS, SPARSELOCO_TRANSFORMS
 from lowband.util import parse_bool
