@@ -7,6 +7,8 @@
   step it healed to, the state it copied (MB) and the time the quorum with the transfer took.
 - **Cost** (``--ft both``): seconds per step and bytes per step with fault tolerance on against off,
   measured side by side in the same bench.
+- **What the exchange refused** (any run): per member of rank 0's exchange group, the messages
+  that failed their check, the updates robust aggregation clipped or left out, the members evicted.
 - ``faults.png``: validation loss against step for each faulted run and its twin, the faults marked,
   and the live nodes over the steps.
 """
@@ -146,6 +148,30 @@ def cost_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+def _by_member(counts: Mapping[str, int] | None, of: int | None) -> str:
+    """``{"1": 146}`` -> "member 1: 146 of 151"."""
+    if not counts:
+        return "–"
+    return "; ".join(f"member {m}: {n}" + (f" of {of}" if of else "") for m, n in counts.items())
+
+
+def screened_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Runs whose exchange refused or weakened anything: by member, how often, and the final loss."""
+    headers = ["variant", "seed", "faults", "messages refused (failed their check)", "clipped to the median norm",
+               "left out (aggregate=agree)", "evicted", "final loss"]
+    rows = []
+    for r in results["runs"]:
+        s = r.screened or {}
+        if not any(s.get(k) for k in ("bad_messages", "clipped", "left_out", "evicted")):
+            continue
+        of = s.get("aggregations")
+        rows.append([r.label, str(r.seed), ", ".join(_ft(r).get("faults") or []) or "–",
+                     _by_member(s.get("bad_messages"), None), _by_member(s.get("clipped"), of),
+                     _by_member(s.get("left_out"), of),
+                     ", ".join(f"member {m}" for m in s.get("evicted") or []) or "–", _fmt(r.val_loss, ".4f")])
+    return headers, rows
+
+
 def ft_section(results: Mapping[str, Any]) -> list[str]:
     out: list[str] = []
     headers, rows = fault_rows(results)
@@ -155,7 +181,7 @@ def ft_section(results: Mapping[str, Any]) -> list[str]:
                 "the faulted one carries out the plan (kill: SIGKILL to every process of the node; start: the node "
                 "rejoins and copies its state from a live peer over the network; poison: from its step on the node "
                 "sends its updates times 1,000, poison-flip: sign-flipped, well-formed and finite, so that only "
-                "robust aggregation, aggregate=clip|trimmed, bounds them; poison-nan, poison-index: NaN values or "
+                "robust aggregation bounds them (aggregate=clip|trimmed the scaled ones, aggregate=agree the flipped); poison-nan, poison-index: NaN values or "
                 "out-of-range indices with a clean flag, which the message checks refuse; intrude: a process with the job's command "
                 "line but not its secret starts in the node's slot, and must be refused before any process group "
                 "includes it: the run fails if it is not; every fault-tolerant run of the bench has a job secret "
@@ -166,6 +192,17 @@ def ft_section(results: Mapping[str, Any]) -> list[str]:
                 "not included). A difference in final loss is judged against the twin's seed spread, which needs "
                 "the twin at several seeds (--seeds). The global batch shrinks while a node is dead (its slice "
                 "of each step's batch is skipped).", "", markdown_table(headers, rows), ""]
+    headers, rows = screened_rows(results)
+    if rows:
+        out += ["## What the exchange refused", "",
+                "Rank 0's count over the run, per member of its exchange group (member i is node i without fault "
+                "tolerance; under it, the member's place in the quorum). *Messages refused*: received messages that "
+                "failed their check (size, index range, finite values, flag) and were left out of the step. "
+                "*Clipped*: updates robust aggregation (clip, agree) scaled down to the members' median norm (with 3 members, one a step when their norms differ). *Left out*: "
+                "updates aggregate=agree left out because they pointed against most of the others' (of the "
+                "rule's decisions: one per step and bucket of parameters for FlexDeMo, per outer step for the others). *Evicted*: members whose "
+                "messages failed their check 3 times in a row; nothing they sent after was used until the "
+                "membership changed.", "", markdown_table(headers, rows), ""]
     headers, rows = cost_rows(results)
     if rows:
         out += ["## What fault tolerance costs when nothing fails", "",

@@ -156,6 +156,10 @@ class RunRecord:
     fault_tolerance: dict[str, Any] | None = None
     """Runs under fault tolerance: the plan, what was done when, each node's membership changes,
     dropped steps and heals (:mod:`lowband.bench.runner`); else None."""
+    screened: dict[str, Any] | None = None
+    """What rank 0's exchange refused or weakened over the run, per member of its exchange group (its
+    index there: node i without fault tolerance; under it, its place in the quorum): {"bad_messages",
+    "clipped", "left_out": {member: count}, "evicted": [member, ...]} (the trainer's summary)."""
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -169,7 +169,7 @@ def _merge_link_ops(summaries: Sequence[RunSummary]) -> dict[str, OpTally]:
 
 _POINT_KEYS = ("step", "epoch", "tokens", "train_time_s", "wall_s", "val_loss")
 #: Run-record fields copied from rank 0's summary as they are.
-_FROM_RANK0 = ("steps", "outer_steps", "shards", "replicas", "num_params", "model", "batch_size", "train_time_s")
+_FROM_RANK0 = ("steps", "outer_steps", "screened", "shards", "replicas", "num_params", "model", "batch_size", "train_time_s")
 #: Run-record fields that are the mean over the ranks' summaries.
 _MEAN_OVER_RANKS = ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_time_s", "sync_time_s")
 

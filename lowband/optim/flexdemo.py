@@ -395,7 +395,8 @@ class FlexDeMo(OverlapMixin, Optimizer):
         return OptimizerStats(dropped_steps=self.dropped_steps, skipped_steps=self.skipped_steps,
                               bad_messages=dict(self.bad_messages.total),
                               bad_in_a_row=dict(self.bad_messages.in_a_row), clipped=dict(self.clip_tally.clipped),
-                              left_out=dict(self.clip_tally.left_out), evicted=sorted(self.bad_messages.evicted))
+                              left_out=dict(self.clip_tally.left_out), evicted=sorted(self.bad_messages.evicted),
+                              aggregations=self.clip_tally.decisions)
 
     def state_owners(self) -> list[Optimizer]:
         return [self]

@@ -8,7 +8,7 @@ fault tolerance or an overlapped exchange, these few methods.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -35,6 +35,8 @@ class OptimizerStats:
             most of the others').
         evicted: the senders evicted from the exchange (:data:`lowband.optim._common.EVICT_AFTER` bad
             messages in a row; nothing they send is used until the membership changes).
+        aggregations: how many times robust aggregation (``aggregate`` other than ``'mean'``) decided:
+            per step and bucket of parameters (FlexDeMo), per outer step (per group: NoLoCo); 0 under ``'mean'``.
     """
 
     dropped_steps: int = 0
@@ -45,6 +47,21 @@ class OptimizerStats:
     clipped: dict[int, int] = field(default_factory=dict)
     left_out: dict[int, int] = field(default_factory=dict)
     evicted: list[int] = field(default_factory=list)
+    aggregations: int = 0
+
+    def screened(self) -> dict[str, Any]:
+        """What the exchange refused or weakened, as plain data (member indices as strings, as JSON keys are).
+
+        ``{"bad_messages", "clipped", "left_out": {member: count}, "evicted": [member, ...], "aggregations": n}``
+        (clipped and left out are out of the ``aggregations``); all empty when every message passed and no
+        robust rule acted.
+        """
+        def by_member(counts: dict[int, int]) -> dict[str, int]:
+            return {str(k): int(v) for k, v in sorted(counts.items()) if v}
+
+        return {"bad_messages": by_member(self.bad_messages), "clipped": by_member(self.clipped),
+                "left_out": by_member(self.left_out), "evicted": sorted(int(m) for m in self.evicted),
+                "aggregations": int(self.aggregations)}
 
 
 @runtime_checkable

@@ -119,10 +119,13 @@ class ClipTally:
     def __init__(self) -> None:
         self.clipped: Counter[int] = Counter()
         self.left_out: Counter[int] = Counter()
+        self.decisions = 0  # how many times the rule ran (per step and bucket, or per outer step)
         self._named: set[int] = set()
         self._named_out: set[int] = set()
 
     def record_left_out(self, members: Sequence[int], keep: torch.Tensor, where: str) -> None:
+        """Count one decision of the rule (called for every aggregation, whoever is kept) and who it left out."""
+        self.decisions += 1
         for j, k in zip(members, keep.tolist(), strict=True):
             if k:
                 continue

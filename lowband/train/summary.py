@@ -47,6 +47,10 @@ class RunSummary:
             operations started in it (start to result), the time blocked in the link.
         sync_time_s: DiLoCo/NoLoCo: median exposed time of the steps that synchronise; else null.
         outer_steps: DiLoCo/NoLoCo: outer steps taken; else null.
+        screened: what this rank's exchange refused or weakened over the run
+            (:meth:`lowband.optim.protocol.OptimizerStats.screened`): per member of the exchange's
+            group (its index there), the messages that failed their check, the updates robust
+            aggregation clipped or left out, and the members evicted.
         inter_node_bytes_per_step: bytes this rank sent to other nodes per step (mean).
         node_inter_node_bytes_per_step: the same summed over this rank's node.
         link_ops: per operation kind, this rank's :class:`~lowband.traffic.OpTally` over the run
@@ -88,6 +92,7 @@ class RunSummary:
     exposed_comm_time_s: float | None
     sync_time_s: float | None
     outer_steps: int | None
+    screened: dict[str, Any]
     inter_node_bytes_per_step: float
     node_inter_node_bytes_per_step: float
     link_ops: dict[str, OpTally]

@@ -85,6 +85,7 @@ FAKE_TRAINER = textwrap.dedent(
             "train_loss": 4.0, "shaping": {"bandwidth_bps": bw, "latency_s": 0.0},
             "start_step": 0, "data": "fake", "grad_accum": 1, "precision": "fp32", "activation_checkpointing": False,
             "memory": {}, "exposed_comm_time_s": comm, "sync_time_s": None, "outer_steps": None,
+            "screened": json.loads(env.get("FAKE_SCREENED") or "{}"),
             "wall_time_s": 1.0, "config": {},
         }
         out.mkdir(parents=True, exist_ok=True)

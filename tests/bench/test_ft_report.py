@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lowband.bench.ft_report import cost_rows, fault_events, fault_rows, ft_section
+from lowband.bench.ft_report import cost_rows, fault_events, fault_rows, ft_section, screened_rows
 from lowband.bench.record import RunRecord
 
 
@@ -60,3 +60,23 @@ def test_cost_rows_compare_ft_on_with_off_side_by_side():
             _run("AdamW FT", loss=7.0, step_time=0.21, bytes_=2e6, ft={"faults": []})]
     headers, rows = cost_rows({"runs": runs})
     assert rows == [["AdamW", "0", "100 Mbit/s", "0.200", "0.210", "1.050", "2.0000", "2.0000", "1.000"]]
+
+
+def test_what_the_exchange_refused_is_reported_by_member_for_any_run():
+    """A run whose exchange refused messages, clipped or left out updates, or evicted a member gets a row (fault
+    tolerance or not); a run whose exchange used everything gets none."""
+    clean = _run("DeMo Top2", loss=5.57)
+    clean.screened = {"bad_messages": {}, "clipped": {}, "left_out": {}, "evicted": [], "aggregations": 0}
+    agree = _run("DeMo Top2 aggregate=agree", loss=5.66, seed=1)
+    agree.screened = {"bad_messages": {}, "clipped": {"0": 2}, "left_out": {"1": 146}, "evicted": [],
+                      "aggregations": 151}
+    refused = _run("SparseLoCo", loss=6.1, ft=_faulted_ft())
+    refused.screened = {"bad_messages": {"2": 4}, "clipped": {}, "left_out": {}, "evicted": [2], "aggregations": 0}
+    headers, rows = screened_rows({"runs": [clean, agree, refused]})
+    assert rows == [
+        ["DeMo Top2 aggregate=agree", "1", "–", "–", "member 0: 2 of 151", "member 1: 146 of 151", "–", "5.6600"],
+        ["SparseLoCo", "0", "node2:kill@10, node1:intrude@15, node2:start@20", "member 2: 4", "–", "–", "member 2",
+         "6.1000"],
+    ]
+    assert "## What the exchange refused" in "\n".join(ft_section({"runs": [clean, agree]}))
+    assert not any("What the exchange refused" in line for line in ft_section({"runs": [clean]}))

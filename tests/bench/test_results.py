@@ -75,6 +75,7 @@ RUN_KEYS = (
     "link_effective_bps", "val_loss", "best_val_loss", "train_time_s", "tokens", "steps_to_target",
     "tokens_to_target", "time_to_target_s", "reference_steps_to_final", "reference_time_to_final_s", "train_loss",
     "peak_rss_mb", "peak_rss_mb_by_rank", "link_ops", "val_history", "run_dir", "logs", "command", "fault_tolerance",
+    "screened",
 )  # fmt: skip
 
 
@@ -97,6 +98,8 @@ def _full_record() -> RunRecord:
                      {"step": 6, "epoch": 0, "tokens": 2400, "train_time_s": 0.8, "wall_s": 3.0, "val_loss": 3.5}],
         run_dir="runs/00-flexdemo-top8-s2-100mbit-seed0", logs=["runs/00/logs/node0.log", "runs/00/logs/node1.log"],
         command=["train", "--method", "flexdemo"], fault_tolerance={"faults": [], "notes": []},
+        screened={"bad_messages": {"1": 2}, "clipped": {}, "left_out": {"2": 5}, "evicted": [1],
+                  "aggregations": 9},
     )  # fmt: skip
 
 

@@ -183,7 +183,7 @@ def test_agree_keeps_the_members_that_point_the_way_of_at_least_half_of_the_othe
     torch.testing.assert_close(robust_sum([a, b, -a], "agree"), 3 * a)
     tally = ClipTally()
     robust_sum([a, b, -a], "agree", members=[4, 5, 6], tally=tally)
-    assert tally.left_out == {6: 1} and tally.clipped == {}
+    assert tally.left_out == {6: 1} and tally.clipped == {} and tally.decisions == 1
 
 
 def test_the_sparse_gram_is_the_inner_products_of_the_decoded_messages():
@@ -226,6 +226,7 @@ def test_agree_leaves_out_a_sign_flipped_member_that_clip_lets_through(case, cap
     assert _farthest(agreed, honest) < 1e-6
     assert _farthest(clipped, honest) > 1e-3
     assert opt.stats().left_out == {2: outer} and opt.stats().bad_messages == {}
+    assert opt.stats().screened()["left_out"] == {"2": outer} and opt.stats().aggregations == outer  # what the report shows
     assert "member 2's update points against most of the others'" in caplog.text
 
 

@@ -184,6 +184,8 @@ def test_a_sender_bad_three_times_in_a_row_is_evicted_until_the_membership_chang
         _train(model, opt, 2)
     _assert_same(_params(model), _params(ref_model))
     assert opt.stats().bad_messages == {1: EVICT_AFTER + 2} and caplog.text == ""  # named once, when evicted
+    assert opt.stats().screened() == {"bad_messages": {"1": EVICT_AFTER + 2}, "clipped": {}, "left_out": {},
+                                      "evicted": [1], "aggregations": 0}  # the run's summary: what the report shows
     opt.link.ft = SimpleNamespace(replica_ids=["lowband_a_node0:1", "lowband_a_node2:2"])
     opt.link.peer = lambda m: m
     _train(model, opt, 1)
