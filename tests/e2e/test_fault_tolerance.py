@@ -75,6 +75,31 @@ def _wait_dead(pids: list[int], timeout_s: float) -> bool:
     return not any(is_alive(p) for p in pids)
 
 
+#: Steps the survivors of a kill train with 2 members before the killed node starts again.
+ALONE_STEPS = 5
+
+
+def _wait_steps_with(out, node: int, *, replicas: int, steps: int, job, timeout_s: float = 240.0) -> None:
+    """Until node ``node`` recorded ``steps`` training steps with ``replicas`` members."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if job.procs[node].poll() is not None:
+            raise RuntimeError(f"node {node} exited with {job.procs[node].returncode}: "
+                               + job.log_path(node).read_text()[-3000:])
+        path = out / f"node{node}" / "metrics.jsonl"
+        done = 0
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written
+            done += rec["type"] == "train" and rec.get("replicas") == replicas
+        if done >= steps:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"node {node} did not train {steps} steps with {replicas} members within {timeout_s:g} s")
+
+
 def _wait_healed(out, node: int, since_step: int, job, timeout_s: float = 240.0) -> None:
     """Until node ``node`` logged a membership change with a heal at a step after ``since_step``."""
     deadline = time.monotonic() + timeout_s
@@ -277,7 +302,11 @@ def test_a_killed_node_leaves_the_others_training_and_rejoins_equal(tmp_path, me
         killed_at = job.steps_done(0)
         job.kill(2)
         assert _wait_dead(pids, 10.0), "a process of the killed node survived"
-        job.start(2)  # its start (10-20 s) leaves the survivors training without it
+        # The survivors train 5 steps without it before it starts again: a restart (5-20 s) could otherwise be back
+        # before their next quorum, which then has three members again (a CI run saw node 2 heal at step 12 while
+        # nodes 0 and 1 never recorded a quorum of 2: their step 11 waited 5.4 s for the dead node and dropped).
+        _wait_steps_with(tmp_path, 0, replicas=2, steps=ALONE_STEPS, job=job)
+        job.start(2)
         _wait_healed(tmp_path, 2, killed_at, job)
         stop_at = job.end_soon()
         codes = job.wait(timeout_s=360)
@@ -291,7 +320,7 @@ def test_a_killed_node_leaves_the_others_training_and_rejoins_equal(tmp_path, me
         seen = [e["replicas"] for e in _membership(tmp_path, node)]
         assert 2 in seen and seen[-1] == 3, (node, seen)
         alone = [e["step"] for e in _records_of(tmp_path, node, "train") if e.get("replicas") == 2]
-        assert len(alone) >= 5, (node, alone)
+        assert len(alone) >= ALONE_STEPS, (node, alone)
         for r in recs[node]:
             assert r["dropped_steps"] <= 1, r  # at most one step (DiLoCo: outer step) lost to the fault
     # The restarted node healed from a live peer, at a step the others had reached.
