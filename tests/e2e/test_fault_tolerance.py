@@ -79,39 +79,42 @@ def _wait_dead(pids: list[int], timeout_s: float) -> bool:
 ALONE_STEPS = 5
 
 
-def _wait_steps_with(out, node: int, *, replicas: int, steps: int, job, timeout_s: float = 240.0) -> None:
+def _read_records(out, node: int) -> list[dict]:
+    """Node ``node``'s metrics.jsonl so far (a line being written is left for the next read)."""
+    path = out / f"node{node}" / "metrics.jsonl"
+    recs = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return recs
+
+
+def _wait_records(out, node: int, job, until, what: str, timeout_s: float = 240.0) -> None:
+    """Until ``until(records)`` holds for node ``node``'s records; its exit first is an error naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if job.procs[node].poll() is not None:
+            raise RuntimeError(f"node {node} exited with {job.procs[node].returncode} before it {what}: "
+                               + job.log_path(node).read_text()[-3000:])
+        if until(_read_records(out, node)):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"node {node} has not {what} within {timeout_s:g} s")
+
+
+def _wait_steps_with(out, node: int, *, replicas: int, steps: int, job) -> None:
     """Until node ``node`` recorded ``steps`` training steps with ``replicas`` members."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if job.procs[node].poll() is not None:
-            raise RuntimeError(f"node {node} exited with {job.procs[node].returncode}: "
-                               + job.log_path(node).read_text()[-3000:])
-        path = out / f"node{node}" / "metrics.jsonl"
-        done = 0
-        for line in path.read_text().splitlines() if path.exists() else []:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written
-            done += rec["type"] == "train" and rec.get("replicas") == replicas
-        if done >= steps:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"node {node} did not train {steps} steps with {replicas} members within {timeout_s:g} s")
+    _wait_records(out, node, job, lambda recs: sum(r["type"] == "train" and r.get("replicas") == replicas
+                                                   for r in recs) >= steps,
+                  f"trained {steps} steps with {replicas} members")
 
 
-def _wait_healed(out, node: int, since_step: int, job, timeout_s: float = 240.0) -> None:
+def _wait_healed(out, node: int, since_step: int, job) -> None:
     """Until node ``node`` logged a membership change with a heal at a step after ``since_step``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if job.procs[node].poll() is not None:
-            raise RuntimeError(f"node {node} exited with {job.procs[node].returncode} before it healed: "
-                               + job.log_path(node).read_text()[-3000:])
-        path = out / f"node{node}" / "metrics.jsonl"
-        if path.exists() and any(e.get("healed") and e["step"] > since_step for e in _membership(out, node)):
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"node {node} did not heal within {timeout_s:g} s")
+    _wait_records(out, node, job, lambda recs: any(r["type"] == "membership" and r.get("healed")
+                                                   and r["step"] > since_step for r in recs), "healed")
 
 
 # ----------------------------------------------------------------------------------------------------
