@@ -159,7 +159,8 @@ class RunRecord:
     screened: dict[str, Any] | None = None
     """What rank 0's exchange refused or weakened over the run, per member of its exchange group (its
     index there: node i without fault tolerance; under it, its place in the quorum): {"bad_messages",
-    "clipped", "left_out": {member: count}, "evicted": [member, ...]} (the trainer's summary)."""
+    "clipped", "left_out": {member: count}, "evicted": [member, ...], "aggregations": how many times the
+    robust rule decided} (the trainer's summary; clipped and left out are counted out of the aggregations)."""
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

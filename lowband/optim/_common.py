@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -13,6 +13,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from lowband.compress.check import UNATTRIBUTED, BadMessage
 from lowband.link import Link
 from lowband.topology import Topology
+
+if TYPE_CHECKING:
+    from lowband.optim.robust import ClipTally
 
 log = logging.getLogger(__name__)
 
@@ -228,3 +231,14 @@ class BadMessageTally:
                 log.warning("%s: replica %d is evicted from the exchange after %d bad messages in a row: nothing it "
                             "sends is used until the membership changes (it stays in torchft's quorum, which keeps "
                             "any member that heartbeats: stop that node)", what, b.sender, self.in_a_row[b.sender])
+
+
+def screening_counts(bad: BadMessageTally, clip: ClipTally | None = None) -> dict[str, Any]:
+    """What an exchange refused or weakened, as :class:`lowband.optim.protocol.OptimizerStats` fields: the bad
+    messages by sender (total and in a row), the evicted senders and, with robust aggregation's ``clip`` tally,
+    the updates clipped or left out per member and how often the rule decided."""
+    counts: dict[str, Any] = {"bad_messages": dict(bad.total), "bad_in_a_row": dict(bad.in_a_row),
+                              "evicted": sorted(bad.evicted)}
+    if clip is not None:
+        counts.update(clipped=dict(clip.clipped), left_out=dict(clip.left_out), aggregations=clip.decisions)
+    return counts

@@ -37,6 +37,7 @@ from lowband.optim._common import (
     committed,
     local,
     run_closure,
+    screening_counts,
 )
 from lowband.optim.muon import MuonAdamW
 from lowband.optim.protocol import OptimizerStats
@@ -124,8 +125,7 @@ class _FullSyncMixin:
 
     def stats(self) -> OptimizerStats:
         return OptimizerStats(dropped_steps=self.dropped_steps, skipped_steps=self.skipped_steps,
-                              bad_messages=dict(self.bad_messages.total),
-                              bad_in_a_row=dict(self.bad_messages.in_a_row))
+                              **screening_counts(self.bad_messages))
 
     def state_owners(self) -> list:
         return [self]

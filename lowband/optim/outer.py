@@ -51,6 +51,7 @@ from lowband.optim._common import (
     membership_key,
     replica_state_like,
     run_closure,
+    screening_counts,
     state_view,
 )
 from lowband.optim.outer_schedule import check_delay
@@ -536,10 +537,7 @@ class OuterStepOptimizer(Optimizer):
     def stats(self) -> OptimizerStats:
         """Dropped outer steps; non-finite pseudo-gradients raise (never skipped); outer steps taken."""
         return OptimizerStats(dropped_steps=self.dropped_outer_steps, outer_steps=self.outer_steps,
-                              bad_messages=dict(self.bad_messages.total),
-                              bad_in_a_row=dict(self.bad_messages.in_a_row), clipped=dict(self.clip_tally.clipped),
-                              left_out=dict(self.clip_tally.left_out), evicted=sorted(self.bad_messages.evicted),
-                              aggregations=self.clip_tally.decisions)
+                              **screening_counts(self.bad_messages, self.clip_tally))
 
     def state_owners(self) -> list[Optimizer]:
         return [self, self.inner_optimizer]

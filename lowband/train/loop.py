@@ -393,6 +393,7 @@ class Trainer:
         """This rank's summary of the run, written to ``summary_rank{R}.json``."""
         cfg, t, topo = self.cfg, self.tally, self.topology
         hp = self.method.as_dict()
+        stats = self.optimizer.stats()
 
         def med(values: list[float]) -> float | None:
             return statistics.median(values) if values else None
@@ -408,7 +409,7 @@ class Trainer:
             compute_time_s=med(t.compute_times), comm_time_s=med(t.comm_times),
             exposed_comm_time_s=med(t.exposed_times),
             sync_time_s=med(t.sync_times) if self.local else None,
-            outer_steps=self.optimizer.stats().outer_steps, screened=self.optimizer.stats().screened(),
+            outer_steps=stats.outer_steps, screened=stats.screened(),
             inter_node_bytes_per_step=sum(t.sent) / max(len(t.sent), 1),
             node_inter_node_bytes_per_step=sum(t.node_sent) / max(len(t.node_sent), 1),
             link_ops=t.link_ops, peak_rss_mb=max(_peak_rss_mb(), self.profile.process_peak_mb()),
