@@ -8,8 +8,8 @@ index is N acts on it) sends, from training step STEP on, updates that pass ever
   momentum components) times 1,000: finite, well-formed, huge;
 - ``flip``: its update with the sign flipped: finite, of honest size, pointing the wrong way.
 
-Against those two only robust aggregation (``aggregate=clip|trimmed``, :mod:`lowband.optim.robust`)
-helps. Two more kinds send what the message checks (:mod:`lowband.compress.check`) must refuse,
+Against those two only robust aggregation (``aggregate=clip|trimmed|agree``, :mod:`lowband.optim.robust`)
+helps: ``clip`` bounds the huge update, ``trimmed`` (dense) and ``agree`` leave the flipped one out. Two more kinds send what the message checks (:mod:`lowband.compress.check`) must refuse,
 after the node's own check has passed (a lying sender; its own state stays honest):
 
 - ``nan``: the values NaN, the flag clean (every method with an update of its own; in DiLoCo's and

@@ -57,7 +57,7 @@ from lowband.optim.flexdemo_tiles import (
     width_name,
 )
 from lowband.optim.protocol import OptimizerStats
-from lowband.optim.robust import ClipTally, agreeing, check_aggregate, kept_clip_scales, sparse_gram
+from lowband.optim.robust import AgreementMemory, ClipTally, check_aggregate, kept_clip_scales, sparse_gram
 
 __all__ = ["FlexDeMo", "OVERLAP_APPLY"]
 
@@ -241,7 +241,8 @@ class FlexDeMo(OverlapMixin, Optimizer):
     ) -> None:
         check_lr(lr)
         self.aggregate = check_aggregate(aggregate, method="FlexDeMo", dense=False)
-        self.clip_tally = ClipTally()
+        self.clip_tally, self.agreement = ClipTally(), AgreementMemory()  # agree: each pair's cosine remembered
+        self._senders: list[int] = []  # the replica indices of the messages _screen kept, in order
         self.poison = None  # a poisoning member on purpose (lowband.poison; fault injection)
         self.sends_indices = True  # its messages carry indices (lowband.poison's "index" kind applies)
         if not isinstance(chunk, int) or chunk < 1:
@@ -356,6 +357,7 @@ class FlexDeMo(OverlapMixin, Optimizer):
             return loss
         gathered = self._screen(work, gathered)  # bad messages are left out (named and counted)
         if bool((gathered[:, -1] == _NOT_COUNTED).any()):
+            self._senders = [s for s, f in zip(self._senders, gathered[:, -1].tolist(), strict=True) if f != _NOT_COUNTED]
             gathered = gathered[gathered[:, -1] != _NOT_COUNTED]
         if gathered.shape[0] == 0:  # nobody counted (torchft always keeps a live node at the newest step)
             self.dropped_steps += 1
@@ -558,13 +560,13 @@ class FlexDeMo(OverlapMixin, Optimizer):
         bad = check_messages(gathered, nbytes=sum(w.plan.nbytes for w in work) + 1, dtype=torch.uint8,
                              allowed_flags=(0, 1, _NOT_COUNTED), payload=payload)
         self.bad_messages.membership(membership_key(self.link))
+        self.agreement.membership(membership_key(self.link))
         bad += self.bad_messages.evicted_among(range(gathered.shape[0]), bad)
         self.bad_messages.record(bad, range(gathered.shape[0]), "FlexDeMo exchange",
                                  "its message is left out of this step's mean")
-        if not bad:
-            return gathered
         senders = {b.sender for b in bad}
-        return gathered[[r for r in range(gathered.shape[0]) if r not in senders]]
+        self._senders = [r for r in range(gathered.shape[0]) if r not in senders]
+        return gathered[self._senders] if bad else gathered
 
     def _refused(self, gathered: torch.Tensor) -> bool:
         """True if any replica flagged its step; every rank sees the same flags, so all agree."""
@@ -649,11 +651,14 @@ class FlexDeMo(OverlapMixin, Optimizer):
             if self.aggregate != "mean" and replicas > 1:  # clip: each replica's values bounded by the median norm
                 where = f"FlexDeMo step {self._steps_taken(work)}"
                 agree = self.aggregate == "agree" and replicas >= 3  # with 2, nobody can tell which is wrong: clip
-                keep = agreeing(sparse_gram(idx, vals)) if agree else torch.ones(replicas, dtype=torch.bool)
+                members = self._senders if len(self._senders) == replicas else list(range(replicas))
+                keep = (self.agreement.agreeing(sparse_gram(idx, vals), members, slot=i) if agree
+                        else torch.ones(replicas, dtype=torch.bool))
                 norms = torch.linalg.vector_norm(vals.double().reshape(replicas, -1), dim=1).cpu()
                 scales = kept_clip_scales(norms, keep)  # agree: the others left out (scale 0)
-                self.clip_tally.record_left_out(list(range(replicas)), keep, where)
-                self.clip_tally.record(keep.nonzero().flatten().tolist(), norms[keep], scales[keep], where)
+                self.clip_tally.record_left_out(members, keep, where)
+                self.clip_tally.record([m for m, k in zip(members, keep.tolist(), strict=True) if k], norms[keep],
+                                       scales[keep], where)
                 vals = vals.mul_(scales.to(vals.dtype).to(vals.device).view(-1, *([1] * (vals.dim() - 1))))
                 kept = int(keep.sum())
             vals = vals.div_(kept)  # (Σ_r v_r)/R·B[i] as (Σ_r v_r/R)·B[i]: the same floats for R = 2^j

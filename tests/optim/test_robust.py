@@ -19,6 +19,7 @@ from lowband.compress.wire import WireFormat
 from lowband.optim import DiLoCo, FlexDeMo, NoLoCo, SparseLoCo
 from lowband.optim._common import state_view
 from lowband.optim.robust import (
+    AgreementMemory,
     ClipTally,
     agreeing,
     check_aggregate,
@@ -184,6 +185,37 @@ def test_agree_keeps_the_members_that_point_the_way_of_at_least_half_of_the_othe
     tally = ClipTally()
     robust_sum([a, b, -a], "agree", members=[4, 5, 6], tally=tally)
     assert tally.left_out == {6: 1} and tally.clipped == {} and tally.decisions == 1
+
+
+def test_agree_remembers_a_member_that_keeps_pointing_against_the_others():
+    """FlexDeMo's rule decides on remembered cosines (AgreementMemory): a flipper whose cosines are all positive
+    on one noisy step is still left out, honest members whose steps point apart now and then are not; the
+    memory follows the members by id whatever their order and is forgotten when the membership changes."""
+    def gram(*vs):
+        return dense_gram([torch.tensor(v, dtype=torch.float64) for v in vs])
+
+    memory = AgreementMemory()
+    for _ in range(10):  # honest 7 and 8 agree; 9 points against both
+        assert memory.agreeing(gram([1.0, 0.0], [1.0, 0.1], [-1.0, 0.0]), [7, 8, 9]).tolist() == [True, True, False]
+    noisy = gram([1.0, 0.0], [1.0, 0.5], [0.2, 1.0])  # every pair positive this step
+    assert agreeing(noisy).tolist() == [True, True, True]
+    assert memory.agreeing(noisy, [7, 8, 9]).tolist() == [True, True, False]
+    order = [2, 0, 1]  # the same members in another order (e.g. one message left out before, then back)
+    assert memory.agreeing(noisy[order][:, order], [9, 7, 8]).tolist() == [False, True, True]
+    apart = gram([1.0, 1.0], [1.0, -1.0], [0.0, 1.0])  # this step 7 and 8 point apart (cosine 0)
+    assert agreeing(apart).tolist() == [True, False, True]  # the step's signs would drop honest 8, keep 9
+    assert memory.agreeing(apart, [7, 8, 9]).tolist() == [True, True, False]
+    memory.membership(("a", "b", "c"))  # a new quorum: the indices name other members, nothing is remembered
+    assert memory.agreeing(noisy, [7, 8, 9]).tolist() == [True, True, True]
+    # four honest members with noisy steps: the step's signs leave some out, the memory none once it has begun
+    g = torch.Generator().manual_seed(3)
+    honest, by_step, by_memory = AgreementMemory(), 0, 0
+    for step in range(60):
+        vs = [torch.randn(32, generator=g, dtype=torch.float64) + 0.5 for _ in range(4)]
+        by_step += int((~agreeing(dense_gram(vs))).sum())
+        left_out = int((~honest.agreeing(dense_gram(vs), [0, 1, 2, 3])).sum())
+        by_memory += left_out if step >= 10 else 0
+    assert by_step > 0 and by_memory == 0
 
 
 def test_the_sparse_gram_is_the_inner_products_of_the_decoded_messages():
