@@ -31,7 +31,16 @@ from lowband.optim.robust import (
 )
 from lowband.poison import POISON_KINDS, Poison, parse_poison
 from lowband.testing import tiny_model
-from tests.optim.test_trust import INNER, NUMEL, _dense_reencode, _Link, _params, _sparse_reencode, _train
+from tests.optim.test_trust import (
+    INNER,
+    NUMEL,
+    _dense_reencode,
+    _Link,
+    _params,
+    _set,
+    _sparse_reencode,
+    _train,
+)
 
 
 # ----------------------------------------------------------------------------- the rules
@@ -260,6 +269,22 @@ def test_agree_leaves_out_a_sign_flipped_member_that_clip_lets_through(case, cap
     assert opt.stats().left_out == {2: outer} and opt.stats().bad_messages == {}
     assert opt.stats().screened()["left_out"] == {"2": outer} and opt.stats().aggregations == outer  # what the report shows
     assert "member 2's update points against most of the others'" in caplog.text
+
+
+def test_flexdemo_names_the_member_agree_leaves_out_by_its_replica_index_after_a_bad_message_is_screened():
+    """Four replicas: this rank, an honest copy, a malformed message (flag 7: screened out) and a flipped one. The
+    flipped member is replica 3 wherever the screen left the others: agree leaves out 3, not the row it moved to."""
+    class Four(_Three):
+        group_size = max_group_size = participants = 4
+        group_ranks = [0, 1, 2, 3]
+
+    model = tiny_model()
+    link = Four()
+    link.peer = lambda m: [m.clone(), _set(m.clone(), -1, 7), _flexdemo_reflip(m)]
+    opt = FlexDeMo(model.parameters(), lr=1.0, topk=2, chunk=16, values="fp32", sign=False, link=link,
+                   aggregate="agree")
+    _train(model, opt, 4)
+    assert opt.stats().left_out == {3: 4} and opt.stats().bad_messages == {2: 4} and opt.stats().evicted == [2]
 
 
 def test_diloco_with_a_rule_gathers_even_fp32_and_without_one_all_reduces():
