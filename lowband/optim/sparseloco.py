@@ -184,7 +184,6 @@ class SparseLoCo(OuterStepOptimizer):
                 v = state_view(state["slow"]).reshape(-1).to(dtype) - local(p).reshape(-1).to(dtype)
                 v.add_(state_view(state["error"]).reshape(-1).to(dtype), alpha=beta)
                 v_parts.append(v)
-        self._poison(v_parts)
         rows = self._rows()
         n_chunks = sum(rows)
         device = local(params[0]).device
@@ -194,16 +193,21 @@ class SparseLoCo(OuterStepOptimizer):
             f = torch.tensor([1 if bad else 0], dtype=torch.uint8, device=device)
             dist.all_reduce(f, op=dist.ReduceOp.MAX, group=self._shard_group)
             bad = bool(f.item())
+        sent = message
         if bad:
             message[-1] = 1
         else:
             x = self._chunks_of(v_parts)
             idx, vals = topk_per_chunk(x.contiguous(), self.wire.topk)
-            if self.poison is not None:  # fault injection only: a lying node, past its own check
-                idx, vals = self.poison.corrupt(idx, vals, self.inner_steps, chunk=self.wire.chunk,
-                                                index_max=torch.iinfo(self.wire.index_dtype).max)
             message[:-1] = self.wire.encode(idx, vals)
-        result = self.link.all_gather(message, async_op=async_op) if self.link is not None else message.unsqueeze(0)
+            if self.poison is not None:  # fault injection only: what a poisoning node sends instead of
+                sent = message.clone()  # the message, whose error feedback stays honest (as a real one's would)
+                bad_idx, bad_vals = self.poison.corrupt(idx, vals, self.inner_steps, chunk=self.wire.chunk,
+                                                        index_max=torch.iinfo(self.wire.index_dtype).max)
+                bad_vals = bad_vals.clone()
+                self._poison([bad_vals])
+                sent[:-1] = self.wire.encode(bad_idx, bad_vals)
+        result = self.link.all_gather(sent, async_op=async_op) if self.link is not None else sent.unsqueeze(0)
         return OuterFlight(outer_index, result, message, message, None, n_chunks, extra=dict(v=v_parts))
 
     def _end_outer(self, flight: OuterFlight, result: Any) -> str | None:

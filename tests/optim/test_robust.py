@@ -372,6 +372,40 @@ def test_the_poisoning_node_sends_its_update_times_the_factor_from_its_step():
 
 
 @pytest.mark.parametrize("kind", ["flip", "scale"])
+def test_a_poisoning_sparseloco_node_sends_the_wrong_update_and_keeps_its_own_error_feedback_honest(kind):
+    """Only the message is poisoned: the error feedback is what the honest message left out. When the poison
+    multiplied v = β·e + pseudo-gradient before the top-k, e grew 1000x per outer step under ``scale`` and the
+    poisoner's accumulator overflowed within a bench's 200 steps: it flagged its step, and every replica
+    stopped with a non-finite error, with clip or without (measured on 3 × t5-tiny)."""
+    def run(poison, steps):
+        sent = []
+
+        class Watch(_Three):
+            def all_gather(self, tensor, *, async_op=False):
+                sent.append(tensor.clone())
+                return super().all_gather(tensor, async_op=async_op)
+
+        model = tiny_model()
+        opt = SparseLoCo(model.parameters(), INNER, link=Watch(), sync_every=2, aggregate="clip", **SPARSE)
+        opt.poison = poison
+        _train(model, opt, steps)
+        errors = torch.cat([state_view(opt.state[p]["error"]).reshape(-1) for p in model.parameters()])
+        return sent, errors
+
+    n_chunks = sum(-(-p.numel() // 16) for p in tiny_model().parameters())
+    honest_sent, honest = run(None, 2)
+    sent, poisoned = run(Poison(0, kind, 0), 2)
+    # The first outer step starts from the same state: the same indices, the values times the factor,
+    (i0, v0), (i1, v1) = (SPARSE_CODEC.decode(m[0][:-1], n_chunks) for m in (honest_sent, sent))
+    assert torch.equal(i0, i1)
+    torch.testing.assert_close(v1, POISON_KINDS[kind] * v0)
+    # and the error feedback it keeps is the honest one's, bit for bit.
+    assert torch.equal(poisoned, honest)
+    _, later = run(Poison(0, kind, 0), 40)  # 20 outer steps, every one poisoned
+    assert torch.isfinite(later).all()
+
+
+@pytest.mark.parametrize("kind", ["flip", "scale"])
 def test_a_poisoning_flexdemo_node_sends_the_wrong_update_and_keeps_its_own_momentum_honest(kind):
     """Only the message is poisoned: the node's δ loses what it would honestly have sent. When δ lost the
     poisoned values instead, it grew 2x (flip) or 999x (scale) wherever they were picked, and the poisoner's own
