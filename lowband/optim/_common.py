@@ -242,3 +242,20 @@ def screening_counts(bad: BadMessageTally, clip: ClipTally | None = None) -> dic
     if clip is not None:
         counts.update(clipped=dict(clip.clipped), left_out=dict(clip.left_out), aggregations=clip.decisions)
     return counts
+
+
+def outvoted_refusals(flags: dict[int, float], aggregate: str, *, own: int | None) -> tuple[list[BadMessage], bool]:
+    """The refusals (flag 1) of a minority of an exchange's members, under a robust ``aggregate``.
+
+    ``flags``: the flag of each sender whose message passed its check. A member may send a flag of 1
+    whenever it likes, and under the papers' rule (``"mean"``) any refusal stops every replica's step;
+    under ``"clip"``, ``"trimmed"`` or ``"agree"`` the refusals of fewer than half of these members are
+    left out instead, like messages that failed their check (named, counted, evicted after 3 in a row),
+    and the others step. Returns those senders, less this replica's (``own``), as bad messages, and
+    whether this replica's own refusal is among them (its own policy then decides).
+    """
+    refusing = [s for s, f in flags.items() if f == 1]
+    if aggregate == "mean" or not refusing or 2 * len(refusing) >= len(flags):
+        return [], False
+    reason = f"refused its step (flag 1) while most members did not: left out (aggregate={aggregate!r})"
+    return [BadMessage(s, reason) for s in refusing if s != own], own in refusing

@@ -30,6 +30,7 @@ from lowband.optim._common import (
     committed,
     local,
     membership_key,
+    outvoted_refusals,
     replica_state_like,
     run_closure,
     screening_counts,
@@ -364,9 +365,9 @@ class FlexDeMo(OverlapMixin, Optimizer):
             return loss
         if self._refused(gathered):
             return loss
-        if counted:
+        if counted and picks is not None:
             self._commit(work, grads, picks)
-        else:  # the peer's state was loaded at the commit vote: δ = 0 (reset_replica_state), steps counted
+        else:  # healing (the peer's state was loaded: δ = 0), or its refusal outvoted (skip): steps counted
             self._count_step(work)
         self._apply(work, gathered)
         return loss
@@ -378,12 +379,10 @@ class FlexDeMo(OverlapMixin, Optimizer):
 
     @torch.no_grad()
     def reset_replica_state(self) -> None:
-        """After this replica copied a live peer's state (fault tolerance): δ ← 0.
-
-        δ is this replica's own residual: what its gradients have not yet sent. A copy of a peer's δ
-        would send the peer's residual twice (once from each), so a joining replica starts as a new
-        DeMo replica does, with δ = 0; parameters, step counts and hyper-parameters are the peer's.
-        """
+        """After this replica copied a live peer's state (fault tolerance): δ ← 0. δ is this replica's own
+        residual, what its gradients have not yet sent: a copy of a peer's δ would send the peer's residual
+        twice (once from each), so a joining replica starts as a new DeMo replica does, with δ = 0;
+        parameters, step counts and hyper-parameters are the peer's."""
         for st in self.state.values():
             if "delta" in st:
                 state_view(st["delta"]).zero_()
@@ -562,9 +561,14 @@ class FlexDeMo(OverlapMixin, Optimizer):
         self.bad_messages.membership(membership_key(self.link))
         self.agreement.membership(membership_key(self.link))
         bad += self.bad_messages.evicted_among(range(gathered.shape[0]), bad)
-        self.bad_messages.record(bad, range(gathered.shape[0]), "FlexDeMo exchange",
+        named, own = {b.sender for b in bad}, self.link.group_rank if self.link is not None else 0
+        flags = {r: f for r, f in enumerate(gathered[:, -1].tolist()) if r not in named and f != _NOT_COUNTED}
+        out, own_out = outvoted_refusals(flags, "mean" if self.overlap else self.aggregate, own=own)
+        self.bad_messages.record(bad := bad + out, range(gathered.shape[0]), "FlexDeMo exchange",
                                  "its message is left out of this step's mean")
-        senders = {b.sender for b in bad}
+        skip_own = own_out and self.nonfinite == "skip"  # its refusal outvoted: it steps with the others' mean
+        self.skipped_steps += int(skip_own)
+        senders = {b.sender for b in bad} | ({own} if skip_own else set())
         self._senders = [r for r in range(gathered.shape[0]) if r not in senders]
         return gathered[self._senders] if bad else gathered
 
@@ -573,11 +577,10 @@ class FlexDeMo(OverlapMixin, Optimizer):
         if not bool(gathered[:, -1].any()):
             return False
         if self.nonfinite == "raise":
-            raise NonFiniteGradientError(
-                "a gradient holds NaN or Inf on at least one rank; the step was refused before anything "
-                "non-finite was sent or anything was changed. Lower the learning rate, clip gradients, or "
-                "pass nonfinite='skip' (lowband train: --nonfinite skip) to skip such steps."
-            )
+            raise NonFiniteGradientError("a gradient holds NaN or Inf on at least one rank; the step was refused before "
+                                         "anything non-finite was sent or anything was changed. Lower the learning rate, "
+                                         "clip gradients, or pass nonfinite='skip' (lowband train: --nonfinite skip) to "
+                                         "skip such steps.")
         self.skipped_steps += 1
         log.warning("non-finite gradient: step skipped (%d skipped so far)", self.skipped_steps)
         return True

@@ -49,6 +49,7 @@ from lowband.optim._common import (
     grads_nonfinite,
     local,
     membership_key,
+    outvoted_refusals,
     replica_state_like,
     run_closure,
     screening_counts,
@@ -602,6 +603,10 @@ class OuterStepOptimizer(Optimizer):
                              senders=senders)
         self.bad_messages.membership(membership_key(self.link))
         bad += self.bad_messages.evicted_among(senders, bad)
+        named = {b.sender for b in bad}
+        own = self.link.group_rank if self.link is not None else 0
+        bad += outvoted_refusals({s: float(m[-1]) for s, m in zip(senders, messages, strict=True) if s not in named},
+                                 self.aggregate, own=own)[0]  # this replica's own refusal raises as before
         self.bad_messages.record(bad, senders, f"{type(self).__name__} outer step {self.outer_steps}",
                                  "its message is left out of this outer step")
         return {b.sender for b in bad}

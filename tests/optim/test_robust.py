@@ -17,7 +17,7 @@ from lowband.compress.quant import BlockQuant
 from lowband.compress.sparse import SparseCodec
 from lowband.compress.wire import WireFormat
 from lowband.optim import DiLoCo, FlexDeMo, NoLoCo, SparseLoCo
-from lowband.optim._common import state_view
+from lowband.optim._common import NonFiniteGradientError, outvoted_refusals, state_view
 from lowband.optim.robust import (
     AgreementMemory,
     ClipTally,
@@ -285,6 +285,43 @@ def test_flexdemo_names_the_member_agree_leaves_out_by_its_replica_index_after_a
                    aggregate="agree")
     _train(model, opt, 4)
     assert opt.stats().left_out == {3: 4} and opt.stats().bad_messages == {2: 4} and opt.stats().evicted == [2]
+
+
+def test_a_minority_refusal_is_outvoted_only_under_a_robust_rule():
+    """A member may send a flag of 1 whenever it likes: under a robust rule the refusals of fewer than half of
+    the members are left out (this replica's own is reported, not listed); under mean any refusal stops the step."""
+    assert outvoted_refusals({0: 0, 1: 0, 2: 1}, "mean", own=0) == ([], False)
+    out, own_out = outvoted_refusals({0: 0, 1: 0, 2: 1}, "agree", own=0)
+    assert [b.sender for b in out] == [2] and "refused its step" in out[0].reason and not own_out
+    assert outvoted_refusals({0: 0, 1: 1, 2: 1}, "clip", own=0) == ([], False)  # half or more: the step is refused
+    assert outvoted_refusals({0: 0, 2: 1}, "clip", own=0) == ([], False)  # 1 of 2 is half
+    out, own_out = outvoted_refusals({0: 1, 1: 0, 2: 0, 5: 0}, "agree", own=0)
+    assert out == [] and own_out
+
+
+def _refusing(m):
+    """What a member that refuses every step sends: zeros and a flag of 1 (well-formed)."""
+    sent = torch.zeros_like(m)
+    sent[-1] = 1
+    return sent
+
+
+@pytest.mark.parametrize("case", [*sorted(CASES), "flexdemo"])
+def test_one_member_refusing_every_step_no_longer_stops_the_others_under_agree(case):
+    """Under mean one member's flag stops every replica (a NonFiniteGradientError); under agree the others step
+    as the two honest members would, the refuser named, counted and evicted after 3 refusals in a row (FlexDeMo's
+    4 steps; the outer-step methods take 2 outer steps here)."""
+    if case == "flexdemo":
+        run = lambda bad, agg: _flexdemo_flipped(bad, agg)  # noqa: E731
+        outer = 4
+    else:
+        run, outer = (lambda bad, agg: _run(case, _Three(bad), agg)), 2
+    honest, _ = run(None, "agree")
+    with pytest.raises(NonFiniteGradientError):
+        run(_refusing, "mean")
+    outvoted, opt = run(_refusing, "agree")
+    assert _farthest(outvoted, honest) < 1e-6
+    assert opt.stats().bad_messages == {2: outer} and opt.stats().evicted == ([2] if outer >= 3 else [])
 
 
 def test_diloco_with_a_rule_gathers_even_fp32_and_without_one_all_reduces():
