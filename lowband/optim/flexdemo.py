@@ -4,8 +4,9 @@ Paper: "FlexDeMo: Decoupled Momentum Optimization for Hybrid Sharded Data Parall
 (From et al., 2025); DeMo: Peng, Quesnelle, Kingma, "Decoupled Momentum Optimization" (2024).
 
 The optimizer is here; its parts are beside it: the layout of a param group in blocks of chunk rows
-(:mod:`lowband.optim.flexdemo_blocks`), the 2-D tile path (:mod:`lowband.optim.flexdemo_tiles`) and
-the overlapped exchange (:mod:`lowband.optim.flexdemo_overlap`), none of which imports this module.
+(:mod:`lowband.optim.flexdemo_blocks`), the 2-D tile path (:mod:`lowband.optim.flexdemo_tiles`), the
+overlapped exchange (:mod:`lowband.optim.flexdemo_overlap`) and the screening of what the exchange
+brings (:mod:`lowband.optim.flexdemo_screen`), none of which imports this module.
 """
 
 from __future__ import annotations
@@ -18,19 +19,15 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lowband.compress import WireFormat, idct_sparse, topk_per_chunk
-from lowband.compress.check import check_messages, wire_problems
 from lowband.link import Link
 from lowband.optim._common import (
     NONFINITE_POLICIES,
     BadMessageTally,
-    NonFiniteGradientError,
     all_finite,
     check_lr,
     check_sharded,
     committed,
     local,
-    membership_key,
-    outvoted_refusals,
     replica_state_like,
     run_closure,
     screening_counts,
@@ -47,6 +44,7 @@ from lowband.optim.flexdemo_blocks import (
     view_block,
 )
 from lowband.optim.flexdemo_overlap import OverlapMixin
+from lowband.optim.flexdemo_screen import _NOT_COUNTED, ScreenMixin
 from lowband.optim.flexdemo_tiles import (
     add_tiled_updates,
     basis_of,
@@ -71,9 +69,6 @@ log = logging.getLogger(__name__)
 
 # Chunks are transformed in blocks of about this many elements, so the DCT's temporaries stay small.
 _BLOCK_ELEMENTS = 1 << 20
-#: A message's flag byte: 0 counts, 1 refuses the step (non-finite), 2 does not count (a node healing
-#: under fault tolerance's async quorum computed it on stale weights).
-_NOT_COUNTED = 2
 # A parameter with at least this many elements of whole chunks is transformed in place, in views of
 # its own storage; smaller ones (and the partial last chunk of every parameter) are copied into shared
 # blocks, many parameters to a block. At c = 128 that is 512 chunks: below it, the copies in and out
@@ -81,7 +76,7 @@ _NOT_COUNTED = 2
 _VIEW_MIN_ELEMENTS = 1 << 16
 
 
-class FlexDeMo(OverlapMixin, Optimizer):
+class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
     r"""Decoupled momentum with compressed exchange of its fast components.
 
     For each parameter shard x with gradient g (after FSDP's intra-node reduce-scatter, the mean
@@ -542,48 +537,6 @@ class FlexDeMo(OverlapMixin, Optimizer):
         if self.link is not None:
             return self.link.all_gather(message)
         return message.unsqueeze(0)
-
-    def _screen(self, work: list[Work], gathered: torch.Tensor) -> torch.Tensor:
-        """The gathered messages that pass their check (:mod:`lowband.compress.check`): size, flag in
-        {0, 1, 2}, indices below the chunk (t² for tiles), finite values and sign scales. A bad one is
-        left out of the mean (every rank holds the same bytes: the same verdict), named and counted."""
-        def payload(rows: torch.Tensor) -> list:
-            reasons: list = [None] * rows.shape[0]
-            offset = 0
-            for w in work:
-                part = wire_problems(w.plan.wire, w.plan.rows)(rows[:, offset:offset + w.plan.nbytes])
-                reasons = [a or b for a, b in zip(reasons, part, strict=True)]
-                offset += w.plan.nbytes
-            return reasons
-
-        bad = check_messages(gathered, nbytes=sum(w.plan.nbytes for w in work) + 1, dtype=torch.uint8,
-                             allowed_flags=(0, 1, _NOT_COUNTED), payload=payload)
-        self.bad_messages.membership(membership_key(self.link))
-        self.agreement.membership(membership_key(self.link))
-        bad += self.bad_messages.evicted_among(range(gathered.shape[0]), bad)
-        named, own = {b.sender for b in bad}, self.link.group_rank if self.link is not None else 0
-        flags = {r: f for r, f in enumerate(gathered[:, -1].tolist()) if r not in named and f != _NOT_COUNTED}
-        out, own_out = outvoted_refusals(flags, "mean" if self.overlap else self.aggregate, own=own)
-        self.bad_messages.record(bad := bad + out, range(gathered.shape[0]), "FlexDeMo exchange",
-                                 "its message is left out of this step's mean")
-        skip_own = own_out and self.nonfinite == "skip"  # its refusal outvoted: it steps with the others' mean
-        self.skipped_steps += int(skip_own)
-        senders = {b.sender for b in bad} | ({own} if skip_own else set())
-        self._senders = [r for r in range(gathered.shape[0]) if r not in senders]
-        return gathered[self._senders] if bad else gathered
-
-    def _refused(self, gathered: torch.Tensor) -> bool:
-        """True if any replica flagged its step; every rank sees the same flags, so all agree."""
-        if not bool(gathered[:, -1].any()):
-            return False
-        if self.nonfinite == "raise":
-            raise NonFiniteGradientError("a gradient holds NaN or Inf on at least one rank; the step was refused before "
-                                         "anything non-finite was sent or anything was changed. Lower the learning rate, "
-                                         "clip gradients, or pass nonfinite='skip' (lowband train: --nonfinite skip) to "
-                                         "skip such steps.")
-        self.skipped_steps += 1
-        log.warning("non-finite gradient: step skipped (%d skipped so far)", self.skipped_steps)
-        return True
 
     def _commit(self, work: list[Work], grads: list[list[torch.Tensor]], picks: list) -> None:
         """Phase 2 (every replica accepted the step): δ ← β·δ + lr·g − q, with q what was sent.

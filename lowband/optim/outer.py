@@ -604,7 +604,7 @@ class OuterStepOptimizer(Optimizer):
         self.bad_messages.membership(membership_key(self.link))
         bad += self.bad_messages.evicted_among(senders, bad)
         named = {b.sender for b in bad}
-        own = self.link.group_rank if self.link is not None else 0
+        own = getattr(self.link, "group_rank", None) if self.link is not None else 0  # None: a stand-in link
         bad += outvoted_refusals({s: float(m[-1]) for s, m in zip(senders, messages, strict=True) if s not in named},
                                  self.aggregate, own=own)[0]  # this replica's own refusal raises as before
         self.bad_messages.record(bad, senders, f"{type(self).__name__} outer step {self.outer_steps}",

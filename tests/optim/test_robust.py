@@ -30,7 +30,7 @@ from lowband.optim.robust import (
     trimmed_mean,
 )
 from lowband.poison import POISON_KINDS, Poison, parse_poison
-from lowband.testing import tiny_model
+from lowband.testing import tiny_loss, tiny_model
 from tests.optim.test_trust import (
     INNER,
     NUMEL,
@@ -322,6 +322,43 @@ def test_one_member_refusing_every_step_no_longer_stops_the_others_under_agree(c
     outvoted, opt = run(_refusing, "agree")
     assert _farthest(outvoted, honest) < 1e-6
     assert opt.stats().bad_messages == {2: outer} and opt.stats().evicted == ([2] if outer >= 3 else [])
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_a_flexdemo_replica_whose_own_refusal_is_outvoted_follows_its_policy(nonfinite):
+    """This replica's gradient is NaN, the two others send the honest message of that step. skip: it keeps δ (zero
+    at the first step), counts the skip and applies the others' mean, as the honest replicas do (the weights equal
+    an honest run's); raise: it raises."""
+    def gathered():
+        recorded = []
+
+        class Record(_Three):
+            def all_gather(self, tensor, *, async_op=False):
+                recorded.append(tensor.clone())
+                return super().all_gather(tensor, async_op=async_op)
+
+        model = tiny_model()
+        _train(model, FlexDeMo(model.parameters(), lr=1.0, topk=2, chunk=16, values="fp32", sign=False,
+                               link=Record()), 1)
+        return model, recorded[0]
+
+    honest, m0 = gathered()
+    link = _Three()
+    link.peer = lambda m: [m0.clone(), m0.clone()]
+    model = tiny_model()
+    opt = FlexDeMo(model.parameters(), lr=1.0, topk=2, chunk=16, values="fp32", sign=False, link=link,
+                   aggregate="agree", nonfinite=nonfinite)
+    opt.zero_grad()
+    tiny_loss(model, 0, 0).backward()
+    next(model.parameters()).grad.view(-1)[0] = float("nan")
+    if nonfinite == "raise":
+        with pytest.raises(NonFiniteGradientError):
+            opt.step()
+        return
+    opt.step()
+    assert opt.stats().skipped_steps == 1 and opt.stats().bad_messages == {}
+    assert all(not state_view(opt.state[p]["delta"]).any() for p in model.parameters())
+    assert _farthest(model, honest) < 1e-6
 
 
 def test_diloco_with_a_rule_gathers_even_fp32_and_without_one_all_reduces():
