@@ -47,8 +47,10 @@ class ScreenMixin:
         self.agreement.membership(membership_key(self.link))
         bad += self.bad_messages.evicted_among(range(gathered.shape[0]), bad)
         named, own = {b.sender for b in bad}, getattr(self.link, "group_rank", None) if self.link is not None else 0
-        flags = {r: f for r, f in enumerate(gathered[:, -1].tolist()) if r not in named and f != _NOT_COUNTED}
-        out, own_out = outvoted_refusals(flags, "mean" if self.overlap else self.aggregate, own=own)
+        out, own_out = [], False
+        if self.aggregate != "mean" and not self.overlap:  # else every refusal refuses the step: no flags read here
+            flags = {r: f for r, f in enumerate(gathered[:, -1].tolist()) if r not in named and f != _NOT_COUNTED}
+            out, own_out = outvoted_refusals(flags, self.aggregate, own=own)
         self.bad_messages.record(bad := bad + out, range(gathered.shape[0]), "FlexDeMo exchange",
                                  "its message is left out of this step's mean")
         skip_own = own_out and self.nonfinite == "skip"  # its refusal outvoted: it steps with the others' mean

@@ -603,10 +603,11 @@ class OuterStepOptimizer(Optimizer):
                              senders=senders)
         self.bad_messages.membership(membership_key(self.link))
         bad += self.bad_messages.evicted_among(senders, bad)
-        named = {b.sender for b in bad}
-        own = getattr(self.link, "group_rank", None) if self.link is not None else 0  # None: a stand-in link
-        bad += outvoted_refusals({s: float(m[-1]) for s, m in zip(senders, messages, strict=True) if s not in named},
-                                 self.aggregate, own=own)[0]  # this replica's own refusal raises as before
+        if self.aggregate != "mean":  # a minority's refusals are left out (mean: every refusal refuses the step)
+            named = {b.sender for b in bad}
+            own = getattr(self.link, "group_rank", None) if self.link is not None else 0  # None: a stand-in link
+            flags = {s: float(m[-1]) for s, m in zip(senders, messages, strict=True) if s not in named}
+            bad += outvoted_refusals(flags, self.aggregate, own=own)[0]  # its own refusal raises as before
         self.bad_messages.record(bad, senders, f"{type(self).__name__} outer step {self.outer_steps}",
                                  "its message is left out of this outer step")
         return {b.sender for b in bad}

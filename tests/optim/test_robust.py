@@ -122,6 +122,18 @@ class _Three(_Link):
         return tensor.add_(others[0]).add_(others[1]).div_(3)
 
 
+class _Recording(_Three):
+    """:class:`_Three` (honest copies) that keeps every message this replica sent, in ``sent``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[torch.Tensor] = []
+
+    def all_gather(self, tensor, *, async_op=False):
+        self.sent.append(tensor.clone())
+        return super().all_gather(tensor, async_op=async_op)
+
+
 def _times(factor):
     return lambda v: v.mul(factor)
 
@@ -330,17 +342,11 @@ def test_a_flexdemo_replica_whose_own_refusal_is_outvoted_follows_its_policy(non
     at the first step), counts the skip and applies the others' mean, as the honest replicas do (the weights equal
     an honest run's); raise: it raises."""
     def gathered():
-        recorded = []
-
-        class Record(_Three):
-            def all_gather(self, tensor, *, async_op=False):
-                recorded.append(tensor.clone())
-                return super().all_gather(tensor, async_op=async_op)
-
+        link = _Recording()
         model = tiny_model()
         _train(model, FlexDeMo(model.parameters(), lr=1.0, topk=2, chunk=16, values="fp32", sign=False,
-                               link=Record()), 1)
-        return model, recorded[0]
+                               link=link), 1)
+        return model, link.sent[0]
 
     honest, m0 = gathered()
     link = _Three()
@@ -452,19 +458,13 @@ def test_a_poisoning_sparseloco_node_sends_the_wrong_update_and_keeps_its_own_er
     poisoner's accumulator overflowed within a bench's 200 steps: it flagged its step, and every replica
     stopped with a non-finite error, with clip or without (measured on 3 × t5-tiny)."""
     def run(poison, steps):
-        sent = []
-
-        class Watch(_Three):
-            def all_gather(self, tensor, *, async_op=False):
-                sent.append(tensor.clone())
-                return super().all_gather(tensor, async_op=async_op)
-
+        link = _Recording()
         model = tiny_model()
-        opt = SparseLoCo(model.parameters(), INNER, link=Watch(), sync_every=2, aggregate="clip", **SPARSE)
+        opt = SparseLoCo(model.parameters(), INNER, link=link, sync_every=2, aggregate="clip", **SPARSE)
         opt.poison = poison
         _train(model, opt, steps)
         errors = torch.cat([state_view(opt.state[p]["error"]).reshape(-1) for p in model.parameters()])
-        return sent, errors
+        return link.sent, errors
 
     n_chunks = sum(-(-p.numel() // 16) for p in tiny_model().parameters())
     honest_sent, honest = run(None, 2)
