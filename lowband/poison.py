@@ -4,8 +4,8 @@ A node given ``--poison nodeN:KIND@STEP`` (every node of the job gets the same f
 index is N acts on it) sends, from training step STEP on, updates that pass every check of
 :mod:`lowband.compress.check` but are wrong:
 
-- ``scale``: its update (DiLoCo's and SparseLoCo's pseudo-gradient, NoLoCo's θ − φ, FlexDeMo's
-  momentum components) times 1,000: finite, well-formed, huge;
+- ``scale``: its update (DiLoCo's and SparseLoCo's pseudo-gradient, NoLoCo's whole message: φ and
+  θ − φ, FlexDeMo's momentum components) times 1,000: finite, well-formed, huge;
 - ``flip``: its update with the sign flipped: finite, of honest size, pointing the wrong way.
 
 Against those two only robust aggregation (``aggregate=clip|trimmed|agree``, :mod:`lowband.optim.robust`)

@@ -20,6 +20,7 @@ from lowband.link import Link, LinkHandle, PeerTimeoutError
 from lowband.optim._common import local, replica_state_like, state_view
 from lowband.optim.noloco_groups import noloco_group_size, noloco_groups
 from lowband.optim.outer import DROP, InnerOptimizer, OuterFlight, OuterStepOptimizer, check_unit_interval
+from lowband.optim.robust import member_weights, robust_pull, trimmed_mean
 from lowband.poison import lying_message
 
 __all__ = ["NOLOCO_INNER_DEFAULTS", "NoLoCo"]
@@ -98,11 +99,14 @@ class NoLoCo(OuterStepOptimizer):
             Bytes per peer: 8n + 4 (fp32) or nbytes(2n) + 1.
         quant_block: elements per scale for int8/int4 (default 256).
         delay: τ, as for :class:`DiLoCo` (0 ≤ τ < H; 0: blocking).
-        aggregate: how the group's θ − φ halves are combined (:mod:`lowband.optim.robust`): ``"mean"``
-            (default, the paper's), ``"clip"`` (each bounded by the group's median norm; in a group of 2
-            the larger brought to the smaller's), ``"trimmed"`` or ``"agree"`` (groups of 3 or more; else clip). The
-            φ halves are always averaged: a member's φ is its weights, not an update, and a poisoned
-            φ is not bounded by this rule (see docs/trust.md).
+        aggregate: how the group's messages are combined (:mod:`lowband.optim.robust`): ``"mean"``
+            (default, the paper's), ``"clip"`` (each θ − φ bounded by the group's median norm; in a group
+            of 2 the larger brought to the smaller's), ``"trimmed"`` or ``"agree"`` (groups of 3 or more;
+            else clip). The φ halves are weights, not updates: under a rule each peer's φ counts by its
+            deviation from this replica's own, bounded by the other peers' (the larger of two brought to
+            the smaller's), and a peer ``agree`` leaves out of θ − φ is left out of φ too
+            (:func:`~lowband.optim.robust.robust_pull`); ``trimmed`` takes both halves' trimmed mean. In
+            a group of 2 a peer's φ is averaged as under ``mean`` (nothing to compare it with).
 
     Attributes:
         last_group: global ranks of this rank's group in the last outer step (under fault tolerance:
@@ -264,7 +268,6 @@ class NoLoCo(OuterStepOptimizer):
             flat[offset:offset + x.numel()].copy_(phi)
             flat[numel + offset:numel + offset + x.numel()].copy_(x).sub_(phi)
             offset += x.numel()
-        self._poison([flat[numel:2 * numel]])
         self._seal(flat, 2 * numel)
         fp_flat = flat
         v = None
@@ -273,21 +276,44 @@ class NoLoCo(OuterStepOptimizer):
         received: Any = []
         extra = dict(me=me, members=members, peers=peers)
         if peers:
-            # Fault injection only (a lying node, lowband.poison): else flat itself.
-            sent = lying_message(self.poison, flat, numel, 2 * numel, step=self.inner_steps, numel=2 * numel,
-                                 codec=self.codec)
+            # Fault injection only (a poisoning or lying node, lowband.poison): else flat itself.
+            sent = lying_message(self.poison, self._poisoned(flat, fp_flat, v, 2 * numel), numel, 2 * numel,
+                                 step=self.inner_steps, numel=2 * numel, codec=self.codec)
             with self._group_timeout(outer_index, **extra):
                 received = link.exchange(sent, peers, async_op=async_op)  # type: ignore[union-attr]
         return OuterFlight(outer_index, received, flat, fp_flat, v, 2 * numel, extra)
 
-    def _robust_group_mean(self, messages: list[torch.Tensor], members: list[int], numel: int) -> torch.Tensor:
-        """The group's mean of (φ, θ − φ): φ averaged, θ − φ under ``aggregate``."""
+    def _poisoned(self, flat: torch.Tensor, fp_flat: torch.Tensor, v: torch.Tensor | None, n: int) -> torch.Tensor:
+        """Fault injection only: what a poisoning node (``scale``, ``flip``) sends instead of its sealed message
+        ``flat``: the whole payload, φ and θ − φ, times the factor (a new tensor: the node's own step, its error
+        feedback included, goes on from the honest message, as a real poisoner's would). ``flat`` otherwise."""
+        p = self.poison
+        if p is None or p.malformed or not p.active(self.inner_steps) or fp_flat[-1].item() > 0:
+            return flat
+        sent = flat.clone()
+        if self.codec.lossy:
+            sent[:-1] = self.codec.encode(v * p.factor)
+        else:
+            sent[:n].mul_(p.factor)
+        return sent
+
+    def _robust_group_mean(self, messages: list[torch.Tensor], members: list[int], numel: int,
+                           me: int) -> torch.Tensor:
+        """The group's mean of (φ, θ − φ) under ``aggregate``: the θ − φ halves as updates
+        (:func:`~lowband.optim.robust.member_weights`), the φ halves as weights this replica pulls towards
+        (:func:`~lowband.optim.robust.robust_pull`, with the members ``agree`` kept for θ − φ)."""
         vectors = [self.codec.decode(m[:-1], 2 * numel) if self.codec.lossy else m[:-1] for m in messages]
-        phi = vectors[0][:numel].clone()
-        for v in vectors[1:]:
-            phi.add_(v[:numel])
-        delta = self._robust_sum([v[numel:] for v in vectors], members)
-        return torch.cat([phi, delta]).div_(len(vectors))
+        deltas, phis = [v[numel:] for v in vectors], [v[:numel] for v in vectors]
+        own = members.index(me)
+        if self.aggregate == "trimmed" and len(vectors) >= 3:
+            return torch.cat([trimmed_mean(phis), trimmed_mean(deltas)])
+        keep, scales = member_weights(deltas, self.aggregate, members=members, tally=self.clip_tally,
+                                      where=f"{type(self).__name__} outer step {self.outer_steps}")
+        delta = torch.zeros_like(deltas[0])
+        for d, s in zip(deltas, scales.tolist(), strict=True):
+            delta.add_(d, alpha=s)
+        delta.div_(int(keep.sum()))
+        return torch.cat([robust_pull(phis, own, self.aggregate, keep), delta])
 
     def _live_group_size(self, n: int, replicas: int) -> int:
         """n for this outer step: :func:`noloco_group_size`, with a warning each time the clip changes."""
@@ -315,7 +341,7 @@ class NoLoCo(OuterStepOptimizer):
             return "slow weights or pseudo-gradient of a group member"
         # The same summation order on every member: identical means.
         if self.aggregate != "mean":
-            mean = self._robust_group_mean([by_replica[j] for j in members], members, numel).to(fp_flat.dtype)
+            mean = self._robust_group_mean([by_replica[j] for j in members], members, numel, me).to(fp_flat.dtype)
         elif self.codec.lossy:
             mean = self._decoded_mean([by_replica[j] for j in members], 2 * numel, members).to(fp_flat.dtype)
         else:

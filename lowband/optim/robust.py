@@ -57,7 +57,8 @@ from typing import Any
 import torch
 
 __all__ = ["AGGREGATES", "AGREEMENT_DECAY", "AgreementMemory", "ClipTally", "agreeing", "check_aggregate", "clip_scales",
-           "cosines", "dense_gram", "kept_clip_scales", "robust_sum", "sparse_gram", "trimmed_mean"]
+           "cosines", "dense_gram", "kept_clip_scales", "member_weights",
+           "robust_pull", "robust_sum", "sparse_gram", "trimmed_mean"]
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +209,21 @@ class ClipTally:
                             "job: check the node, or remove it", where, j, r)
 
 
+def member_weights(vectors: Sequence[torch.Tensor], aggregate: str, *, members: Sequence[int] | None = None,
+                   tally: ClipTally | None = None, where: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep, scales) of ``clip`` and ``agree`` over R ≥ 2 ``vectors``: which members count (``agree``, R ≥ 3:
+    :func:`agreeing`; else all) and each one's scale, min(1, m/‖u_j‖) over the kept ones (0 for the others)."""
+    members = list(members) if members is not None else list(range(len(vectors)))
+    agree = aggregate == "agree" and len(vectors) >= 3  # with 2, nobody can tell which is wrong: clip
+    keep = agreeing(dense_gram(vectors)) if agree else torch.ones(len(vectors), dtype=torch.bool)
+    norms = torch.stack([torch.linalg.vector_norm(v.double()) for v in vectors])
+    scales = kept_clip_scales(norms, keep)
+    if tally is not None:
+        tally.record_left_out(members, keep, where)
+        tally.record([j for j, k in zip(members, keep.tolist(), strict=True) if k], norms[keep], scales[keep], where)
+    return keep, scales
+
+
 def robust_sum(vectors: Sequence[torch.Tensor], aggregate: str, *, members: Sequence[int] | None = None,
                tally: ClipTally | None = None, where: str = "") -> torch.Tensor:
     """R times the members' mean under ``aggregate`` (a new tensor), for callers that divide by R themselves.
@@ -222,14 +238,7 @@ def robust_sum(vectors: Sequence[torch.Tensor], aggregate: str, *, members: Sequ
     if aggregate == "trimmed" and len(vectors) >= 3:
         return trimmed_mean(vectors).mul_(len(vectors))
     if aggregate in ("clip", "trimmed", "agree") and len(vectors) >= 2:
-        members = list(members) if members is not None else list(range(len(vectors)))
-        agree = aggregate == "agree" and len(vectors) >= 3  # with 2, nobody can tell which is wrong: clip
-        keep = agreeing(dense_gram(vectors)) if agree else torch.ones(len(vectors), dtype=torch.bool)
-        norms = torch.stack([torch.linalg.vector_norm(v.double()) for v in vectors])
-        scales = kept_clip_scales(norms, keep)
-        if tally is not None:
-            tally.record_left_out(members, keep, where)
-            tally.record([j for j, k in zip(members, keep.tolist(), strict=True) if k], norms[keep], scales[keep], where)
+        keep, scales = member_weights(vectors, aggregate, members=members, tally=tally, where=where)
         total = vectors[0] * float(scales[0])
         for v, s in zip(vectors[1:], scales[1:].tolist(), strict=True):
             total.add_(v, alpha=s)
@@ -237,6 +246,43 @@ def robust_sum(vectors: Sequence[torch.Tensor], aggregate: str, *, members: Sequ
     total = vectors[0].clone()
     for v in vectors[1:]:
         total.add_(v)
+    return total
+
+
+def robust_pull(weights: Sequence[torch.Tensor], own: int, aggregate: str,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The group's mean of its members' weights as member ``own`` should pull towards it (NoLoCo's φ half).
+
+    A member's weights are not an update: one member's are trusted by itself, and a poisoner's are bounded by
+    how far they lie from them. ``mean``: the plain mean. ``trimmed`` (R ≥ 3): the coordinate-wise
+    :func:`trimmed_mean`. ``clip`` and ``agree``: own + Σ_j s_j·(w_j − own) / K over the members ``keep`` keeps
+    (``agree``'s verdict on the same members' updates; own always counts), K of them own included, where s_j
+    bounds each deviation by the lower median of the kept others' deviation norms (:func:`clip_scales`): with
+    two others the larger deviation is brought to the smaller's, so a member that sends its weights flipped
+    or 1,000 times too large moves the pull no further than an honest member does. With one other (a group
+    of 2) nothing tells an honest deviation from a poisoned one, and it is averaged as under ``mean``.
+    """
+    r = len(weights)
+    if aggregate == "trimmed" and r >= 3:
+        return trimmed_mean(weights)
+    if aggregate not in ("clip", "trimmed", "agree") or r < 2:
+        total = weights[0].clone()
+        for w in weights[1:]:
+            total.add_(w)
+        return total.div_(r)
+    keep = torch.ones(r, dtype=torch.bool) if keep is None else keep.clone()
+    keep[own] = True
+    others = [j for j in range(r) if j != own and bool(keep[j])]
+    base = weights[own]
+    deviations = [weights[j] - base for j in others]
+    total = base.clone()
+    if deviations:
+        norms = torch.stack([torch.linalg.vector_norm(d.double()) for d in deviations])
+        scales = clip_scales(norms) if len(deviations) >= 2 else torch.ones_like(norms)
+        pulled = torch.zeros_like(base)
+        for d, s in zip(deviations, scales.tolist(), strict=True):
+            pulled.add_(d, alpha=s)
+        total.add_(pulled.div_(len(others) + 1))
     return total
 
 

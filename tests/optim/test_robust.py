@@ -25,6 +25,7 @@ from lowband.optim.robust import (
     check_aggregate,
     clip_scales,
     dense_gram,
+    robust_pull,
     robust_sum,
     sparse_gram,
     trimmed_mean,
@@ -428,6 +429,94 @@ def test_noloco_clip_bounds_the_peers_pseudo_gradient_half():
     assert _farthest(clipped, honest) < 1e-5
     assert _farthest(poisoned, honest) > 0.5
     assert opt.stats().clipped == {1: 2}
+
+
+def test_the_pull_bounds_a_members_weights_by_how_far_the_others_lie():
+    g = torch.Generator().manual_seed(0)
+    own = torch.randn(40, generator=g)
+    near = own + 0.01 * torch.randn(40, generator=g)
+    far = own + 0.03 * torch.randn(40, generator=g)
+    for bad in (-own, 1000 * own):  # weights sent flipped, or 1,000 times too large
+        ws = [own, near, bad]
+        plain = robust_pull(ws, 0, "mean")
+        torch.testing.assert_close(plain, (own + near + bad) / 3)
+        clipped = robust_pull(ws, 0, "clip")
+        # the bad member's deviation is brought to the honest one's norm: the pull moves no further than it
+        assert float((clipped - own).norm()) <= 2 * float((near - own).norm()) / 3 * (1 + 1e-5)
+        assert float((plain - own).norm()) > 100 * float((clipped - own).norm())
+        # agree's verdict on the updates leaves it out: the mean of the kept two
+        torch.testing.assert_close(robust_pull(ws, 0, "agree", torch.tensor([True, True, False])), (own + near) / 2)
+    # honest members: the larger deviation brought to the smaller's, the mean otherwise
+    ws = [own, near, far]
+    s = float((near - own).norm()) / float((far - own).norm())
+    torch.testing.assert_close(robust_pull(ws, 0, "clip"), own + ((near - own) + s * (far - own)) / 3)
+    torch.testing.assert_close(robust_pull(ws, 0, "trimmed"), trimmed_mean(ws))
+    # a group of two: nothing to compare one deviation with, so the plain mean
+    torch.testing.assert_close(robust_pull([own, -own], 0, "clip"), torch.zeros(40))
+    torch.testing.assert_close(robust_pull([own, near], 1, "agree"), (own + near) / 2)
+
+
+class _ThreeP2P(_Three):
+    """:class:`_Three` for NoLoCo's point-to-point exchange (groups of 3: both peers)."""
+
+    def exchange(self, tensor, peers, *, async_op=False):
+        assert not async_op and list(peers) == [1, 2]
+        return [tensor.clone(), tensor.clone()] if self.peer is None else self.peer(tensor.clone())
+
+
+@pytest.mark.parametrize(("factor", "aggregate"), [(1000.0, "clip"), (-1.0, "agree"), (-1.0, "clip")])
+def test_noloco_bounds_a_peer_whose_weights_half_is_poisoned_too(factor, aggregate):
+    numel = NUMEL
+
+    def bad(m):  # the whole payload, φ and θ − φ, times the factor (what a poisoning node sends)
+        m = m.clone()
+        m[:2 * numel] *= factor
+        return m
+
+    def run(link, aggregate):
+        model = tiny_model()
+        opt = NoLoCo(model.parameters(), INNER, link=link, sync_every=2, group_size=3, aggregate=aggregate)
+        _train(model, opt, 4)
+        return model, opt
+
+    honest, _ = run(_ThreeP2P(), aggregate)
+    robust, _ = run(_ThreeP2P(bad), aggregate)
+    poisoned, _ = run(_ThreeP2P(bad), "mean")
+    assert _farthest(poisoned, honest) > 0.1
+    if aggregate == "clip" and factor < 0:
+        # a flipped θ − φ of honest size is not caught by clip (it costs its share of the step); its φ is
+        assert _farthest(robust, honest) < _farthest(poisoned, honest) / 3
+    else:
+        assert _farthest(robust, honest) < 1e-5
+
+
+def test_a_poisoning_noloco_node_sends_its_whole_payload_times_the_factor_and_keeps_its_own_step():
+    class Replay(_ThreeP2P):
+        """Records what this replica sent; its peers send ``replies[k]`` at exchange k (else an echo)."""
+
+        def __init__(self, replies=()):
+            super().__init__()
+            self.sent, self.replies = [], list(replies)
+
+        def exchange(self, tensor, peers, *, async_op=False):
+            self.sent.append(tensor.clone())
+            k = len(self.sent) - 1
+            if k < len(self.replies):
+                return [self.replies[k].clone(), self.replies[k].clone()]
+            return super().exchange(tensor, peers, async_op=async_op)
+
+    def run(poison, replies=()):
+        model, link = tiny_model(), Replay(replies)
+        opt = NoLoCo(model.parameters(), INNER, link=link, sync_every=2, group_size=3, aggregate="agree")
+        opt.poison = poison
+        _train(model, opt, 4)
+        return model, link.sent
+
+    honest_model, honest = run(None)
+    model, sent = run(Poison(0, "flip", 3), replies=honest)  # its peers send what an honest run's did
+    torch.testing.assert_close(sent[0], honest[0])  # before its step (inner step 2): honest
+    assert torch.equal(sent[1][:-1], -honest[1][:-1]) and int(sent[1][-1]) == 0  # φ and θ − φ flipped
+    assert _farthest(model, honest_model) == 0.0  # its own step used its honest message
 
 
 def test_the_poisoning_node_sends_its_update_times_the_factor_from_its_step():
