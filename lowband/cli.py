@@ -17,7 +17,7 @@ COMMANDS = {
               "methods × links on emulated nodes: tables, results.json and plots"),
     "report": ("lowband.bench", "add_report_arguments", "report_main",
                "re-render report.md and plots of a bench run directory"),
-    "lighthouse": ("lowband.ft", "add_lighthouse_arguments", "lighthouse_main",
+    "lighthouse": ("lowband.lighthouse", "add_lighthouse_arguments", "lighthouse_main",
                    "run the torchft Lighthouse that a fault-tolerant job's nodes report to"),
     "secret": ("lowband.secret", "add_arguments", "main",
                "write a new job secret to a file (mode 0600) for --secret-file / LOWBAND_SECRET_FILE"),

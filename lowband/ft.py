@@ -23,8 +23,9 @@ the other nodes through a reconfigurable gloo process group that the Manager own
   ``reset_replica_state`` (FlexDeMo: δ = 0; DiLoCo, NoLoCo: the inner weights start from the outer
   ones).
 
-This module is the only one that imports torchft (an optional dependency: ``pip install
-lowband[ft]``). The link, the optimizers and the trainer see :class:`FaultTolerance` only.
+This module and :mod:`lowband.lighthouse` (which starts the Lighthouse) are the only ones that import
+torchft (an optional dependency: ``pip install lowband[ft]``). The link, the optimizers and the trainer
+see :class:`FaultTolerance` only.
 """
 
 from __future__ import annotations
@@ -54,10 +55,11 @@ from lowband.admission import (  # noqa: F401  (admit, member_of, replica_id: th
     screen,
     split_bind,
 )
+from lowband.gateway import REFUSED, ask_gate
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FaultToleranceConfig", "FaultTolerance", "start_lighthouse", "local_state", "load_local_state",
+__all__ = ["FaultToleranceConfig", "FaultTolerance", "local_state", "load_local_state",
            "require_torchft", "quorum_step", "committed_of"]
 
 
@@ -152,28 +154,6 @@ class FaultToleranceConfig:
         start, or for a foreign node to leave). Counted, not timed, so that every rank of a node stops
         at the same quorum."""
         return max(1, math.ceil(self.quorum_timeout_s / self.start_poll_s))
-
-
-def start_lighthouse(*, bind: str = "127.0.0.1:0", min_nodes: int = 1, join_timeout_s: float = 10.0,
-                     heartbeat_timeout_s: float = 3.0, quorum_tick_s: float = 0.05):
-    """Start a torchft Lighthouse in this process; returns the server (``.address()``, ``.shutdown()``).
-
-    Args:
-        bind: address and port to listen on (the job's network; port 0: any free port).
-        min_nodes: a quorum needs at least this many nodes.
-        join_timeout_s: how long a quorum waits for live nodes of the previous quorum that have not
-            asked yet (a dead node, silent for ``heartbeat_timeout_s``, is not waited for). It must
-            exceed the skew between nodes at a quorum: DiLoCo's nodes drift apart over H inner steps
-            with no exchange, and with 1 s a late node was left out, split the quorum and had to heal.
-        heartbeat_timeout_s: a node without a heartbeat for this long is dead and not waited for.
-        quorum_tick_s: how often the Lighthouse checks whether a quorum can form.
-    """
-    require_torchft()
-    from torchft._torchft import LighthouseServer
-
-    return LighthouseServer(bind=bind, min_replicas=min_nodes, join_timeout_ms=int(join_timeout_s * 1000),
-                            quorum_tick_ms=int(quorum_tick_s * 1000),
-                            heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
 
 
 # --------------------------------------------------------------------------- state for healing
@@ -293,6 +273,11 @@ class FaultTolerance:
         port = free_port(bind_host) if rank == 0 and cfg.secret is not None else None
         rid = replica_id(cfg.fingerprint, cfg.node, secret=cfg.secret, store=f"{store_host}:{store_port}",
                          manager=f"{advertise}:{port}")
+        # Before torchft's Manager starts (it would retry a refused quorum until its timeout): may this node pass?
+        why = ask_gate(cfg.lighthouse, rid, f"http://{advertise}:{port}", f"{store_host}:{store_port}",
+                       timeout_s=min(10.0, cfg.quorum_timeout_s)) if rank == 0 else None
+        if why is not None:
+            raise gate_refusal(cfg, why)
         with _listening_on(bind_host):
             self.manager = Manager(
                 pg=self.pg, load_state_dict=self._load, state_dict=state_dict, min_replica_size=1,
@@ -478,6 +463,15 @@ class FaultTolerance:
         self.manager.shutdown(wait=False)
 
 
+def gate_refusal(cfg: FaultToleranceConfig, why: str) -> AdmissionRefused:
+    """The error of a node that the Lighthouse's gate refused (``why``: the gate's reason)."""
+    return AdmissionRefused(
+        f"node {cfg.node} is refused by the job at {cfg.lighthouse}: its Lighthouse admits only the job's members, "
+        f"and {why}. Start every node of a job with the same secret: --secret-file PATH or LOWBAND_SECRET_FILE=PATH "
+        "(one file, copied to every node; `lowband secret PATH` makes one). This node leaves before any process "
+        "group includes it; the running job goes on.")
+
+
 class NodeSlotTaken(ValueError):
     """Another live process already holds this node's ``--ft-node`` slot."""
 
@@ -501,7 +495,12 @@ class _QuorumRecorder:
         max_rounds = cfg.poll_rounds
         rounds = 0
         while True:
-            result = self._client._quorum(*args, **kwargs)
+            try:
+                result = self._client._quorum(*args, **kwargs)
+            except (RuntimeError, TimeoutError) as e:  # the Lighthouse's gate refused this node (lowband.gateway)
+                if REFUSED not in str(e):
+                    raise
+                raise gate_refusal(cfg, str(e).split(REFUSED, 1)[1].split('", details', 1)[0].lstrip(": ")) from None
             step = kwargs.get("step")
             behind = bool(result.heal) or (step is not None and int(result.max_step) > int(step))
             new = not self._ft.had_peers
@@ -657,38 +656,3 @@ def data_slot(cfg: FaultToleranceConfig, *, local_rank: int, ranks_per_node: int
     its own slice at the step it heals to. The global batch therefore shrinks with the live nodes.
     """
     return cfg.node * ranks_per_node + local_rank, cfg.max_nodes * ranks_per_node
-
-
-# --------------------------------------------------------------------------- lowband lighthouse
-def add_lighthouse_arguments(p) -> None:
-    from lowband.units import parse_duration
-
-    p.add_argument("--bind", default="127.0.0.1:29510",
-                   help="address:port to listen on: the job's network, loopback (default 127.0.0.1:29510) or this "
-                        "host's VPN address; a wildcard or public address needs --trusted-network (the Lighthouse "
-                        "serves the job's members and a kill route to whoever reaches it; docs/internet.md)")
-    p.add_argument("--trusted-network", action="store_true",
-                   help="allow --bind on a wildcard or public address: every host that can reach it is trusted")
-    p.add_argument("--min-nodes", type=int, default=1, help="a quorum needs at least this many nodes")
-    p.add_argument("--join-timeout", type=parse_duration, default=10.0, metavar="DURATION",
-                   help="how long a quorum waits for live nodes of the previous one that have not asked yet "
-                        "(more than the nodes' skew at a quorum; dead nodes are not waited for)")
-    p.add_argument("--heartbeat-timeout", type=parse_duration, default=3.0, metavar="DURATION",
-                   help="a node silent for this long is dead: the next quorum goes on without it")
-
-
-def lighthouse_main(args) -> int:
-    if args.min_nodes < 1:
-        raise ValueError(f"--min-nodes must be >= 1, got {args.min_nodes}")
-    host, port = split_bind(args.bind)
-    check_bind(host, what="the Lighthouse", flag="--bind", port=port, secret=True,
-               trusted_network=args.trusted_network)
-    server = start_lighthouse(bind=args.bind, min_nodes=args.min_nodes, join_timeout_s=args.join_timeout,
-                              heartbeat_timeout_s=args.heartbeat_timeout)
-    print(f"lighthouse at {server.address()} (pass --ft-lighthouse http://<this host's address>:<port> to "
-          "every node's `lowband train`); Ctrl-C stops it", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    finally:
-        server.shutdown()

@@ -168,7 +168,7 @@ def test_a_public_bind_is_refused_unless_the_network_is_trusted():
 
 
 def test_lowband_lighthouse_binds_loopback_by_default_and_refuses_a_public_bind():
-    from lowband.ft import add_lighthouse_arguments, lighthouse_main
+    from lowband.lighthouse import add_lighthouse_arguments, lighthouse_main
 
     p = argparse.ArgumentParser()
     add_lighthouse_arguments(p)
@@ -177,6 +177,10 @@ def test_lowband_lighthouse_binds_loopback_by_default_and_refuses_a_public_bind(
         lighthouse_main(p.parse_args(["--bind", "0.0.0.0:29510"]))
     with pytest.raises(BindRefused):
         lighthouse_main(p.parse_args(["--bind", "[::]:0"]))
+    from lowband.secret import SecretError
+
+    with pytest.raises(SecretError, match="no such file .*lowband secret"):  # before anything listens
+        lighthouse_main(p.parse_args(["--secret-file", "/nonexistent/job.secret"]))
 
 
 def test_a_node_refuses_to_listen_on_a_public_address_before_starting_anything():

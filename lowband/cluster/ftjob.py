@@ -39,7 +39,7 @@ class FaultTolerantJob:
         ranks_per_node: ranks of each node (``--nproc-per-node``).
         out: run directory; node i writes ``out/node{i}`` and its log ``out/node{i}.log``.
         heartbeat_timeout_s, join_timeout_s, min_nodes: the Lighthouse's (see
-            :func:`lowband.ft.start_lighthouse`). ``min_nodes`` = ``nodes`` makes the job start with every
+            :func:`lowband.lighthouse.start_lighthouse`). ``min_nodes`` = ``nodes`` makes the job start with every
             node at once (the first node up does not train alone while the others start), but then no
             quorum forms while a node is down: for measurements without faults.
         ft_timeout_s: each node's ``--ft-timeout``.
@@ -81,9 +81,15 @@ class FaultTolerantJob:
                 "--min-nodes", str(min_nodes)]
         if net is not None:
             argv = net.exec_argv(0, argv)
+        from lowband.secret import ENV_SECRET, ENV_SECRET_FILE
+
+        env = {k: v for k, v in os.environ.items() if k not in (ENV_SECRET, ENV_SECRET_FILE)}
+        env["RUST_LOG"] = os.environ.get("RUST_LOG", "error")
+        if secret_file:  # the job's gate admits only its members (lowband.gateway); by the environment, as for nodes
+            env[ENV_SECRET_FILE] = str(secret_file)
         self.lighthouse = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=open(self.log_dir / "lighthouse.log", "w"), text=True,  # noqa: SIM115
-            env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "error")), start_new_session=True)
+            env=env, start_new_session=True)
         line = self.lighthouse.stdout.readline()
         if not line.startswith("lighthouse at "):
             self.lighthouse.kill()

@@ -160,7 +160,7 @@ def test_bench_with_faults_end_to_end(benches_with_faults, mode):
     # The intruder in the free slot was refused for want of the job's secret (every FT run of a bench has one).
     (intruder,) = [e for e in ft["events"] if e["event"] == "intrude"]
     assert intruder["refused"] and intruder["exit"] not in (0, None), intruder
-    assert "the job's nodes prove a secret and this node has none" in intruder["why"], intruder
+    assert "admits only the job's members" in intruder["why"], intruder  # refused at the Lighthouse's gate
     assert "node2:intrude@20: refused" in report
     seen = [m["replicas"] for m in steady["membership"]]
     assert 2 in seen and seen[-1] == 3, seen  # 3 -> 2 -> 3

@@ -31,7 +31,8 @@ SCRIPT = r'''
 import json, os, sys, threading, time
 import torch
 from torch.distributed import TCPStore
-from lowband.ft import FaultTolerance, FaultToleranceConfig, start_lighthouse
+from lowband.ft import FaultTolerance, FaultToleranceConfig
+from lowband.lighthouse import start_lighthouse
 import lowband.ft_transport as ftt
 
 mode, marker = sys.argv[1], sys.argv[2]
