@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+import time
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 
 from lowband.admission import claim_of, proves
 
-__all__ = ["ADMIT", "HEARTBEAT", "QUORUM", "REFUSED", "LighthouseGateway", "admission_request", "ask_gate",
-           "parse_fields", "refusal", "string_field"]
+__all__ = ["ADMIT", "COMMITTED_SCALE", "HEARTBEAT", "QUORUM", "REFUSED", "LighthouseGateway", "StallBreaker", "admission_request",
+           "ask_gate", "parse_fields", "quorum_round", "refusal", "string_field"]
 
 log = logging.getLogger(__name__)
 
@@ -148,17 +149,186 @@ def refusal(secret: bytes, request: bytes, method: str) -> str | None:
     return None
 
 
+# --------------------------------------------------------------------------- a member that stalls the job
+#: A lowband node reports training step × this + committed steps to the quorum (:func:`lowband.ft.quorum_step`): a
+#: dropped step advances the first and not the second.
+COMMITTED_SCALE = 1 << 32
+
+
+def quorum_round(response: bytes) -> tuple[tuple[int, int], dict[int, int]] | None:
+    """A LighthouseQuorumResponse's round: (its ``created`` timestamp, {member's slot: its quorum step}), or None when
+    the bytes do not read as one (field 1: the Quorum; its field 2: the members, each with replica id 1 and
+    step 4; its field 3: the timestamp, seconds 1 and nanos 2)."""
+    try:
+        (quorum,) = parse_fields(response).get(1) or [None]
+        if not isinstance(quorum, bytes):
+            return None
+        q = parse_fields(quorum)
+        ts = q.get(3) or [b""]
+        t = parse_fields(ts[-1]) if isinstance(ts[-1], bytes) else {}
+        created = (int((t.get(1) or [0])[-1]), int((t.get(2) or [0])[-1]))
+        members: dict[int, int] = {}
+        for raw in q.get(2) or []:
+            if not isinstance(raw, bytes):
+                return None
+            m = parse_fields(raw)
+            claim = claim_of(_string(m, 1))
+            if claim is None:
+                return None
+            step = int((m.get(4) or [0])[-1])
+            step = step - (1 << 64) if step >= 1 << 63 else step  # int64 on the wire
+            members[claim.node] = step  # training step × COMMITTED_SCALE + committed steps (lowband.ft.quorum_step)
+        return created, members
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+class StallBreaker:
+    """Finds a member that makes the job's steps fail, and keeps it out.
+
+    A member that holds the secret can heartbeat and ask for quorums and then never send (or never configure
+    its process group): every step of a quorum that holds it waits out the timeout and is dropped, and the
+    collective names no one. The gate sees every quorum round go by, and in it what each member reports: the
+    training step it is at and the steps it has committed (:func:`lowband.ft.quorum_step`). From one round to
+    the next a member *committed* (a step went through), *dropped* (its training step moved on, its commits
+    did not) or neither (it waited: the start, a quorum asked again). A round *failed* when more than half of
+    its members that are in the next round dropped, and *went through* when more than half committed; a liar
+    alone cannot swing either while two honest members are in the round.
+
+    - When, of the last ``4 × stall_rounds`` rounds with an outcome, ``stall_rounds`` or more failed and
+      exactly one member was in every one that failed and in none that went through, that member is
+      *benched*.
+    - When the last ``stall_rounds`` failed and several members were in each (the same members every round,
+      nothing went through), one of them (the latest to join first) is put on *probation* for ``probation_s``: its heartbeats go no further (the
+      Lighthouse soon counts it dead and forms quorums without it) and its quorum requests wait. If the others
+      commit meanwhile, it is benched; if not, it comes back (and heals like any node that was away) and the
+      next is tried. Probation needs 3 or more members: with two, each one's absence leaves the other alone.
+
+    A benched member's quorum requests are refused with the reason for ``bench_s`` (twice as long each time
+    again) and its heartbeats go no further; a warning names it.
+    """
+
+    def __init__(self, *, stall_rounds: int = 3, probation_s: float = 30.0, bench_s: float = 600.0,
+                 clock=time.monotonic) -> None:
+        self.stall_rounds, self.probation_s, self.bench_s = stall_rounds, probation_s, bench_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._created: tuple[int, int] | None = None
+        self._last: dict[int, int] | None = None  # the last round: slot -> its quorum step
+        self._round = 0
+        self._joined: dict[int, int] = {}  # slot -> the round it joined (came back to) the quorum
+        self.outcomes: deque[tuple[frozenset[int], bool]] = deque(maxlen=4 * stall_rounds)
+        self._tried: set[int] = set()
+        self.probation: tuple[int, float, dict[int, int]] | None = None  # slot, until, the others' commits then
+        self.benched: dict[int, float] = {}  # slot -> until
+        self.offences: Counter[int] = Counter()
+
+    def observe(self, created: tuple[int, int], members: dict[int, int]) -> None:
+        """One quorum round as the Lighthouse answered it: {slot: its quorum step} (each member gets the same
+        answer: seen once)."""
+        with self._lock:
+            if created == self._created:
+                return
+            self._created, self._round = created, self._round + 1
+            now = self._clock()
+            self._expire(now)
+            for slot in members:
+                if self._last is None or slot not in self._last:
+                    self._joined[slot] = self._round
+            if self.probation is not None:
+                slot, _, before = self.probation
+                moved = sum(1 for s, c in before.items() if s in members and members[s] % COMMITTED_SCALE > c)
+                if slot not in members and moved * 2 > len(before):
+                    self._bench(slot, now, "without it the others committed again")
+            if self._last is not None:
+                self._outcome(self._last, members)
+            self._last = dict(members)
+            if self.probation is None:
+                self._judge(now)
+
+    def _outcome(self, last: dict[int, int], now: dict[int, int]) -> None:
+        both = [s for s in last if s in now]
+        committed = sum(1 for s in both if now[s] % COMMITTED_SCALE > last[s] % COMMITTED_SCALE)
+        dropped = sum(1 for s in both if now[s] % COMMITTED_SCALE == last[s] % COMMITTED_SCALE
+                      and now[s] // COMMITTED_SCALE > last[s] // COMMITTED_SCALE)
+        if committed * 2 > len(both):
+            self.outcomes.append((frozenset(last), True))
+            self._tried.clear()
+        elif both and dropped * 2 > len(both):
+            self.outcomes.append((frozenset(last), False))
+
+    def _judge(self, now: float) -> None:
+        failed = [m for m, ok in self.outcomes if not ok]
+        if len(failed) < self.stall_rounds:
+            return
+        common = frozenset.intersection(*failed)
+        for members, ok in self.outcomes:
+            if ok:
+                common -= members
+        if len(common) == 1:
+            (slot,) = common
+            self._bench(slot, now, f"it was in each of the last {len(failed)} quorums whose steps failed and in "
+                                   "none that went through")
+            return
+        recent = list(self.outcomes)[-self.stall_rounds:]
+        if any(ok for _, ok in recent):
+            return
+        common = frozenset.intersection(*(m for m, _ in recent))
+        left = [s for s in common if s not in self._tried and s not in self.benched]
+        size = min(len(m) for m, _ in recent)
+        if not left or size < 3:
+            if not left:
+                self._tried.clear()
+            return
+        slot = max(left, key=lambda s: (self._joined.get(s, 0), s))  # the latest to join first
+        self._tried.add(slot)
+        self.outcomes.clear()
+        others = {s: v % COMMITTED_SCALE for s, v in (self._last or {}).items() if s != slot}
+        self.probation = (slot, now + self.probation_s, others)
+        log.warning("the Lighthouse's gate: the last %d quorums of nodes %s failed their steps and none went "
+                    "through; node %d is left out for %.0f s to see whether the others commit without it",
+                    self.stall_rounds, sorted(common), slot, self.probation_s)
+
+    def _bench(self, slot: int, now: float, why: str) -> None:
+        self.offences[slot] += 1
+        until = now + self.bench_s * 2 ** (self.offences[slot] - 1)
+        self.benched[slot] = until
+        self.probation = None
+        self._tried.clear()
+        self.outcomes.clear()
+        log.warning("the Lighthouse's gate: node %d stalled the job (%s: it takes part in quorums but not in the "
+                    "exchange); it is kept out for %.0f s", slot, why, until - now)
+
+    def _expire(self, now: float) -> None:
+        if self.probation is not None and now >= self.probation[1]:
+            self.probation = None  # the others did not commit without it: it comes back
+        for slot in [s for s, until in self.benched.items() if now >= until]:
+            del self.benched[slot]
+
+    def held(self, slot: int) -> tuple[str, float] | None:
+        """("probation" or "benched", until) for a member the gate keeps out now, else None."""
+        with self._lock:
+            self._expire(self._clock())
+            if slot in self.benched:
+                return "benched", self.benched[slot]
+            if self.probation is not None and self.probation[0] == slot:
+                return "probation", self.probation[1]
+            return None
+
+
 # --------------------------------------------------------------------------- the gate
 class LighthouseGateway:
     """Serve ``Quorum`` and ``Heartbeat`` on ``bind`` for the job's members only, forwarded to torchft's
     Lighthouse at ``backend`` (``HOST:PORT``, on loopback). ``address()`` is what nodes pass as
     ``--ft-lighthouse``; ``refused`` counts the refusals by reason."""
 
-    def __init__(self, *, bind: str, backend: str, secret: bytes, workers: int = 64) -> None:
+    def __init__(self, *, bind: str, backend: str, secret: bytes, workers: int = 64,
+                 breaker: StallBreaker | None = None) -> None:
         import grpc
 
         self._grpc = grpc
         self._secret = secret
+        self.breaker = breaker if breaker is not None else StallBreaker()
         self.refused: Counter[str] = Counter()
         self._named: set[str] = set()
         self._lock = threading.Lock()
@@ -189,11 +359,48 @@ class LighthouseGateway:
                 context.abort(self._grpc.StatusCode.PERMISSION_DENIED, f"{REFUSED}: {why}")
             if method == ADMIT:
                 return b""
+            slot = self._slot(request, method)
+            held = self.breaker.held(slot) if slot is not None else None
+            if held is not None and method == HEARTBEAT:
+                return b""  # not passed on: the Lighthouse counts the member dead and forms quorums without it
+            if held is not None and held[0] == "benched":
+                context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
+                              f"{REFUSED}: the Lighthouse's gate keeps node {slot} out for {held[1] - time.monotonic():.0f} "
+                              "s more: the job made no progress while it was in the quorum and committed again "
+                              "without it (it took part in quorums but not in the exchange)")
+            while held is not None:  # on probation: its quorum request waits until the probation ends
+                remaining = context.time_remaining()
+                if remaining is not None and remaining < 1.0:
+                    context.abort(self._grpc.StatusCode.UNAVAILABLE, "the Lighthouse's gate holds this node out "
+                                  "for a while (probation: does the job commit without it?)")
+                time.sleep(min(0.2, max(0.0, held[1] - time.monotonic())) or 0.05)
+                held = self.breaker.held(slot)
+                if held is not None and held[0] == "benched":
+                    context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
+                                  f"{REFUSED}: the Lighthouse's gate keeps node {slot} out: the job committed again "
+                                  "without it after making no progress while it was in the quorum")
             try:
-                return self._forward[method](request, timeout=context.time_remaining())
+                answer = self._forward[method](request, timeout=context.time_remaining())
             except self._grpc.RpcError as e:  # the Lighthouse's own answer (a timeout, ...), passed on
                 context.abort(e.code(), e.details() or "")
+            if method == QUORUM:
+                seen = quorum_round(answer)
+                if seen is not None:
+                    self.breaker.observe(*seen)
+            return answer
         return handle
+
+    @staticmethod
+    def _slot(request: bytes, method: str) -> int | None:
+        """The node slot the (already admitted) request's replica id claims."""
+        try:
+            fields = parse_fields(request)
+            if method == QUORUM:
+                fields = parse_fields((fields.get(1) or [b""])[-1])  # the requester
+            claim = claim_of(_string(fields, 1))
+        except (ValueError, UnicodeDecodeError, TypeError):
+            return None
+        return None if claim is None else claim.node
 
     def _note(self, why: str, peer: str) -> None:
         with self._lock:

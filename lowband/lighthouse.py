@@ -15,7 +15,8 @@ __all__ = ["GatedLighthouse", "add_lighthouse_arguments", "lighthouse_main", "st
 
 
 def start_lighthouse(*, bind: str = "127.0.0.1:0", min_nodes: int = 1, join_timeout_s: float = 10.0,
-                     heartbeat_timeout_s: float = 3.0, quorum_tick_s: float = 0.05, secret: bytes | None = None):
+                     heartbeat_timeout_s: float = 3.0, quorum_tick_s: float = 0.05, secret: bytes | None = None,
+                     stall_rounds: int = 3, probation_s: float = 30.0, bench_s: float = 600.0):
     """Start a torchft Lighthouse in this process; returns the server (``.address()``, ``.shutdown()``).
 
     Args:
@@ -30,6 +31,8 @@ def start_lighthouse(*, bind: str = "127.0.0.1:0", min_nodes: int = 1, join_time
         secret: the job's secret: torchft's Lighthouse then listens on loopback only and ``bind`` is
             the gate in front of it that lets only the job's members ask for quorums and send
             heartbeats, and serves no status page and no kill route (:mod:`lowband.gateway`).
+        stall_rounds, probation_s, bench_s: with the gate, how it finds and keeps out a member that stalls the
+            job (:class:`~lowband.gateway.StallBreaker`).
     """
     from lowband.ft import require_torchft
 
@@ -43,7 +46,10 @@ def start_lighthouse(*, bind: str = "127.0.0.1:0", min_nodes: int = 1, join_time
 
     if secret is None:
         return lighthouse(bind)
-    return GatedLighthouse(lighthouse("127.0.0.1:0"), bind=bind, secret=secret)
+    from lowband.gateway import StallBreaker
+
+    breaker = StallBreaker(stall_rounds=stall_rounds, probation_s=probation_s, bench_s=bench_s)
+    return GatedLighthouse(lighthouse("127.0.0.1:0"), bind=bind, secret=secret, breaker=breaker)
 
 
 class GatedLighthouse:
@@ -51,13 +57,13 @@ class GatedLighthouse:
     address: ``address()`` is the gate's (what nodes are given), ``status_address()`` torchft's own
     (its status page and kill route: this host only)."""
 
-    def __init__(self, server, *, bind: str, secret: bytes) -> None:
+    def __init__(self, server, *, bind: str, secret: bytes, breaker=None) -> None:
         from lowband.gateway import LighthouseGateway
 
         self._server = server
         self._backend = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
         try:
-            self.gate = LighthouseGateway(bind=bind, backend=self._backend, secret=secret)
+            self.gate = LighthouseGateway(bind=bind, backend=self._backend, secret=secret, breaker=breaker)
         except BaseException:
             server.shutdown()
             raise
@@ -89,6 +95,14 @@ def add_lighthouse_arguments(p) -> None:
                         "Lighthouse, which then serves no status page and no kill route to the network "
                         "(docs/internet.md). Without one, whoever reaches the port can ask for quorums")
     p.add_argument("--min-nodes", type=int, default=1, help="a quorum needs at least this many nodes")
+    p.add_argument("--stall-rounds", type=int, default=3, metavar="N",
+                   help="with --secret-file: after N quorum rounds in a row with the same members and no commit, "
+                        "the gate leaves one member out for --probation to see whether the others commit without "
+                        "it (then it keeps it out: a member that stalls the job)")
+    p.add_argument("--probation", type=parse_duration, default=30.0, metavar="DURATION",
+                   help="how long a member is left out on probation (more than --heartbeat-timeout and a step)")
+    p.add_argument("--bench-time", type=parse_duration, default=600.0, metavar="DURATION",
+                   help="how long a member that stalled the job is kept out (twice as long each time again)")
     p.add_argument("--join-timeout", type=parse_duration, default=10.0, metavar="DURATION",
                    help="how long a quorum waits for live nodes of the previous one that have not asked yet "
                         "(more than the nodes' skew at a quorum; dead nodes are not waited for)")
@@ -101,12 +115,16 @@ def lighthouse_main(args) -> int:
 
     if args.min_nodes < 1:
         raise ValueError(f"--min-nodes must be >= 1, got {args.min_nodes}")
+    if args.stall_rounds < 1 or not args.probation > 0 or not args.bench_time > 0:
+        raise ValueError(f"--stall-rounds must be >= 1 and --probation, --bench-time > 0; got {args.stall_rounds}, "
+                         f"{args.probation:g} s, {args.bench_time:g} s")
     secret = load_secret(args.secret_file)  # --secret-file, else LOWBAND_SECRET_FILE or LOWBAND_SECRET
     host, port = split_bind(args.bind)
     check_bind(host, what="the Lighthouse", flag="--bind", port=port, secret=True,
                trusted_network=args.trusted_network)
     server = start_lighthouse(bind=args.bind, min_nodes=args.min_nodes, join_timeout_s=args.join_timeout,
-                              heartbeat_timeout_s=args.heartbeat_timeout, secret=secret)
+                              heartbeat_timeout_s=args.heartbeat_timeout, secret=secret,
+                              stall_rounds=args.stall_rounds, probation_s=args.probation, bench_s=args.bench_time)
     if secret is None:
         gate = ("no secret: whoever reaches it can ask for quorums, read its status page and stop a node; "
                 "give it the job's secret: --secret-file PATH")

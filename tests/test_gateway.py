@@ -18,14 +18,17 @@ grpc = pytest.importorskip("grpc")
 from lowband.admission import replica_id  # noqa: E402
 from lowband.gateway import (  # noqa: E402
     ADMIT,
+    COMMITTED_SCALE,
     HEARTBEAT,
     QUORUM,
     REFUSED,
     SERVICE,
     LighthouseGateway,
+    StallBreaker,
     admission_request,
     ask_gate,
     parse_fields,
+    quorum_round,
     refusal,
     string_field,
 )
@@ -131,3 +134,112 @@ def test_a_node_asks_the_gate_before_it_starts_and_an_ungated_lighthouse_lets_it
     # torchft's own Lighthouse has no gate (UNIMPLEMENTED) and one not up yet cannot answer: the node goes on
     assert ask_gate(f"http://{backend}", replica_id("f00d", 1) + ":x", "x", "y") is None
     assert _call(g.address(), ADMIT, admission_request(MEMBER, f"http://{MANAGER}", STORE)) == b""
+
+
+# ----------------------------------------------------------------------------- a member that stalls the job
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _varint_field(number: int, value: int) -> bytes:
+    out, key = bytearray(), number << 3
+    for n in (key, value):
+        while True:
+            out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+            n >>= 7
+            if not n:
+                break
+    return bytes(out)
+
+
+def _response(rnd: int, steps: dict[int, int]) -> bytes:
+    """A LighthouseQuorumResponse of round ``rnd``: members by slot with their steps."""
+    members = b"".join(string_field(2, string_field(1, (replica_id("f00d", slot, secret=SECRET, store=STORE,
+                                                                   manager=MANAGER) + ":u").encode())
+                                    + _varint_field(4, step)) for slot, step in steps.items())
+    created = string_field(3, _varint_field(1, 1000 + rnd) + _varint_field(2, 7))
+    return string_field(1, _varint_field(1, 5) + members + created)
+
+
+def test_a_quorum_round_reads_each_members_slot_and_committed_steps():
+    from lowband.ft import _STEP_SCALE, quorum_step
+
+    assert COMMITTED_SCALE == _STEP_SCALE  # a node reports training step × this + committed steps
+    steps = {0: quorum_step(40, 12), 2: quorum_step(41, 12)}
+    assert quorum_round(_response(3, steps)) == ((1003, 7), steps)
+    assert quorum_round(b"\x0a\x02\xff") is None
+
+
+def _rounds(breaker, clock, rounds):
+    """One quorum round each, 5 s apart (a round is known by its time: each member gets the same answer)."""
+    for steps in rounds:
+        clock.t += 5.0
+        breaker.observe((round(clock.t * 1000), 0), steps)
+        breaker.observe((round(clock.t * 1000), 0), steps)  # the same round, as another member received it
+
+
+def q(train: int, committed: int) -> int:
+    """A node's quorum step (lowband.ft.quorum_step)."""
+    return train * COMMITTED_SCALE + committed
+
+
+def test_the_gate_benches_the_one_member_in_every_failed_quorum_and_none_that_went_through():
+    clock = Clock()
+    b = StallBreaker(stall_rounds=3, probation_s=20.0, bench_s=100.0, clock=clock)
+    # node 2 gets into every other quorum, claiming the others' steps and progress of its own; those steps fail
+    rounds, t, c = [], 10, 10
+    for k in range(4):
+        rounds.append({0: q(t, c), 1: q(t, c)})  # without it: committed
+        t, c = t + 1, c + 1
+        rounds.append({0: q(t, c), 1: q(t, c), 2: q(t + 40, c + k)})  # with it: dropped
+        t += 1
+    _rounds(b, clock, rounds)
+    assert b.held(2)[0] == "benched" and b.held(0) is None and b.held(1) is None
+    clock.t += 101.0
+    assert b.held(2) is None  # it may come back; a second offence keeps it out twice as long
+    _rounds(b, clock, rounds)
+    kind, until = b.held(2)
+    assert kind == "benched" and until - clock.t > 150.0
+
+
+def test_with_the_same_members_every_round_the_gate_finds_it_by_probation():
+    clock = Clock()
+    b = StallBreaker(stall_rounds=2, probation_s=20.0, bench_s=100.0, clock=clock)
+
+    def failing(slots, t):  # node 0 claims commits of its own; the others drop their steps
+        return {s: q(t, 7 + t if s == 0 else 7) for s in slots}
+
+    t = 0
+
+    def run(slots, n, *, until_probation=False):
+        nonlocal t
+        for _ in range(n):
+            t += 1
+            _rounds(b, clock, [failing(slots, t)])
+            if until_probation and b.probation is not None:
+                return
+
+    run((0, 1, 2), 5, until_probation=True)
+    assert b.probation[0] == 2  # all joined together: the highest slot first
+    run((0, 1), 5)  # without node 2 the steps fail too: its probation runs out, it comes back
+    assert b.held(2) is None
+    run((0, 1, 2), 5, until_probation=True)
+    assert b.probation is not None and b.probation[0] == 1
+    run((0, 2), 5)
+    run((0, 1, 2), 5, until_probation=True)
+    assert b.probation[0] == 0
+    _rounds(b, clock, [{1: q(t + 1, 8), 2: q(t + 1, 8)}])  # without node 0 the others commit
+    assert b.held(0)[0] == "benched" and b.held(1) is None and b.held(2) is None
+
+
+def test_a_job_that_commits_waits_or_has_two_members_is_never_held():
+    clock = Clock()
+    b = StallBreaker(stall_rounds=2, clock=clock)
+    _rounds(b, clock, [{0: q(s, s), 1: q(s, s), 2: q(s, s - 1)} for s in range(1, 20)])  # training (2 behind)
+    _rounds(b, clock, [{0: q(20, 19), 1: q(20, 19), 2: q(20, 19)}] * 10)  # asking again, not training: no outcome
+    _rounds(b, clock, [{0: q(20 + k, 19), 1: q(20 + k, 19)} for k in range(10)])  # two members: nobody can tell
+    assert b.probation is None and not b.benched and not any(ok is False for _, ok in b.outcomes if len(_) > 2)

@@ -46,14 +46,16 @@ class FaultTolerantJob:
         start_nodes: each node's ``--ft-start-nodes`` (None: theirs by default, every node slot): a test
             that starts fewer nodes than ``nodes`` sets it, or the first step waits for the others.
         secret_file: the job's secret (:mod:`lowband.secret`), given to every node as LOWBAND_SECRET_FILE
-            (never on a command line); :meth:`start` can give one node another.
+            (never on a command line); :meth:`start` can give one node another. The Lighthouse gets it too,
+            and then sits behind its gate (:mod:`lowband.gateway`).
+        lighthouse_args: more ``lowband lighthouse`` arguments (the gate's ``--probation``, ...).
     """
 
     def __init__(self, *, train_args: list[str], nodes: int, ranks_per_node: int, out: str | Path,
                  heartbeat_timeout_s: float = 2.0, join_timeout_s: float = 10.0, ft_timeout_s: float = 5.0,
                  min_nodes: int = 1, start_nodes: int | None = None,
                  net=None, node_dirs: Path | None = None, log_dir: Path | None = None,
-                 secret_file: str | Path | None = None) -> None:
+                 secret_file: str | Path | None = None, lighthouse_args: list[str] | None = None) -> None:
         from lowband.ft import require_torchft
 
         require_torchft()
@@ -78,7 +80,7 @@ class FaultTolerantJob:
         host = net.nodes[0].ip if net is not None else "127.0.0.1"
         argv = [sys.executable, "-m", "lowband.cli", "lighthouse", "--bind", f"{host}:0",
                 "--heartbeat-timeout", f"{heartbeat_timeout_s}s", "--join-timeout", f"{join_timeout_s}s",
-                "--min-nodes", str(min_nodes)]
+                "--min-nodes", str(min_nodes), *(lighthouse_args or [])]
         if net is not None:
             argv = net.exec_argv(0, argv)
         from lowband.secret import ENV_SECRET, ENV_SECRET_FILE

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -84,3 +85,91 @@ def test_outsiders_never_reach_the_quorum_and_a_wrong_secret_is_refused_and_the_
     log = (tmp_path / "node2.log").read_text()
     assert "is refused by the job" in log and "lowband secret PATH" in log, log[-3000:]
     assert "does not prove the job's secret" in log, log[-3000:]
+
+
+# A member that holds the job's secret, heartbeats and asks for quorums, and never takes part in the exchange
+# (it never configures a process group: its store and Manager addresses lead nowhere). It learns the job's
+# fingerprint from the first quorum it is shown (a node of the same job would know it), then claims the
+# others' committed steps so that nobody heals from or to it.
+SILENT = r"""
+import sys, threading, time
+from datetime import timedelta
+from torchft._torchft import LighthouseClient
+from lowband.admission import member_of, replica_id
+from lowband.secret import load_secret
+addr, secret_file, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+secret = load_secret(secret_file)
+c = LighthouseClient(addr, connect_timeout=timedelta(seconds=5))
+def rid_for(fp):
+    return replica_id(fp, 2, secret=secret, store="127.0.0.1:1", manager="127.0.0.1:2") + ":silent"
+rid = rid_for("0" * 16)
+def beat():
+    while True:
+        try:
+            c.heartbeat(rid)
+        except Exception:
+            pass
+        time.sleep(0.3)
+threading.Thread(target=beat, daemon=True).start()
+step, asked, refused, end, errors = 0, 0, 0, time.monotonic() + seconds, set()
+while time.monotonic() < end:
+    asked += 1
+    try:
+        q = c.quorum(replica_id=rid, timeout=timedelta(seconds=30), address="http://127.0.0.1:2",
+                     store_address="127.0.0.1:1", step=step, world_size=1)
+        others = [p for p in q.participants if p.replica_id != rid]
+        if others:
+            rid = rid_for(member_of(others[0].replica_id)[0])
+            step = max(p.step for p in others)
+    except Exception as e:
+        refused += "lowband gateway: not a member of this job" in str(e)
+        errors.add(str(e)[:200])
+        time.sleep(0.2)
+print("silent asked", asked, "refused", refused, "errors", sorted(errors)[:3], flush=True)
+"""
+
+
+def _replicas(metrics) -> int | None:
+    """The live nodes of the last membership change a node recorded."""
+    last = None
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        if '"membership"' in line:
+            last = json.loads(line)["replicas"]
+    return last
+
+
+def test_a_member_that_never_sends_is_found_by_the_gate_and_kept_out_and_the_job_goes_on(tmp_path):
+    from lowband.cluster.ftjob import FaultTolerantJob
+    from lowband.secret import write_secret
+
+    key = write_secret(tmp_path / "job.secret")
+    args = [*ARGS, "--stop-file", str(tmp_path / "stop")]
+    gate = ["--stall-rounds", "2", "--probation", "8s", "--bench-time", "600s"]
+    with FaultTolerantJob(train_args=args, nodes=3, ranks_per_node=1, out=tmp_path, start_nodes=2,
+                          secret_file=key, lighthouse_args=gate) as job:
+        job.start(0)
+        job.start(1)
+        job.wait_for_step(0, 10)
+        silent = subprocess.Popen([sys.executable, "-c", SILENT, job.address, str(key), "150"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 150
+            while "kept out" not in (tmp_path / "lighthouse.log").read_text() and time.monotonic() < deadline:
+                time.sleep(1.0)
+            kept_out = (tmp_path / "lighthouse.log").read_text()
+            # While the quorums churned the two nodes may have met in quorums of one each (torchft forms one
+            # with whoever asked in time); they heal into one again: wait for that, then 10 steps together.
+            while time.monotonic() < deadline + 60 and any(
+                    _replicas(tmp_path / f"node{n}" / "metrics.jsonl") != 2 for n in (0, 1)):
+                time.sleep(1.0)
+            job.wait_for_step(0, job.steps_done(0) + 10, timeout_s=120)  # the job trains on without it
+        finally:
+            silent.kill()
+            out = silent.communicate()[0]
+        job.end_soon()
+        codes = job.wait(timeout_s=240)
+    assert "node 2 stalled the job" in kept_out and "kept out" in kept_out, kept_out[-3000:] + out[-2000:]
+    assert codes[0] == 0 and codes[1] == 0, (tmp_path / "node0.log").read_text()[-3000:]
+    recs = [json.loads((tmp_path / f"node{n}" / "ft_rank0.json").read_text()) for n in (0, 1)]
+    assert recs[0]["param_sha256"] == recs[1]["param_sha256"]
+    assert recs[0]["dropped_steps"] >= 1, recs[0]  # it did stall the job, for a while
