@@ -65,7 +65,7 @@ def test_outsiders_never_reach_the_quorum_and_a_wrong_secret_is_refused_and_the_
         job.start(1)
         job.wait_for_step(0, 10)
         before = job.steps_done(0)
-        fake = subprocess.run([sys.executable, "-c", FAKE, job.address, "15"], capture_output=True, text=True,
+        fake = subprocess.run([sys.executable, "-c", FAKE, job.address, "8"], capture_output=True, text=True,
                               timeout=90)
         assert fake.returncode == 0, fake.stderr[-2000:]
         during = job.steps_done(0) - before
