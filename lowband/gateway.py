@@ -33,7 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from lowband.admission import claim_of, proves
 
-__all__ = ["ADMIT", "COMMITTED_SCALE", "HEARTBEAT", "QUORUM", "REFUSED", "LighthouseGateway", "StallBreaker", "admission_request",
+__all__ = ["ADMIT", "COMMITTED_SCALE", "HEARTBEAT", "QUORUM", "REFUSED", "LighthouseGateway", "GatedManager", "ManagerGate",
+           "StallBreaker", "peer_host", "admission_request",
            "ask_gate", "parse_fields", "quorum_round", "refusal", "string_field"]
 
 log = logging.getLogger(__name__)
@@ -317,12 +318,20 @@ class StallBreaker:
 
 
 # --------------------------------------------------------------------------- the gate
+def _timeout(context) -> float | None:
+    """The seconds left to the caller's deadline, for the call passed on; None when it set none (gRPC then
+    reports about 9.2e18 s, and a deadline that far away fails the passed-on call at once: torchft's heartbeats
+    carry no deadline)."""
+    remaining = context.time_remaining()
+    return remaining if remaining is not None and remaining < 1e6 else None
+
+
 class LighthouseGateway:
     """Serve ``Quorum`` and ``Heartbeat`` on ``bind`` for the job's members only, forwarded to torchft's
     Lighthouse at ``backend`` (``HOST:PORT``, on loopback). ``address()`` is what nodes pass as
     ``--ft-lighthouse``; ``refused`` counts the refusals by reason."""
 
-    def __init__(self, *, bind: str, backend: str, secret: bytes, workers: int = 64,
+    def __init__(self, *, bind: str, backend: str, secret: bytes, workers: int = 256,
                  breaker: StallBreaker | None = None) -> None:
         import grpc
 
@@ -379,8 +388,12 @@ class LighthouseGateway:
                     context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
                                   f"{REFUSED}: the Lighthouse's gate keeps node {slot} out: the job committed again "
                                   "without it after making no progress while it was in the quorum")
-            try:
-                answer = self._forward[method](request, timeout=context.time_remaining())
+            call = self._forward[method].future(request, timeout=_timeout(context))
+            context.add_callback(call.cancel)  # the caller gave up (a quorum request's retry): so does this call,
+            try:  # and its thread is free again (left waiting, they filled the pool and heartbeats stopped)
+                answer = call.result()
+            except self._grpc.FutureCancelledError:
+                context.abort(self._grpc.StatusCode.CANCELLED, "the caller cancelled")
             except self._grpc.RpcError as e:  # the Lighthouse's own answer (a timeout, ...), passed on
                 context.abort(e.code(), e.details() or "")
             if method == QUORUM:
@@ -413,6 +426,88 @@ class LighthouseGateway:
     def shutdown(self) -> None:
         self._server.stop(grace=None)
         self._channel.close()
+
+
+# --------------------------------------------------------------------------- a node's Manager
+MANAGER_SERVICE = "torchft.ManagerService"
+#: What a node's Manager gate serves, and to whom: ``CheckpointMetadata`` (where to fetch a healing source's
+#: state) to every host of the job's network, ``Quorum`` and ``ShouldCommit`` (the node's own ranks) only to
+#: the node's own addresses. ``Kill`` is not served at all.
+MANAGER_METHODS = {"CheckpointMetadata": False, "Quorum": True, "ShouldCommit": True}
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string (``ipv4:10.0.0.2:5123``, ``ipv6:[::1]:5123``)."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0].strip("[]")
+    return rest.rsplit(":", 1)[0] if kind == "ipv4" else ""
+
+
+class ManagerGate:
+    """A node's torchft Manager (its gRPC server) on loopback, behind this gate on the node's address and the
+    same port: the address the Manager advertises reaches the gate. torchft's Manager serves a ``Kill`` that
+    ends the node to whoever reaches it, and takes quorum requests and commit votes for any of the node's
+    ranks from anyone; the gate serves ``Kill`` to no one, and the node's own calls (``Quorum``,
+    ``ShouldCommit``) only to the node's own addresses (``own_hosts``). What it cannot tell apart: another
+    process on the node's own host."""
+
+    def __init__(self, *, bind: str, backend: str, own_hosts: set[str], workers: int = 16) -> None:
+        import grpc
+
+        self._grpc = grpc
+        self._own = set(own_hosts)
+        self._channel = grpc.insecure_channel(backend)
+        self.refused: Counter[str] = Counter()
+        handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name, own))
+                    for name, own in MANAGER_METHODS.items()}
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowband-manager-gate"),
+                                   handlers=[grpc.method_handlers_generic_handler(MANAGER_SERVICE, handlers)])
+        self.port = self._server.add_insecure_port(bind)
+        if not self.port:
+            raise OSError(f"the Manager's gate cannot listen on {bind}")
+        self._server.start()
+
+    def _handler(self, name: str, own_only: bool):
+        forward = self._channel.unary_unary(f"/{MANAGER_SERVICE}/{name}")
+
+        def handle(request: bytes, context) -> bytes:
+            host = peer_host(context.peer())
+            if own_only and host not in self._own:
+                self.refused[name] += 1
+                context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
+                              f"lowband: {name} is served to this node's own ranks only, not to {host}")
+            try:
+                return forward(request, timeout=_timeout(context))
+            except self._grpc.RpcError as e:
+                context.abort(e.code(), e.details() or "")
+        return handle
+
+    def shutdown(self) -> None:
+        self._server.stop(grace=None)
+        self._channel.close()
+
+
+class GatedManager:
+    """torchft's ManagerServer on loopback with a :class:`~lowband.gateway.ManagerGate` in front, on ``host``."""
+
+    def __init__(self, server, host: str, port: str) -> None:
+        self._server = server
+        loopback = "::1" if ":" in host else "127.0.0.1"
+        try:
+            self.gate = ManagerGate(bind=f"{f'[{host}]' if ':' in host else host}:{port}",
+                                    backend=f"{f'[{loopback}]' if ':' in host else loopback}:{port}",
+                                    own_hosts={host, loopback})
+        except BaseException:
+            server.shutdown()
+            raise
+
+    def address(self) -> str:
+        return self._server.address()
+
+    def shutdown(self) -> None:
+        self.gate.shutdown()
+        self._server.shutdown()
 
 
 def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: float = 10.0) -> str | None:

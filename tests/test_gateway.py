@@ -20,14 +20,17 @@ from lowband.gateway import (  # noqa: E402
     ADMIT,
     COMMITTED_SCALE,
     HEARTBEAT,
+    MANAGER_SERVICE,
     QUORUM,
     REFUSED,
     SERVICE,
     LighthouseGateway,
+    ManagerGate,
     StallBreaker,
     admission_request,
     ask_gate,
     parse_fields,
+    peer_host,
     quorum_round,
     refusal,
     string_field,
@@ -243,3 +246,64 @@ def test_a_job_that_commits_waits_or_has_two_members_is_never_held():
     _rounds(b, clock, [{0: q(20, 19), 1: q(20, 19), 2: q(20, 19)}] * 10)  # asking again, not training: no outcome
     _rounds(b, clock, [{0: q(20 + k, 19), 1: q(20 + k, 19)} for k in range(10)])  # two members: nobody can tell
     assert b.probation is None and not b.benched and not any(ok is False for _, ok in b.outcomes if len(_) > 2)
+
+
+# ----------------------------------------------------------------------------- a node's Manager
+@pytest.fixture
+def manager_backend():
+    """A stand-in for a node's torchft Manager that records what reaches it."""
+    seen: list[str] = []
+
+    def handler(name):
+        def handle(request, context):
+            seen.append(name)
+            return b"ok:" + request
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    names = ("Quorum", "CheckpointMetadata", "ShouldCommit", "Kill")
+    server = grpc.server(ThreadPoolExecutor(max_workers=4), handlers=[grpc.method_handlers_generic_handler(
+        MANAGER_SERVICE, {n: handler(n) for n in names})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", seen
+    server.stop(grace=None)
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_a_nodes_manager_gate_serves_no_kill_and_its_own_calls_to_its_own_host_only(manager_backend, own):
+    backend, seen = manager_backend
+    gate = ManagerGate(bind="127.0.0.1:0", backend=backend, own_hosts={"127.0.0.1" if own else "10.9.9.9"},
+                       workers=4)
+    try:
+        address = f"127.0.0.1:{gate.port}"
+        assert _call(address, f"/{MANAGER_SERVICE}/CheckpointMetadata", b"r0") == b"ok:r0"  # healing peers: all
+        for name in ("Quorum", "ShouldCommit"):
+            if own:
+                assert _call(address, f"/{MANAGER_SERVICE}/{name}", b"x") == b"ok:x"
+            else:
+                with pytest.raises(grpc.RpcError) as e:
+                    _call(address, f"/{MANAGER_SERVICE}/{name}", b"x")
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "own ranks only" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            _call(address, f"/{MANAGER_SERVICE}/Kill", b"")
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        gate.shutdown()
+    assert "Kill" not in seen
+    assert seen == (["CheckpointMetadata", "Quorum", "ShouldCommit"] if own else ["CheckpointMetadata"])
+
+
+def test_a_peer_strings_host():
+    assert peer_host("ipv4:10.0.0.2:5123") == "10.0.0.2"
+    assert peer_host("ipv6:[::1]:5123") == "::1"
+    assert peer_host("unix:/tmp/x") == ""
+
+
+def test_a_call_without_a_deadline_is_passed_on_without_one(gate):
+    """torchft's heartbeats carry no deadline: gRPC reports ~9.2e18 s left, and passed on as a timeout that
+    failed every heartbeat at once (DEADLINE_EXCEEDED), so the Lighthouse saw no member alive but by its
+    quorum requests."""
+    g, seen, _ = gate
+    with grpc.insecure_channel(g.address().split("://", 1)[-1]) as ch:
+        assert ch.unary_unary(HEARTBEAT)(_heartbeat(MEMBER)) == b"answer:" + _heartbeat(MEMBER)[:8]  # no timeout
+    assert seen == [(HEARTBEAT, _heartbeat(MEMBER))]

@@ -129,15 +129,6 @@ print("silent asked", asked, "refused", refused, "errors", sorted(errors)[:3], f
 """
 
 
-def _replicas(metrics) -> int | None:
-    """The live nodes of the last membership change a node recorded."""
-    last = None
-    for line in metrics.read_text().splitlines() if metrics.exists() else []:
-        if '"membership"' in line:
-            last = json.loads(line)["replicas"]
-    return last
-
-
 def test_a_member_that_never_sends_is_found_by_the_gate_and_kept_out_and_the_job_goes_on(tmp_path):
     from lowband.cluster.ftjob import FaultTolerantJob
     from lowband.secret import write_secret
@@ -145,7 +136,9 @@ def test_a_member_that_never_sends_is_found_by_the_gate_and_kept_out_and_the_job
     key = write_secret(tmp_path / "job.secret")
     args = [*ARGS, "--stop-file", str(tmp_path / "stop")]
     gate = ["--stall-rounds", "2", "--probation", "8s", "--bench-time", "600s"]
-    with FaultTolerantJob(train_args=args, nodes=3, ranks_per_node=1, out=tmp_path, start_nodes=2,
+    # min_nodes=2: while the quorums churn (the silent member in and out) torchft would otherwise form a quorum
+    # of one node, then of the other, and the two would train apart until they meet again and one heals.
+    with FaultTolerantJob(train_args=args, nodes=3, ranks_per_node=1, out=tmp_path, start_nodes=2, min_nodes=2,
                           secret_file=key, lighthouse_args=gate) as job:
         job.start(0)
         job.start(1)
@@ -157,11 +150,6 @@ def test_a_member_that_never_sends_is_found_by_the_gate_and_kept_out_and_the_job
             while "kept out" not in (tmp_path / "lighthouse.log").read_text() and time.monotonic() < deadline:
                 time.sleep(1.0)
             kept_out = (tmp_path / "lighthouse.log").read_text()
-            # While the quorums churned the two nodes may have met in quorums of one each (torchft forms one
-            # with whoever asked in time); they heal into one again: wait for that, then 10 steps together.
-            while time.monotonic() < deadline + 60 and any(
-                    _replicas(tmp_path / f"node{n}" / "metrics.jsonl") != 2 for n in (0, 1)):
-                time.sleep(1.0)
             job.wait_for_step(0, job.steps_done(0) + 10, timeout_s=120)  # the job trains on without it
         finally:
             silent.kill()
