@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import ipaddress
 import logging
 import math
 import os
@@ -55,13 +56,13 @@ from lowband.admission import (  # noqa: F401  (admit, member_of, replica_id: th
     screen,
     split_bind,
 )
-from lowband.gateway import REFUSED, ask_gate
+from lowband.gateway import REFUSED, GatedManager, ask_gate
 
 log = logging.getLogger(__name__)
 
 #: How often a node's Manager tells the Lighthouse it is alive (torchft's default: every 0.1 s). Half a second is
 #: still six beats in the Lighthouse's 3 s heartbeat timeout, and a fifth of the calls through the Lighthouse's
-#: gate (each costs about 0.85 ms of the Lighthouse host's CPU; benchmarks/protection_cost.py).
+#: gate (each costs about 0.85 ms of the Lighthouse host's CPU; benchmarks/README.md, protection_cost.py).
 HEARTBEAT_INTERVAL_S = 0.5
 
 __all__ = ["FaultToleranceConfig", "FaultTolerance", "local_state", "load_local_state",
@@ -580,7 +581,12 @@ def _listening_on(host: str):
         return _Server((host, address[1]), handler)
 
     def manager_server(*, bind: str, **kwargs):
-        return server_cls(bind=f"{f'[{host}]' if ipv6 else host}:{split_bind(bind)[1]}", **kwargs)
+        port = split_bind(bind)[1]
+        if ipaddress.ip_address(host).is_loopback or not port or port == "0":
+            return server_cls(bind=f"{f'[{host}]' if ipv6 else host}:{port}", **kwargs)
+        # On the job's network: torchft's Manager on loopback, its gate on the job's address and the same port
+        # (the address the Manager advertises), which serves no Kill and the node's own calls to it only.
+        return GatedManager(server_cls(bind=f"{'[::1]' if ipv6 else '127.0.0.1'}:{port}", **kwargs), host, port)
 
     server_cls, http_cls = manager.ManagerServer, http_transport._IPv6HTTPServer
     manager.ManagerServer, http_transport._IPv6HTTPServer = manager_server, http_server
