@@ -56,7 +56,7 @@ from lowband.admission import (  # noqa: F401  (admit, member_of, replica_id: th
     screen,
     split_bind,
 )
-from lowband.gateway import REFUSED, GatedManager, ask_gate
+from lowband.gateway import GatedManager, ask_gate, gate_reason
 
 log = logging.getLogger(__name__)
 
@@ -504,9 +504,10 @@ class _QuorumRecorder:
             try:
                 result = self._client._quorum(*args, **kwargs)
             except (RuntimeError, TimeoutError) as e:  # the Lighthouse's gate refused this node (lowband.gateway)
-                if REFUSED not in str(e):
+                why = gate_reason(str(e))
+                if why is None:
                     raise
-                raise gate_refusal(cfg, str(e).split(REFUSED, 1)[1].split('", details', 1)[0].lstrip(": ")) from None
+                raise gate_refusal(cfg, why) from None
             step = kwargs.get("step")
             behind = bool(result.heal) or (step is not None and int(result.max_step) > int(step))
             new = not self._ft.had_peers

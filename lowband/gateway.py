@@ -35,7 +35,7 @@ from lowband.admission import claim_of, proves
 
 __all__ = ["ADMIT", "COMMITTED_SCALE", "HEARTBEAT", "QUORUM", "REFUSED", "LighthouseGateway", "GatedManager", "ManagerGate",
            "StallBreaker", "peer_host", "admission_request",
-           "ask_gate", "parse_fields", "quorum_round", "refusal", "string_field"]
+           "ask_gate", "gate_reason", "parse_fields", "quorum_round", "refusal", "string_field"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,14 @@ GATE_SERVICE = "lowband.LighthouseGate"
 ADMIT = f"/{GATE_SERVICE}/Admit"
 #: In the message of every refusal: a refused node recognises it (:func:`lowband.ft` raises AdmissionRefused).
 REFUSED = "lowband gateway: not a member of this job"
+
+
+def gate_reason(message: str) -> str | None:
+    """The gate's reason in an error's ``message`` (grpc's details, or torchft's rendering of the status), or
+    None when the message is not the gate's refusal."""
+    if REFUSED not in message:
+        return None
+    return message.split(REFUSED, 1)[1].split('", details', 1)[0].lstrip(": ")
 
 
 # --------------------------------------------------------------------------- the request's fields
@@ -521,8 +529,9 @@ def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: 
         try:
             channel.unary_unary(ADMIT)(admission_request(rid, address, store), timeout=timeout_s)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.PERMISSION_DENIED and REFUSED in (e.details() or ""):
-                return (e.details() or "").split(REFUSED, 1)[1].lstrip(": ")
+            why = gate_reason(e.details() or "") if e.code() == grpc.StatusCode.PERMISSION_DENIED else None
+            if why is not None:
+                return why
             log.debug("the Lighthouse at %s did not answer the gate's question (%s): no gate, or not up yet",
                       lighthouse, e.code())
     return None

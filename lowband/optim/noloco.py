@@ -20,7 +20,7 @@ from lowband.link import Link, LinkHandle, PeerTimeoutError
 from lowband.optim._common import local, replica_state_like, state_view
 from lowband.optim.noloco_groups import noloco_group_size, noloco_groups
 from lowband.optim.outer import DROP, InnerOptimizer, OuterFlight, OuterStepOptimizer, check_unit_interval
-from lowband.optim.robust import member_weights, robust_pull, trimmed_mean
+from lowband.optim.robust import member_weights, robust_pull, trimmed_mean, weighted_sum
 from lowband.poison import lying_message
 
 __all__ = ["NOLOCO_INNER_DEFAULTS", "NoLoCo"]
@@ -309,10 +309,7 @@ class NoLoCo(OuterStepOptimizer):
             return torch.cat([trimmed_mean(phis), trimmed_mean(deltas)])
         keep, scales = member_weights(deltas, self.aggregate, members=members, tally=self.clip_tally,
                                       where=f"{type(self).__name__} outer step {self.outer_steps}")
-        delta = torch.zeros_like(deltas[0])
-        for d, s in zip(deltas, scales.tolist(), strict=True):
-            delta.add_(d, alpha=s)
-        delta.div_(int(keep.sum()))
+        delta = weighted_sum(deltas, scales).div_(int(keep.sum()))
         return torch.cat([robust_pull(phis, own, self.aggregate, keep), delta])
 
     def _live_group_size(self, n: int, replicas: int) -> int:

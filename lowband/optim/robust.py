@@ -58,7 +58,7 @@ import torch
 
 __all__ = ["AGGREGATES", "AGREEMENT_DECAY", "AgreementMemory", "ClipTally", "agreeing", "check_aggregate", "clip_scales",
            "cosines", "dense_gram", "kept_clip_scales", "member_weights",
-           "robust_pull", "robust_sum", "sparse_gram", "trimmed_mean"]
+           "robust_pull", "robust_sum", "sparse_gram", "trimmed_mean", "weighted_sum"]
 
 log = logging.getLogger(__name__)
 
@@ -239,13 +239,18 @@ def robust_sum(vectors: Sequence[torch.Tensor], aggregate: str, *, members: Sequ
         return trimmed_mean(vectors).mul_(len(vectors))
     if aggregate in ("clip", "trimmed", "agree") and len(vectors) >= 2:
         keep, scales = member_weights(vectors, aggregate, members=members, tally=tally, where=where)
-        total = vectors[0] * float(scales[0])
-        for v, s in zip(vectors[1:], scales[1:].tolist(), strict=True):
-            total.add_(v, alpha=s)
-        return total.mul_(len(vectors) / int(keep.sum()))  # R × the kept members' mean
+        return weighted_sum(vectors, scales).mul_(len(vectors) / int(keep.sum()))  # R × the kept members' mean
     total = vectors[0].clone()
     for v in vectors[1:]:
         total.add_(v)
+    return total
+
+
+def weighted_sum(vectors: Sequence[torch.Tensor], scales: torch.Tensor) -> torch.Tensor:
+    """Σ s_j·u_j (a new tensor), in the order given: every rank gets the same floats."""
+    total = vectors[0] * float(scales[0])
+    for v, s in zip(vectors[1:], scales[1:].tolist(), strict=True):
+        total.add_(v, alpha=s)
     return total
 
 
@@ -279,10 +284,7 @@ def robust_pull(weights: Sequence[torch.Tensor], own: int, aggregate: str,
     if deviations:
         norms = torch.stack([torch.linalg.vector_norm(d.double()) for d in deviations])
         scales = clip_scales(norms) if len(deviations) >= 2 else torch.ones_like(norms)
-        pulled = torch.zeros_like(base)
-        for d, s in zip(deviations, scales.tolist(), strict=True):
-            pulled.add_(d, alpha=s)
-        total.add_(pulled.div_(len(others) + 1))
+        total.add_(weighted_sum(deviations, scales).div_(len(others) + 1))
     return total
 
 
