@@ -27,12 +27,17 @@ from dataclasses import dataclass
 
 from lowband.secret import tag, verify
 
-__all__ = ["AdmissionRefused", "BindRefused", "Claim", "admit", "check_bind", "claim_of", "is_public",
+__all__ = ["AdmissionRefused", "BindRefused", "Claim", "RemovedFromJob", "admit", "check_bind", "claim_of", "is_public",
            "member_of", "replica_id", "screen"]
 
 
 class AdmissionRefused(ValueError):
     """This node's secret is not the running job's (or it has none and the job has one)."""
+
+
+class RemovedFromJob(AdmissionRefused):
+    """The Lighthouse's gate removed this node from the running job (it stalled the job, or most of the other
+    members reported its bad messages)."""
 
 
 class BindRefused(ValueError):

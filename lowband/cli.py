@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 __all__ = ["main", "build_parser"]
@@ -52,7 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     module, _, main_fn, _ = COMMANDS[args.command]
     try:
         return int(getattr(importlib.import_module(module), main_fn)(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except ValueError as e:
+        from lowband.admission import RemovedFromJob
+
+        print(f"lowband {args.command}: error: {e}", file=sys.stderr)
+        if isinstance(e, RemovedFromJob):
+            # torchft's Manager server would hold the process until its last quorum request times out (2 min): it
+            # retries a request the Lighthouse's gate refuses. The node has nothing left to save; leave now.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
+        return 2
+    except FileNotFoundError as e:
         print(f"lowband {args.command}: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:

@@ -36,6 +36,7 @@ import ipaddress
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,7 +57,8 @@ from lowband.admission import (  # noqa: F401  (admit, member_of, replica_id: th
     screen,
     split_bind,
 )
-from lowband.gateway import GatedManager, ask_gate, gate_reason
+from lowband.ft_quorum import ForeignJob, NodeSlotTaken, QuorumRecorder, gate_refusal  # noqa: F401  (callers' names)
+from lowband.gateway import GatedManager, accuse_at_gate, ask_gate
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +299,9 @@ class FaultTolerance:
                 checkpoint_transport=transport, heartbeat_interval=timedelta(seconds=HEARTBEAT_INTERVAL_S),
             )
         self.replica_id = self.manager._store.get("replica_id").decode()  # rank 0's, with torchft's :uuid
-        self.manager._client = _QuorumRecorder(self.manager._client, self)
+        self.reported: dict[str, str | None] = {}  # members reported to the gate for bad messages: the gate's answer
+        self.removed = False  # the Lighthouse's gate removed this node from the job (lowband.ft_quorum)
+        self.manager._client = QuorumRecorder(self.manager._client, self)
         watch_agent()
 
     # ------------------------------------------------------------------ membership
@@ -430,6 +434,24 @@ class FaultTolerance:
         self.finish_quorum()
         return self.manager.is_participating()
 
+    def report_bad(self, evicted: dict[int, str]) -> None:
+        """Report the members of the current quorum that this rank evicted from the exchange ({replica index: what
+        was wrong with its messages}) to the Lighthouse's gate, once each, in the background: with most of the
+        others' reports the gate removes the member from the quorum (:meth:`lowband.gateway.StallBreaker.accuse`)."""
+        if self.cfg.secret is None:
+            return  # no gate without a secret
+        for i, why in evicted.items():
+            rid = self.replica_ids[i] if 0 <= i < len(self.replica_ids) else None
+            if rid is None or rid == self.replica_id or rid in self.reported:
+                continue
+            self.reported[rid] = "pending"
+
+            def report(rid: str = rid, why: str = f"{why}; evicted from the exchange") -> None:
+                self.reported[rid] = accuse_at_gate(self.cfg.lighthouse, self.replica_id, rid, why)
+                log.warning("rank %d: node %s reported to the Lighthouse's gate for %s: %s", self.rank,
+                            member_of(rid)[1], why, self.reported[rid] or "counted")
+            threading.Thread(target=report, daemon=True, name="lowband-report").start()
+
     def report_error(self, e: BaseException) -> None:
         """A collective between nodes failed: this step will not commit anywhere in the node."""
         self._errored_this_step = True
@@ -466,100 +488,9 @@ class FaultTolerance:
         return committed_of(self.manager.current_step())
 
     def shutdown(self) -> None:
+        if self.removed:  # torchft's Manager server would wait out its last quorum request (refused at the gate,
+            return  # retried until its timeout, 2 min); the process leaves now (lowband.cli), which frees it all
         self.manager.shutdown(wait=False)
-
-
-def gate_refusal(cfg: FaultToleranceConfig, why: str) -> AdmissionRefused:
-    """The error of a node that the Lighthouse's gate refused (``why``: the gate's reason)."""
-    return AdmissionRefused(
-        f"node {cfg.node} is refused by the job at {cfg.lighthouse}: its Lighthouse admits only the job's members, "
-        f"and {why}. Start every node of a job with the same secret: --secret-file PATH or LOWBAND_SECRET_FILE=PATH "
-        "(one file, copied to every node; `lowband secret PATH` makes one). This node leaves before any process "
-        "group includes it; the running job goes on.")
-
-
-class NodeSlotTaken(ValueError):
-    """Another live process already holds this node's ``--ft-node`` slot."""
-
-
-class ForeignJob(ValueError):
-    """A node of another job (another fingerprint) is in this node's quorum and this node is the one to leave."""
-
-
-class _QuorumRecorder:
-    """torchft's manager client with the members of each quorum noted (torchft keeps only their count),
-    and only members of this node's job admitted (see :func:`admit`)."""
-
-    def __init__(self, client, ft: FaultTolerance) -> None:
-        self._client = client
-        self._ft = ft
-
-    def _quorum(self, *args, **kwargs):
-        cfg = self._ft.cfg
-        me = self._ft.replica_id
-        mine = member_of(me)[0]  # the fingerprint as the others see it
-        max_rounds = cfg.poll_rounds
-        rounds = 0
-        while True:
-            try:
-                result = self._client._quorum(*args, **kwargs)
-            except (RuntimeError, TimeoutError) as e:  # the Lighthouse's gate refused this node (lowband.gateway)
-                why = gate_reason(str(e))
-                if why is None:
-                    raise
-                raise gate_refusal(cfg, why) from None
-            step = kwargs.get("step")
-            behind = bool(result.heal) or (step is not None and int(result.max_step) > int(step))
-            new = not self._ft.had_peers
-            # Before anything is configured, sent or fetched: does every member prove the job's secret?
-            s = screen(result, secret=cfg.secret, me=me, new=new, behind=behind)
-            if s.verdict == "twin":
-                raise NodeSlotTaken(f"node slot {cfg.node} is already live in this job: stop the other process, or "
-                                    f"start this one with a free slot (0..{cfg.max_nodes - 1}). The running job goes on.")
-            if s.verdict == "refused" or (s.verdict == "retry" and new and s.peers == 0 and rounds >= max_rounds):
-                raise AdmissionRefused(
-                    f"node {cfg.node} is refused by the job at {cfg.lighthouse}: {s.why or 'no member proves its secret'} "
-                    f"({len(s.outsiders)} member(s) do not prove this node's secret). Start every node of a job with "
-                    "the same secret: --secret-file PATH or LOWBAND_SECRET_FILE=PATH (one file, copied to every "
-                    "node; `lowband secret PATH` makes one). This node leaves before any process group includes "
-                    "it; the running job goes on.")
-            if s.verdict == "retry":
-                if rounds % max_rounds == 0:
-                    log.warning("node %d: %s (%d member(s) that do not prove the job's secret); the quorum is not "
-                                "used and is asked for again (this node never trains with, heals from or sends "
-                                "state to them; see docs/internet.md)", cfg.node, s.why, len(s.outsiders))
-                rounds += 1
-                time.sleep(cfg.start_poll_s)
-                continue
-            # A tie between jobs waits half the quorum timeout for more of their nodes before the fingerprint
-            # decides (the job's other nodes may still be starting); the rest of it is for the losers to leave.
-            verdict = admit(list(result.replica_ids), mine, behind=behind, rounds=rounds,
-                            patience=max(1, max_rounds // 2))
-            if verdict == "accept":
-                break
-            others = sorted({f"node{member_of(r)[1]} ({member_of(r)[0] or '?'})" for r in result.replica_ids
-                             if member_of(r)[0] != mine})
-            if verdict == "leave" or rounds >= max_rounds:
-                raise ForeignJob(
-                    f"node {cfg.node}: nodes of this Lighthouse's quorum run another job, model, method or "
-                    f"hyper-parameters ({', '.join(others)}; this node's fingerprint is {mine}). Start every "
-                    "node of a job with the same `lowband train` arguments, or give each job its own Lighthouse "
-                    "(--ft-lighthouse). " + ("This node leaves; the running job goes on." if verdict == "leave"
-                                               else "They did not leave within the quorum timeout."))
-            if rounds == 0:
-                log.warning("node %d: %s of another job joined the quorum; it is refused, and the quorum formed "
-                            "again without it", cfg.node, ", ".join(others))
-            rounds += 1
-            time.sleep(cfg.start_poll_s)
-        self._ft.replica_ids = list(result.replica_ids)
-        self._ft.had_peers = self._ft.had_peers or len(self._ft.replica_ids) > 1
-        self._ft.replica_rank = result.replica_rank
-        self._ft.quorum_heals = bool(result.heal)
-        self._ft.quorum_max_step = int(result.max_step)
-        return result
-
-    def __getattr__(self, name: str):
-        return getattr(self._client, name)
 
 
 @contextlib.contextmanager

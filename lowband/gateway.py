@@ -16,6 +16,9 @@ Lighthouse cannot be given a credential, so lowband puts it behind this gate:
   the secret. Anything else is refused at once (PERMISSION_DENIED, with :data:`REFUSED` in the
   message), before the Lighthouse sees it: an outsider is never in a quorum, so it cannot stall one.
 
+The gate also keeps out a member that stalls the job, or that most of the other members report for bad
+messages (:class:`StallBreaker`; a report is the gate's own call :data:`ACCUSE`, never forwarded).
+
 The gate reads only three strings of each request (the protobuf fields it needs, by hand: the request
 bytes are forwarded as they came, never deserialised into objects) and holds no state of the job.
 What it does not do: a member of the job (it holds the secret) passes, whatever it does later; and a
@@ -33,9 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from lowband.admission import claim_of, proves
 
-__all__ = ["ADMIT", "COMMITTED_SCALE", "HEARTBEAT", "QUORUM", "REFUSED", "LighthouseGateway", "GatedManager", "ManagerGate",
-           "StallBreaker", "peer_host", "admission_request",
-           "ask_gate", "gate_reason", "parse_fields", "quorum_round", "refusal", "string_field"]
+__all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "HEARTBEAT", "KEPT_OUT", "QUORUM", "REFUSED", "GatedManager",
+           "LighthouseGateway", "ManagerGate", "StallBreaker", "accusation_request", "accuse_at_gate",
+           "admission_request", "ask_gate", "gate_reason", "parse_fields", "peer_host", "quorum_round", "refusal",
+           "string_field"]
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +51,14 @@ HEARTBEAT = f"/{SERVICE}/Heartbeat"
 #: refused quorum until its timeout and then report only the timeout; torchft's Lighthouse answers UNIMPLEMENTED.
 GATE_SERVICE = "lowband.LighthouseGate"
 ADMIT = f"/{GATE_SERVICE}/Admit"
+#: A member's report, answered by the gate and never forwarded: a member of the current quorum sent this one bad
+#: messages (:func:`accusation_request`). With the reports of most of the other members the gate removes it from
+#: the quorum (:meth:`StallBreaker.accuse`).
+ACCUSE = f"/{GATE_SERVICE}/Accuse"
 #: In the message of every refusal: a refused node recognises it (:func:`lowband.ft` raises AdmissionRefused).
 REFUSED = "lowband gateway: not a member of this job"
+#: In the refusal of a member that the gate removed from the job (a node tells it from a refusal at admission).
+KEPT_OUT = "the Lighthouse's gate keeps node"
 
 
 def gate_reason(message: str) -> str | None:
@@ -130,6 +140,13 @@ def admission_request(rid: str, address: str, store: str) -> bytes:
     return string_field(1, member)
 
 
+def accusation_request(rid: str, address: str, store: str, accused: str, why: str) -> bytes:
+    """The bytes of an :data:`ACCUSE` call: the reporting member as in :func:`admission_request` (field 1), the
+    replica id of the member it reports (field 2) and what was wrong with its messages (field 3)."""
+    return (admission_request(rid, address, store) + string_field(2, accused.encode())
+            + string_field(3, why.encode()[:300]))
+
+
 def refusal(secret: bytes, request: bytes, method: str) -> str | None:
     """Why ``request`` (the raw bytes of a ``Quorum`` or ``Heartbeat`` call) is refused, or None.
 
@@ -164,9 +181,9 @@ def refusal(secret: bytes, request: bytes, method: str) -> str | None:
 COMMITTED_SCALE = 1 << 32
 
 
-def quorum_round(response: bytes) -> tuple[tuple[int, int], dict[int, int]] | None:
-    """A LighthouseQuorumResponse's round: (its ``created`` timestamp, {member's slot: its quorum step}), or None when
-    the bytes do not read as one (field 1: the Quorum; its field 2: the members, each with replica id 1 and
+def quorum_round(response: bytes) -> tuple[tuple[int, int], dict[int, int], dict[int, str]] | None:
+    """A LighthouseQuorumResponse's round: (its ``created`` timestamp, {member's slot: its quorum step}, {member's
+    slot: its replica id}), or None when the bytes do not read as one (field 1: the Quorum; its field 2: the members, each with replica id 1 and
     step 4; its field 3: the timestamp, seconds 1 and nanos 2)."""
     try:
         (quorum,) = parse_fields(response).get(1) or [None]
@@ -177,17 +194,20 @@ def quorum_round(response: bytes) -> tuple[tuple[int, int], dict[int, int]] | No
         t = parse_fields(ts[-1]) if isinstance(ts[-1], bytes) else {}
         created = (int((t.get(1) or [0])[-1]), int((t.get(2) or [0])[-1]))
         members: dict[int, int] = {}
+        ids: dict[int, str] = {}
         for raw in q.get(2) or []:
             if not isinstance(raw, bytes):
                 return None
             m = parse_fields(raw)
-            claim = claim_of(_string(m, 1))
+            rid = _string(m, 1)
+            claim = claim_of(rid)
             if claim is None:
                 return None
+            ids[claim.node] = rid
             step = int((m.get(4) or [0])[-1])
             step = step - (1 << 64) if step >= 1 << 63 else step  # int64 on the wire
             members[claim.node] = step  # training step × COMMITTED_SCALE + committed steps (lowband.ft.quorum_step)
-        return created, members
+        return created, members, ids
     except (ValueError, UnicodeDecodeError):
         return None
 
@@ -213,6 +233,14 @@ class StallBreaker:
       commit meanwhile, it is benched; if not, it comes back (and heals like any node that was away) and the
       next is tried. Probation needs 3 or more members: with two, each one's absence leaves the other alone.
 
+    - A member that sends *bad messages* (they fail their checks: :mod:`lowband.compress.check`) is evicted from
+      the exchange by each member that receives them, and each reports it (:meth:`accuse`). When two or more of
+      the round's other members, and more than half of them, reported it, it is benched. A report counts only
+      from a member of the current round, about a member of it, and from the address the reporting member's tag
+      vouches for: on a network where each node has its own address (a VPN), one member cannot speak for
+      others, and the reporters must be on two or more addresses (on loopback, where every node has the same
+      one, the slots count). A member alone, or a minority, cannot remove an honest one.
+
     A benched member's quorum requests are refused with the reason for ``bench_s`` (twice as long each time
     again) and its heartbeats go no further; a warning names it.
     """
@@ -230,15 +258,22 @@ class StallBreaker:
         self._tried: set[int] = set()
         self.probation: tuple[int, float, dict[int, int]] | None = None  # slot, until, the others' commits then
         self.benched: dict[int, float] = {}  # slot -> until
+        self.why: dict[int, str] = {}  # slot -> why it is benched
         self.offences: Counter[int] = Counter()
+        self._ids: dict[int, str] = {}  # the last round's members: slot -> replica id
+        self.reports: dict[str, dict[int, str]] = {}  # reported replica id -> {reporting slot: its address}
 
-    def observe(self, created: tuple[int, int], members: dict[int, int]) -> None:
-        """One quorum round as the Lighthouse answered it: {slot: its quorum step} (each member gets the same
-        answer: seen once)."""
+    def observe(self, created: tuple[int, int], members: dict[int, int], ids: dict[int, str] | None = None) -> None:
+        """One quorum round as the Lighthouse answered it: {slot: its quorum step} and {slot: its replica id}
+        (each member gets the same answer: seen once)."""
         with self._lock:
             if created == self._created:
                 return
             self._created, self._round = created, self._round + 1
+            if ids is not None:
+                self._ids = dict(ids)
+                for rid in [r for r in self.reports if r not in self._ids.values()]:
+                    del self.reports[rid]  # it left (or came back as a new process): reports about it lapse
             now = self._clock()
             self._expire(now)
             for slot in members:
@@ -248,7 +283,8 @@ class StallBreaker:
                 slot, _, before = self.probation
                 moved = sum(1 for s, c in before.items() if s in members and members[s] % COMMITTED_SCALE > c)
                 if slot not in members and moved * 2 > len(before):
-                    self._bench(slot, now, "without it the others committed again")
+                    self._bench(slot, now, "without it the others committed again; it takes part in quorums but not "
+                                "in the exchange")
             if self._last is not None:
                 self._outcome(self._last, members)
             self._last = dict(members)
@@ -277,7 +313,7 @@ class StallBreaker:
         if len(common) == 1:
             (slot,) = common
             self._bench(slot, now, f"it was in each of the last {len(failed)} quorums whose steps failed and in "
-                                   "none that went through")
+                                   "none that went through; it takes part in quorums but not in the exchange")
             return
         recent = list(self.outcomes)[-self.stall_rounds:]
         if any(ok for _, ok in recent):
@@ -298,21 +334,44 @@ class StallBreaker:
                     "through; node %d is left out for %.0f s to see whether the others commit without it",
                     self.stall_rounds, sorted(common), slot, self.probation_s)
 
-    def _bench(self, slot: int, now: float, why: str) -> None:
+    def accuse(self, reporter: str, accused: str, host: str, what: str) -> str | None:
+        """A member's report that the member with replica id ``accused`` sent it bad messages (``what``), from
+        the address ``host``. None when it counts, else why it does not."""
+        a, b = claim_of(reporter), claim_of(accused)
+        with self._lock:
+            if a is None or self._ids.get(a.node) != reporter:
+                return "the reporting member is not in the current quorum"
+            if b is None or self._ids.get(b.node) != accused or b.node == a.node:
+                return "the member reported is not (or no longer) in the current quorum"
+            own = a.manager.rsplit(":", 1)[0].strip("[]")
+            if host != own:
+                return f"the report came from {host}, not from the reporting member's address ({own})"
+            votes = self.reports.setdefault(accused, {})
+            votes[a.node] = host
+            loopback = all(h in ("127.0.0.1", "::1") for h in votes.values())
+            voices = len(votes) if loopback else len(set(votes.values()))
+            if voices >= 2 and voices * 2 > len(self._ids) - 1 and b.node not in self.benched:
+                del self.reports[accused]
+                self._bench(b.node, self._clock(), f"nodes {', '.join(map(str, sorted(votes)))} of the job reported "
+                            f"bad messages from it ({what[:200]})", headline="sent bad messages")
+            return None
+
+    def _bench(self, slot: int, now: float, why: str, *, headline: str = "stalled the job") -> None:
         self.offences[slot] += 1
         until = now + self.bench_s * 2 ** (self.offences[slot] - 1)
         self.benched[slot] = until
+        self.why[slot] = f"{headline}: {why}"
         self.probation = None
         self._tried.clear()
         self.outcomes.clear()
-        log.warning("the Lighthouse's gate: node %d stalled the job (%s: it takes part in quorums but not in the "
-                    "exchange); it is kept out for %.0f s", slot, why, until - now)
+        log.warning("the Lighthouse's gate: node %d %s (%s); it is kept out for %.0f s", slot, headline, why, until - now)
 
     def _expire(self, now: float) -> None:
         if self.probation is not None and now >= self.probation[1]:
             self.probation = None  # the others did not commit without it: it comes back
         for slot in [s for s, until in self.benched.items() if now >= until]:
             del self.benched[slot]
+            self.why.pop(slot, None)
 
     def held(self, slot: int) -> tuple[str, float] | None:
         """("probation" or "benched", until) for a member the gate keeps out now, else None."""
@@ -353,7 +412,8 @@ class LighthouseGateway:
         self._forward = {m: self._channel.unary_unary(m) for m in (QUORUM, HEARTBEAT)}  # bytes in, bytes out
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(path))
                     for name, path in (("Quorum", QUORUM), ("Heartbeat", HEARTBEAT))}
-        admit = {"Admit": grpc.unary_unary_rpc_method_handler(self._handler(ADMIT))}
+        admit = {"Admit": grpc.unary_unary_rpc_method_handler(self._handler(ADMIT)),
+                 "Accuse": grpc.unary_unary_rpc_method_handler(self._handler(ACCUSE))}
         self._server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowband-gateway"),
                                    handlers=[grpc.method_handlers_generic_handler(SERVICE, handlers),
                                              grpc.method_handlers_generic_handler(GATE_SERVICE, admit)])
@@ -370,21 +430,22 @@ class LighthouseGateway:
 
     def _handler(self, method: str):
         def handle(request: bytes, context) -> bytes:
-            why = refusal(self._secret, request, QUORUM if method == ADMIT else method)
+            why = refusal(self._secret, request, method if method in (QUORUM, HEARTBEAT) else QUORUM)
             if why is not None:
                 self._note(why, context.peer())
                 context.abort(self._grpc.StatusCode.PERMISSION_DENIED, f"{REFUSED}: {why}")
-            if method == ADMIT:
-                return b""
-            slot = self._slot(request, method)
+            if method == ACCUSE:
+                return self._accuse(request, context)
+            slot = self._slot(request, HEARTBEAT if method == HEARTBEAT else QUORUM)
             held = self.breaker.held(slot) if slot is not None else None
             if held is not None and method == HEARTBEAT:
                 return b""  # not passed on: the Lighthouse counts the member dead and forms quorums without it
-            if held is not None and held[0] == "benched":
+            if held is not None and held[0] == "benched":  # also asked by a member whose quorum waits (ADMIT)
                 context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
-                              f"{REFUSED}: the Lighthouse's gate keeps node {slot} out for {held[1] - time.monotonic():.0f} "
-                              "s more: the job made no progress while it was in the quorum and committed again "
-                              "without it (it took part in quorums but not in the exchange)")
+                              f"{REFUSED}: {KEPT_OUT} {slot} out for {held[1] - time.monotonic():.0f} s more: it "
+                              f"{self.breaker.why.get(slot, 'stalled the job')}")
+            if method == ADMIT:
+                return b""
             while held is not None:  # on probation: its quorum request waits until the probation ends
                 remaining = context.time_remaining()
                 if remaining is not None and remaining < 1.0:
@@ -394,8 +455,7 @@ class LighthouseGateway:
                 held = self.breaker.held(slot)
                 if held is not None and held[0] == "benched":
                     context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
-                                  f"{REFUSED}: the Lighthouse's gate keeps node {slot} out: the job committed again "
-                                  "without it after making no progress while it was in the quorum")
+                                  f"{REFUSED}: {KEPT_OUT} {slot} out: it {self.breaker.why.get(slot, 'stalled the job')}")
             call = self._forward[method].future(request, timeout=_timeout(context))
             context.add_callback(call.cancel)  # the caller gave up (a quorum request's retry): so does this call,
             try:  # and its thread is free again (left waiting, they filled the pool and heartbeats stopped)
@@ -410,6 +470,19 @@ class LighthouseGateway:
                     self.breaker.observe(*seen)
             return answer
         return handle
+
+    def _accuse(self, request: bytes, context) -> bytes:
+        """A member's report of another's bad messages (:data:`ACCUSE`; the reporter is already admitted)."""
+        try:
+            fields = parse_fields(request)
+            reporter = _string(parse_fields((fields.get(1) or [b""])[-1]), 1)
+            accused, what = _string(fields, 2), _string(fields, 3)
+        except (ValueError, UnicodeDecodeError) as e:
+            context.abort(self._grpc.StatusCode.INVALID_ARGUMENT, f"malformed report ({e})")
+        why = self.breaker.accuse(reporter, accused, peer_host(context.peer()), what)
+        if why is not None:
+            context.abort(self._grpc.StatusCode.FAILED_PRECONDITION, f"lowband gateway: the report is not counted: {why}")
+        return b""
 
     @staticmethod
     def _slot(request: bytes, method: str) -> int | None:
@@ -516,6 +589,25 @@ class GatedManager:
     def shutdown(self) -> None:
         self.gate.shutdown()
         self._server.shutdown()
+
+
+def accuse_at_gate(lighthouse: str, rid: str, accused: str, why: str, *, timeout_s: float = 10.0) -> str | None:
+    """Report to the gate at ``lighthouse`` that the member with replica id ``accused`` sent this member (replica id
+    ``rid``) bad messages (``why``): None when the gate counted it, else why not (no gate: torchft's own
+    Lighthouse, which cannot remove a member; or the report was refused)."""
+    import grpc
+
+    claim = claim_of(rid)
+    if claim is None:
+        return f"{rid[:80]!r} is not a lowband replica id"
+    target = lighthouse.split("://", 1)[-1].rstrip("/")
+    with grpc.insecure_channel(target) as channel:
+        try:
+            channel.unary_unary(ACCUSE)(accusation_request(rid, f"http://{claim.manager}", claim.store, accused, why),
+                                        timeout=timeout_s)
+        except grpc.RpcError as e:
+            return f"{e.code().name}: {e.details() or ''}"
+    return None
 
 
 def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: float = 10.0) -> str | None:

@@ -201,7 +201,8 @@ class _Result:
 
 
 def _recorder(results, *, fp="a", timeout_s=1.0, secret=None, store="h:1", quorums=0, node=0):
-    from lowband.ft import FaultTolerance, _QuorumRecorder
+    from lowband.ft import FaultTolerance
+    from lowband.ft_quorum import QuorumRecorder
 
     ft = FaultTolerance.__new__(FaultTolerance)
     ft.cfg = FaultToleranceConfig(lighthouse="http://h:1", node=node, max_nodes=3, fingerprint=fp,
@@ -211,7 +212,7 @@ def _recorder(results, *, fp="a", timeout_s=1.0, secret=None, store="h:1", quoru
     client = type("C", (), {})()
     asked = []
     client._quorum = lambda **kw: (asked.append(kw), results.pop(0))[1]
-    return ft, _QuorumRecorder(client, ft), asked
+    return ft, QuorumRecorder(client, ft), asked
 
 
 def test_a_quorum_with_a_node_of_another_job_forms_again_without_it_or_this_node_leaves(caplog):

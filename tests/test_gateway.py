@@ -17,9 +17,11 @@ grpc = pytest.importorskip("grpc")
 
 from lowband.admission import replica_id  # noqa: E402
 from lowband.gateway import (  # noqa: E402
+    ACCUSE,
     ADMIT,
     COMMITTED_SCALE,
     HEARTBEAT,
+    KEPT_OUT,
     MANAGER_SERVICE,
     QUORUM,
     REFUSED,
@@ -27,6 +29,8 @@ from lowband.gateway import (  # noqa: E402
     LighthouseGateway,
     ManagerGate,
     StallBreaker,
+    accusation_request,
+    accuse_at_gate,
     admission_request,
     ask_gate,
     parse_fields,
@@ -173,7 +177,8 @@ def test_a_quorum_round_reads_each_members_slot_and_committed_steps():
 
     assert COMMITTED_SCALE == _STEP_SCALE  # a node reports training step × this + committed steps
     steps = {0: quorum_step(40, 12), 2: quorum_step(41, 12)}
-    assert quorum_round(_response(3, steps)) == ((1003, 7), steps)
+    ids = {slot: replica_id("f00d", slot, secret=SECRET, store=STORE, manager=MANAGER) + ":u" for slot in steps}
+    assert quorum_round(_response(3, steps)) == ((1003, 7), steps, ids)
     assert quorum_round(b"\x0a\x02\xff") is None
 
 
@@ -307,3 +312,115 @@ def test_a_call_without_a_deadline_is_passed_on_without_one(gate):
     with grpc.insecure_channel(g.address().split("://", 1)[-1]) as ch:
         assert ch.unary_unary(HEARTBEAT)(_heartbeat(MEMBER)) == b"answer:" + _heartbeat(MEMBER)[:8]  # no timeout
     assert seen == [(HEARTBEAT, _heartbeat(MEMBER))]
+
+
+# ----------------------------------------------------------------------------- a member that sends bad messages
+def _member(slot: int, host: str) -> str:
+    return replica_id("f00d", slot, secret=SECRET, store=f"{host}:5000", manager=f"{host}:6000") + f":u{slot}"
+
+
+def test_reports_of_bad_messages_remove_a_member_only_when_most_of_the_others_report_it():
+    """Each member that evicts a sender from the exchange reports it; the gate benches it once two or more of the
+    round's other members, and more than half of them, reported it, each from its own address."""
+    clock = Clock()
+    b = StallBreaker(bench_s=100.0, clock=clock)
+    ids = {s: _member(s, f"10.0.0.{s + 1}") for s in range(4)}
+    b.observe((1, 0), {s: q(5, 5) for s in ids}, ids)
+    # a report counts only from a member of the round, about a member of it, from the reporter's own address
+    assert "came from 10.0.0.1" in b.accuse(ids[1], ids[3], "10.0.0.1", "x")  # node 0 speaking for node 1
+    forged = _member(1, "10.0.0.1")  # a valid tag for slot 1 at node 0's address: not the round's node 1
+    assert "not in the current quorum" in b.accuse(forged, ids[3], "10.0.0.1", "x")
+    assert "not (or no longer) in the current quorum" in b.accuse(ids[0], _member(3, "10.0.0.9"), "10.0.0.1", "x")
+    assert "not (or no longer)" in b.accuse(ids[0], ids[0], "10.0.0.1", "x")  # itself
+    assert b.accuse(ids[0], ids[3], "10.0.0.1", "index out of range") is None
+    assert b.accuse(ids[0], ids[3], "10.0.0.1", "index out of range") is None  # the same reporter again: one voice
+    assert b.held(3) is None and b.reports[ids[3]] == {0: "10.0.0.1"}
+    assert b.accuse(ids[1], ids[3], "10.0.0.2", "index out of range") is None  # 2 of the 3 others
+    assert b.held(3) == ("benched", 100.0)
+    assert "sent bad messages" in b.why[3] and "nodes 0, 1" in b.why[3] and "index out of range" in b.why[3]
+    assert b.held(0) is b.held(1) is b.held(2) is None
+    clock.t = 101.0
+    assert b.held(3) is None and 3 not in b.why  # its time is up
+
+
+def test_a_minority_or_a_lone_reporter_cannot_remove_a_member_and_reports_lapse_when_it_leaves():
+    clock = Clock()
+    b = StallBreaker(clock=clock)
+    ids = {s: _member(s, f"10.0.0.{s + 1}") for s in range(5)}
+    b.observe((1, 0), {s: q(5, 5) for s in ids}, ids)
+    b.accuse(ids[0], ids[4], "10.0.0.1", "x")
+    b.accuse(ids[1], ids[4], "10.0.0.2", "x")
+    assert b.held(4) is None  # 2 of the 4 others: not more than half
+    b.observe((2, 0), {s: q(6, 6) for s in range(4)}, {s: ids[s] for s in range(4)})  # node 4 left
+    assert ids[4] not in b.reports
+    # two members: one's report never removes the other (no majority to speak for the job)
+    two = {s: _member(s, f"10.0.0.{s + 1}") for s in range(2)}
+    b.observe((3, 0), {s: q(7, 7) for s in two}, two)
+    assert b.accuse(two[0], two[1], "10.0.0.1", "x") is None and b.held(1) is None
+    # on one host (loopback) every member has the same address: the slots count
+    local = {s: _member(s, "127.0.0.1") for s in range(3)}
+    b.observe((4, 0), {s: q(8, 8) for s in local}, local)
+    b.accuse(local[0], local[2], "127.0.0.1", "x")
+    b.accuse(local[1], local[2], "127.0.0.1", "x")
+    assert b.held(2) is not None
+    # on a network, two reports from one address are one voice (one host running two members)
+    b = StallBreaker(clock=clock)
+    net = {s: _member(s, "10.0.0.1" if s < 2 else f"10.0.0.{s + 1}") for s in range(3)}
+    b.observe((5, 0), {s: q(9, 9) for s in net}, net)
+    b.accuse(net[0], net[2], "10.0.0.1", "x")
+    b.accuse(net[1], net[2], "10.0.0.1", "x")
+    assert b.held(2) is None and b.reports[net[2]] == {0: "10.0.0.1", 1: "10.0.0.1"}
+
+
+def test_a_member_reported_through_the_gate_is_refused_there_and_leaves_with_the_reason(gate):
+    from lowband.ft import FaultToleranceConfig, gate_refusal
+
+    g, seen, _ = gate
+    ids = {s: _member(s, "127.0.0.1") for s in range(3)}
+    g.breaker.observe((1, 0), {s: q(5, 5) for s in ids}, ids)
+    assert accuse_at_gate(g.address(), ids[0], ids[2], "index out of range") is None
+    outsider = replica_id("f00d", 0) + ":x"
+    with pytest.raises(grpc.RpcError) as e:  # an outsider's report never reaches the breaker
+        _call(g.address(), ACCUSE, accusation_request(outsider, "http://127.0.0.1:6000", "127.0.0.1:5000", ids[2], "x"))
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "FAILED_PRECONDITION" in accuse_at_gate(g.address(), _member(1, "127.0.0.9"), ids[2], "x")
+    assert g.breaker.held(2) is None
+    assert accuse_at_gate(g.address(), ids[1], ids[2], "index out of range") is None
+    with pytest.raises(grpc.RpcError) as e:  # node 2's quorum request: refused, with the reason
+        _call(g.address(), QUORUM, admission_request(ids[2], "http://127.0.0.1:6000", "127.0.0.1:5000"))
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and KEPT_OUT in e.value.details()
+    assert _call(g.address(), HEARTBEAT, _heartbeat(ids[2])) == b""  # its heartbeats go no further
+    assert seen == []  # neither reached the Lighthouse
+    cfg = FaultToleranceConfig(lighthouse=g.address(), node=2, max_nodes=3, fingerprint="f00d")
+    err = str(gate_refusal(cfg, e.value.details().split(REFUSED, 1)[1]))
+    assert "node 2 is removed from the job" in err and "bad messages" in err and "secret" not in err
+
+
+def test_a_node_whose_quorum_waits_asks_the_gate_and_leaves_at_once_when_it_was_removed(gate, monkeypatch):
+    """torchft's Manager retries a quorum the gate refuses until its timeout and then reports only the timeout: a
+    node whose quorum waits asks the gate itself, and a node the gate removed leaves at once, with the reason."""
+    import time
+
+    from lowband import ft_quorum
+    from lowband.admission import AdmissionRefused
+    from lowband.ft import FaultTolerance, FaultToleranceConfig
+
+    g, seen, _ = gate
+    monkeypatch.setattr(ft_quorum, "GATE_POLL_S", 0.2)
+    ids = {s: _member(s, "127.0.0.1") for s in range(3)}
+    g.breaker.observe((1, 0), {s: q(5, 5) for s in ids}, ids)
+    ft = FaultTolerance.__new__(FaultTolerance)
+    ft.cfg = FaultToleranceConfig(lighthouse=g.address(), node=2, max_nodes=3, fingerprint="f00d", secret=SECRET)
+    ft.replica_id = ids[2]
+    client = type("C", (), {})()
+    client._quorum = lambda **kw: (time.sleep(0.7), "the quorum")[1]  # slow, but a member's: the gate lets it be
+    rec = ft_quorum.QuorumRecorder(client, ft)
+    assert rec._asked(step=0) == "the quorum"
+    for reporter in (0, 1):
+        assert accuse_at_gate(g.address(), ids[reporter], ids[2], "index out of range") is None
+    client._quorum = lambda **kw: time.sleep(60)  # refused at the gate: torchft would wait out its timeout
+    t0 = time.monotonic()
+    with pytest.raises(AdmissionRefused, match=r"node 2 is removed from the job .*sent bad messages.*nodes 0, 1"):
+        rec._asked(step=1)
+    assert time.monotonic() - t0 < 5.0
+    assert seen == []

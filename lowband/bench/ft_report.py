@@ -84,6 +84,8 @@ def fault_events(run: Run) -> list[dict]:
                 row["join_s"] = h["unix_s"] - ev["unix_s"]  # start-up + waiting for a quorum + transfer
         elif ev["event"] == "intrude":
             row["refused"], row["why"], row["exit"] = ev.get("refused"), ev.get("why"), ev.get("exit")
+        elif ev.get("removed"):  # a poisoner the gate removed from the quorum on the others' reports
+            row["removed"] = ev["removed"]
         out.append(row)
     return out
 
@@ -99,7 +101,7 @@ def fault_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     runs = results["runs"]
     vs = {(v.label, v.bandwidth_bps): v for v in variants(runs)}
     headers = ["variant", "seed", "faults", "steps dropped", "kill → quorum without it (s)",
-               "rejoin: healed at step, MB, transfer s", "intruder (no secret)", "final loss", "twin's final loss", "Δ", "twin's seed spread"]
+               "rejoin: healed at step, MB, transfer s", "intruder (no secret), poisoner", "final loss", "twin's final loss", "Δ", "twin's seed spread"]
     rows = []
     for r in runs:
         if not _ft(r).get("faults"):
@@ -109,8 +111,10 @@ def fault_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
         kills = "; ".join(f"{e['event']}: {_fmt(e.get('detect_s'), '.2f')}" for e in evs if e["action"] == "kill")
         starts = "; ".join(f"{e['event']}: {e.get('healed_step', '–')}, {_fmt(e.get('heal_mb'), '.2f')}, "
                            f"{_fmt(e.get('heal_quorum_s'), '.2f')}" for e in evs if e["action"] == "start")
-        intruders = "; ".join(f"{e['event']}: " + ("refused" if e.get("refused") else "NOT refused")
-                              for e in evs if e["action"] == "intrude")
+        intruders = "; ".join([f"{e['event']}: " + ("refused" if e.get("refused") else "NOT refused")
+                               for e in evs if e["action"] == "intrude"]
+                              + [f"{e['event']}: removed from the quorum (the others reported its bad messages)"
+                                 for e in evs if e.get("removed")])
         loss, tloss = r.val_loss, (twin.val_loss if twin is not None else None)
         delta = loss - tloss if loss is not None and tloss is not None else None
         tv = vs.get((_twin_label(r.label), r.bandwidth_bps))
@@ -182,7 +186,8 @@ def ft_section(results: Mapping[str, Any]) -> list[str]:
                 "rejoins and copies its state from a live peer over the network; poison: from its step on the node "
                 "sends its updates times 1,000, poison-flip: sign-flipped, well-formed and finite, so that only "
                 "robust aggregation bounds them (aggregate=clip|trimmed the scaled ones, aggregate=agree the flipped); poison-nan, poison-index: NaN values or "
-                "out-of-range indices with a clean flag, which the message checks refuse; intrude: a process with the job's command "
+                "out-of-range indices with a clean flag, which the message checks refuse (the members report the "
+                "sender to the Lighthouse's gate, which removes it from the quorum once most of them did); intrude: a process with the job's command "
                 "line but not its secret starts in the node's slot, and must be refused before any process group "
                 "includes it: the run fails if it is not; every fault-tolerant run of the bench has a job secret "
                 "of its own). *Steps dropped*: steps whose "

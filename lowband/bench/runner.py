@@ -320,6 +320,14 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: P
     record.wall_time_s = time.monotonic() - t0
     last = {e.node: e.action for e in plan.faults if e.action in ("kill", "start")}
     expected = {n: (-9 if last.get(n) == "kill" else 0) for n in range(plan.nodes)}
+    for ev in events:  # a poisoner whose bad messages the others reported leaves when the gate removes it
+        if ev["event"].startswith("poison") and codes.get(ev["node"]) not in (0, None):
+            path = run_dir / "logs" / f"node{ev['node']}.log"
+            text = path.read_text(errors="replace") if path.exists() else ""
+            why = next((line.strip() for line in text.splitlines() if REMOVED in line), None)
+            if why is not None:
+                ev["removed"] = why[why.index("node "):][:400]
+                expected[ev["node"]] = codes[ev["node"]]
     bad = {n: c for n, c in codes.items() if c != expected[n]}
     if bad:
         record.error = unplanned_exit_error(bad, expected, run_dir / "logs")
@@ -330,7 +338,7 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: P
                                       + "\n".join(admitted))
         return record
     notes = []
-    alive = [n for n in range(plan.nodes) if expected[n] == 0]
+    alive = [n for n in range(plan.nodes) if expected[n] == 0 and codes.get(n) == 0]
     for n in [n for n in alive if last.get(n) == "start"]:
         # A node restarted after the others had finished trains alone from scratch: not part of the job.
         started = max(e["unix_s"] for e in events if e["node"] == n and e["event"] == "start")
@@ -364,6 +372,8 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: P
 
 #: What a node refused by the job's nodes prints (lowband.ft): the line the report quotes for an intruder.
 REFUSED = "is refused by the job"
+#: What a member that the Lighthouse's gate removed from the job prints (lowband.ft.gate_refusal).
+REMOVED = "is removed from the job"
 
 
 def _check_intruders(events: list[dict], log_dir: Path) -> list[str]:

@@ -184,14 +184,17 @@ class BadMessageTally:
     in a row the sender is *evicted* from the exchange: whatever it sends later, well-formed or not, is
     left out (:meth:`evicted_among`), until the membership changes (:meth:`membership`). An honest node
     never sends a malformed message (its own check flags the step instead), so the count needs no
-    patience. The member stays in torchft's quorum: the Lighthouse keeps any member that heartbeats,
-    and lowband cannot remove it there (docs/trust.md).
+    patience. Under fault tolerance with the job's secret each rank reports the members it evicted to the
+    Lighthouse's gate, which removes one from the quorum once most of the other members reported it
+    (:meth:`lowband.ft.FaultTolerance.report_bad`, docs/trust.md).
     """
 
     def __init__(self) -> None:
         self.total: dict[int, int] = {}
         self.in_a_row: dict[int, int] = {}
-        self.evicted: set[int] = set()
+        self.evicted: set[int] = set()  # under the current membership
+        self.ever_evicted: set[int] = set()  # over the run (each sender's place then)
+        self.reason: dict[int, str] = {}  # each sender's last bad message: what was wrong
         self._members: Any = _UNSET
 
     def membership(self, key: Any) -> None:
@@ -224,13 +227,16 @@ class BadMessageTally:
         for b in bad:
             if b.sender in self.evicted:
                 continue
+            self.reason[b.sender] = b.reason
             log.warning("%s: %s; %s (%d bad from this sender, %d in a row)", what, b, outcome,
                         self.total[b.sender], self.in_a_row[b.sender])
             if b.sender != UNATTRIBUTED and self.in_a_row[b.sender] >= EVICT_AFTER:
                 self.evicted.add(b.sender)
+                self.ever_evicted.add(b.sender)
                 log.warning("%s: replica %d is evicted from the exchange after %d bad messages in a row: nothing it "
-                            "sends is used until the membership changes (it stays in torchft's quorum, which keeps "
-                            "any member that heartbeats: stop that node)", what, b.sender, self.in_a_row[b.sender])
+                            "sends is used until the membership changes (under fault tolerance with a secret it is "
+                            "reported to the Lighthouse's gate, which removes it from the quorum once most members "
+                            "report it)", what, b.sender, self.in_a_row[b.sender])
 
 
 def screening_counts(bad: BadMessageTally, clip: ClipTally | None = None) -> dict[str, Any]:
@@ -238,7 +244,7 @@ def screening_counts(bad: BadMessageTally, clip: ClipTally | None = None) -> dic
     messages by sender (total and in a row), the evicted senders and, with robust aggregation's ``clip`` tally,
     the updates clipped or left out per member and how often the rule decided."""
     counts: dict[str, Any] = {"bad_messages": dict(bad.total), "bad_in_a_row": dict(bad.in_a_row),
-                              "evicted": sorted(bad.evicted)}
+                              "evicted": sorted(bad.ever_evicted)}
     if clip is not None:
         counts.update(clipped=dict(clip.clipped), left_out=dict(clip.left_out), aggregations=clip.decisions)
     return counts

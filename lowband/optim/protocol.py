@@ -33,8 +33,8 @@ class OptimizerStats:
             ``'trimmed'`` with 2 members) scaled down to the members' median norm.
         left_out: per member, how many of its updates ``aggregate='agree'`` left out (pointing against
             most of the others').
-        evicted: the senders evicted from the exchange (:data:`lowband.optim._common.EVICT_AFTER` bad
-            messages in a row; nothing they send is used until the membership changes).
+        evicted: the senders evicted from the exchange over the run (:data:`lowband.optim._common.EVICT_AFTER`
+            bad messages in a row; nothing they send is used until the membership changes), by their place then.
         aggregations: how many times robust aggregation (``aggregate`` other than ``'mean'``) decided:
             per step and bucket of parameters (FlexDeMo), per outer step (per group: NoLoCo); 0 under ``'mean'``.
     """

@@ -322,6 +322,10 @@ class Trainer:
         self.clock["train_time_s"] += time.perf_counter() - t_batch
         traffic = self.link.end_step()
         self.link.history.clear()
+        tally = getattr(self.optimizer, "bad_messages", None)  # members that sent bad messages, evicted from the
+        if self.ft is not None and tally is not None and tally.evicted:  # exchange: the gate removes them from the
+            self.ft.report_bad({i: tally.reason.get(i, "bad messages") for i in tally.evicted})  # quorum when
+            # most members report them
         if not math.isfinite(loss):
             raise FloatingPointError(f"training loss is {loss} at step {step}; lower --lr")
         t.train_loss = loss
@@ -630,8 +634,11 @@ class Trainer:
         return self._healed_to
 
     def _ft_record(self) -> None:
-        """``ft_rank{R}.json``: membership, healing and dropped steps of this rank, and a digest of its shards."""
+        """``ft_rank{R}.json``: membership, healing and dropped steps of this rank, a digest of its shards, and the
+        members it reported to the Lighthouse's gate for bad messages (by slot: the gate's answer)."""
         import hashlib
+
+        from lowband.admission import member_of
 
         h = hashlib.sha256()
         for name, p in self.model.named_parameters():
@@ -640,7 +647,8 @@ class Trainer:
         record = {"rank": self.rank, "node": self.ft_cfg.node, "replicas": self.ft.last_members,
                   "committed_steps": self.ft.committed_steps, "dropped_steps": self._dropped(),
                   "healed": self.ft.healed_at, "quorum_s": self.ft.quorum_s, "commit_s": self.ft.commit_s,
-                  "param_sha256": h.hexdigest(), "steps": self.steps_done}
+                  "param_sha256": h.hexdigest(), "steps": self.steps_done,
+                  "reported": {str(member_of(r)[1]): why or "counted" for r, why in self.ft.reported.items()}}
         (self.out / f"ft_rank{self.rank}.json").write_text(json.dumps(record, indent=1))
 
 
