@@ -107,11 +107,17 @@ BESIDE = (
     "tests/e2e/test_golden.py::test_every_method_follows_its_golden_trajectory",
     "tests/e2e/test_examples.py::test_flexdemo_example_trains_across_two_nodes",
     "tests/e2e/test_examples.py::test_diloco_example_syncs_every_h_steps",
+    "tests/bench/test_runner.py::test_failed_run_is_recorded_and_the_others_run",
+    "tests/optim/test_diloco.py::test_diloco_outer_step_numerics_fsdp2_and_heavy_ball_equivalence",
+    "tests/optim/test_diloco.py::test_checkpoint_mid_phase_resumes_exactly_with_fsdp2",
+    "tests/optim/test_diloco.py::test_diloco_demo_like_every_rank_a_replica",
+    "tests/train/test_tokenizer.py::test_tokenizer_cache_is_safe_for_ranks_starting_together",
 )
 # Whole files of multi-process tests that time nothing (exact checks on gloo ranks).
 BESIDE_FILES = (
     "tests/optim/test_flexdemo.py",
     "tests/optim/test_flexdemo_overlap.py",
+    "tests/optim/test_muon.py",
     "tests/optim/test_noloco.py",
     "tests/optim/test_sparseloco.py",
     "tests/test_sharding.py",
