@@ -32,7 +32,8 @@ def start_lighthouse(*, bind: str = "127.0.0.1:0", min_nodes: int = 1, join_time
             the gate in front of it that lets only the job's members ask for quorums and send
             heartbeats, and serves no status page and no kill route (:mod:`lowband.gateway`).
         stall_rounds, probation_s, bench_s: with the gate, how it finds and keeps out a member that stalls the
-            job (:class:`~lowband.gateway.StallBreaker`).
+            job, and how long it keeps out one that most members reported for bad messages
+            (:class:`~lowband.gateway.StallBreaker`).
     """
     from lowband.ft import require_torchft
 
@@ -102,7 +103,8 @@ def add_lighthouse_arguments(p) -> None:
     p.add_argument("--probation", type=parse_duration, default=30.0, metavar="DURATION",
                    help="how long a member is left out on probation (more than --heartbeat-timeout and a step)")
     p.add_argument("--bench-time", type=parse_duration, default=600.0, metavar="DURATION",
-                   help="how long a member that stalled the job is kept out (twice as long each time again)")
+                   help="how long a member that stalled the job, or that most of the other members reported for "
+                        "bad messages, is kept out (twice as long each time again)")
     p.add_argument("--join-timeout", type=parse_duration, default=10.0, metavar="DURATION",
                    help="how long a quorum waits for live nodes of the previous one that have not asked yet "
                         "(more than the nodes' skew at a quorum; dead nodes are not waited for)")
