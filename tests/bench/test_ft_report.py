@@ -55,6 +55,23 @@ def test_fault_report_rows_set_a_faulted_run_beside_its_twin():
     assert any("## Faults" in line for line in ft_section(results))
 
 
+def test_a_poisoner_the_gate_removed_is_named_in_the_faults_row():
+    ft = _faulted_ft()
+    ft["faults"].append("node1:poison-index@30")
+    ft["events"].append({"event": "poison-index", "node": 1, "planned": "node1:poison-index@30", "job_step": 30,
+                         "unix_s": 990.0, "t_s": None,
+                         "removed": "node 1 is removed from the job at http://x: ... nodes 0, 2 ... reported"})
+    runs = [_run("FlexDeMo Top1 FT", loss=7.00, ft={"faults": []}),
+            _run("FlexDeMo Top1 FT faults", loss=7.05, ft=ft)]
+    assert fault_events(runs[1])[-1]["removed"].startswith("node 1 is removed from the job")
+    (row,) = fault_rows({"runs": runs})[1]
+    assert row[6] == ("node1:intrude@15: refused; "
+                      "node1:poison-index@30: removed from the quorum (the others reported its bad messages)")
+    ft["events"][-1].pop("removed")  # a poisoner that was not removed (a flip under agree, or 2 nodes): not named
+    (row,) = fault_rows({"runs": runs})[1]
+    assert row[6] == "node1:intrude@15: refused"
+
+
 def test_cost_rows_compare_ft_on_with_off_side_by_side():
     runs = [_run("AdamW", loss=7.0, step_time=0.20, bytes_=2e6),
             _run("AdamW FT", loss=7.0, step_time=0.21, bytes_=2e6, ft={"faults": []})]
