@@ -434,15 +434,16 @@ class FaultTolerance:
         self.finish_quorum()
         return self.manager.is_participating()
 
-    def report_bad(self, evicted: dict[int, str]) -> None:
-        """Report the members of the current quorum that this rank evicted from the exchange ({replica index: what
-        was wrong with its messages}) to the Lighthouse's gate, once each, in the background: with most of the
-        others' reports the gate removes the member from the quorum (:meth:`lowband.gateway.StallBreaker.accuse`)."""
+    def report_bad(self, evicted: dict[str, str]) -> None:
+        """Report the members this rank evicted from the exchange ({replica id: what was wrong with its messages};
+        :meth:`lowband.optim._common.BadMessageTally.evicted_members`) to the Lighthouse's gate, once each, in the
+        background: with most of the others' reports the gate removes the member from the quorum
+        (:meth:`lowband.gateway.StallBreaker.accuse`; a report about a member no longer in the quorum is not
+        counted)."""
         if self.cfg.secret is None:
             return  # no gate without a secret
-        for i, why in evicted.items():
-            rid = self.replica_ids[i] if 0 <= i < len(self.replica_ids) else None
-            if rid is None or rid == self.replica_id or rid in self.reported:
+        for rid, why in evicted.items():
+            if rid == self.replica_id or rid in self.reported:
                 continue
             self.reported[rid] = "pending"
 

@@ -60,7 +60,8 @@ class QuorumRecorder:
         asks the Lighthouse's gate whether it is still a member: a node the gate removed learns why at once
         (torchft's Manager retries a quorum the gate refuses until its timeout, then reports only the timeout)."""
         cfg = self._ft.cfg
-        if cfg.secret is None:
+        claim = claim_of(self._ft.replica_id)
+        if cfg.secret is None or claim is None:
             return self._client._quorum(*args, **kwargs)
         done, answer = threading.Event(), {}
 
@@ -72,7 +73,6 @@ class QuorumRecorder:
             done.set()
         threading.Thread(target=call, daemon=True, name="lowband-quorum").start()  # daemon: a call left waiting
         while not done.wait(GATE_POLL_S):  # after a refusal must not hold the process up until its timeout
-            claim = claim_of(self._ft.replica_id)
             why = ask_gate(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
                            timeout_s=GATE_POLL_S)
             if why is not None:

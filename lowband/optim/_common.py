@@ -206,6 +206,13 @@ class BadMessageTally:
                 self.evicted.clear()
             self._members = key
 
+    def evicted_members(self) -> dict[str, str]:
+        """Under fault tolerance, the evicted senders by the replica id they had in the exchange that evicted them
+        (the membership key then; the quorum may have changed since), each with what was wrong with its last bad
+        message; {} without fault tolerance."""
+        ids = self._members if isinstance(self._members, tuple) else ()
+        return {ids[s]: self.reason.get(s, "bad messages") for s in sorted(self.evicted) if 0 <= s < len(ids)}
+
     def evicted_among(self, senders: Iterable[int], known: Iterable[BadMessage] = ()) -> list[BadMessage]:
         """The evicted ``senders`` not already in ``known``, as bad messages (left out like them)."""
         named = {b.sender for b in known}

@@ -324,8 +324,7 @@ class Trainer:
         self.link.history.clear()
         tally = getattr(self.optimizer, "bad_messages", None)  # members that sent bad messages, evicted from the
         if self.ft is not None and tally is not None and tally.evicted:  # exchange: the gate removes them from the
-            self.ft.report_bad({i: tally.reason.get(i, "bad messages") for i in tally.evicted})  # quorum when
-            # most members report them
+            self.ft.report_bad(tally.evicted_members())  # quorum when most members report them
         if not math.isfinite(loss):
             raise FloatingPointError(f"training loss is {loss} at step {step}; lower --lr")
         t.train_loss = loss

@@ -415,3 +415,21 @@ def test_a_step_whose_exchange_failed_is_counted_as_dropped_and_moves_no_paramet
     assert opt.stats().dropped_steps == 1
     _train(model, opt, period)  # commit 3: applied again
     assert opt.stats().dropped_steps == 1 and not all(torch.equal(a, b) for a, b in zip(kept(), before, strict=True))
+
+
+def test_evicted_members_are_named_by_the_replica_ids_of_the_exchange_that_evicted_them():
+    """What a rank reports to the Lighthouse's gate: the evicted sender's replica id in the exchange that evicted
+    it (NoLoCo's window quorum may form anew while the inner steps run: its indices would name others)."""
+    ids = ("lowband_a_node0:u0", "lowband_a_node1:u1", "lowband_a_node2:u2")
+    tally = BadMessageTally()
+    tally.membership(ids)
+    for _ in range(EVICT_AFTER):
+        tally.record([BadMessage(2, "index out of range")], [0, 1, 2], "x", "y")
+    assert tally.evicted_members() == {ids[2]: "index out of range"}
+    tally.membership(ids[:2])  # another quorum: the eviction ends, and nothing is reported against its indices
+    assert tally.evicted_members() == {} and tally.ever_evicted == {2}
+    plain = BadMessageTally()  # without fault tolerance there is no one to report to
+    plain.membership(None)
+    for _ in range(EVICT_AFTER):
+        plain.record([BadMessage(1, "NaN")], [0, 1], "x", "y")
+    assert plain.evicted == {1} and plain.evicted_members() == {}
