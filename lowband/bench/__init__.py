@@ -135,7 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "or @45s: seconds after the start); also node1:intrude@40 (the job's command line without its "
              "secret, in node 1's slot: it must be refused) and node1:poison@30 (or poison-flip, poison-nan, "
              "poison-index: from step 30 on node 1 sends updates x1000, sign-flipped, NaN or with out-of-range "
-             "indices); each method then also runs fault-free under "
+             "indices; the last two fail the message checks and, where the messages name their sender, the "
+             "others report node 1 to the Lighthouse's gate, which removes it from the quorum); each method "
+             "then also runs fault-free under "
              "fault tolerance, and the report sets the faulted run beside its twin. Implies --ft on",
     )  # fmt: skip
     parser.add_argument(
