@@ -21,17 +21,20 @@ log = logging.getLogger("lowband.ft")
 GATE_POLL_S = 2.0
 
 
+#: What a node refused for want of the job's secret is told to do (after the reason).
+SAME_SECRET = ("Start every node of a job with the same secret: --secret-file PATH or LOWBAND_SECRET_FILE=PATH (one "
+               "file, copied to every node; `lowband secret PATH` makes one). This node leaves before any process "
+               "group includes it; the running job goes on.")
+
+
 def gate_refusal(cfg: Any, why: str) -> AdmissionRefused:
     """The error of a node that the Lighthouse's gate refused (``cfg``: its :class:`lowband.ft.FaultToleranceConfig`;
     ``why``: the gate's reason)."""
     if KEPT_OUT in why:  # a member the gate removed from the job (it stalled it, or sent bad messages)
         return RemovedFromJob(f"node {cfg.node} is removed from the job at {cfg.lighthouse}: {why}. This node "
                               "leaves; the running job goes on without it.")
-    return AdmissionRefused(
-        f"node {cfg.node} is refused by the job at {cfg.lighthouse}: its Lighthouse admits only the job's members, "
-        f"and {why}. Start every node of a job with the same secret: --secret-file PATH or LOWBAND_SECRET_FILE=PATH "
-        "(one file, copied to every node; `lowband secret PATH` makes one). This node leaves before any process "
-        "group includes it; the running job goes on.")
+    return AdmissionRefused(f"node {cfg.node} is refused by the job at {cfg.lighthouse}: its Lighthouse admits only "
+                            f"the job's members, and {why}. {SAME_SECRET}")
 
 
 class NodeSlotTaken(ValueError):
@@ -106,10 +109,7 @@ class QuorumRecorder:
             if s.verdict == "refused" or (s.verdict == "retry" and new and s.peers == 0 and rounds >= max_rounds):
                 raise AdmissionRefused(
                     f"node {cfg.node} is refused by the job at {cfg.lighthouse}: {s.why or 'no member proves its secret'} "
-                    f"({len(s.outsiders)} member(s) do not prove this node's secret). Start every node of a job with "
-                    "the same secret: --secret-file PATH or LOWBAND_SECRET_FILE=PATH (one file, copied to every "
-                    "node; `lowband secret PATH` makes one). This node leaves before any process group includes "
-                    "it; the running job goes on.")
+                    f"({len(s.outsiders)} member(s) do not prove this node's secret). {SAME_SECRET}")
             if s.verdict == "retry":
                 if rounds % max_rounds == 0:
                     log.warning("node %d: %s (%d member(s) that do not prove the job's secret); the quorum is not "

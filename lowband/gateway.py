@@ -28,6 +28,7 @@ torchft's Manager makes carry nothing fresh to sign).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -212,6 +213,13 @@ def quorum_round(response: bytes) -> tuple[tuple[int, int], dict[int, int], dict
         return None
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class StallBreaker:
     """Finds a member that makes the job's steps fail, and keeps it out.
 
@@ -348,7 +356,7 @@ class StallBreaker:
                 return f"the report came from {host}, not from the reporting member's address ({own})"
             votes = self.reports.setdefault(accused, {})
             votes[a.node] = host
-            loopback = all(h in ("127.0.0.1", "::1") for h in votes.values())
+            loopback = all(_is_loopback(h) for h in votes.values())
             voices = len(votes) if loopback else len(set(votes.values()))
             if voices >= 2 and voices * 2 > len(self._ids) - 1 and b.node not in self.benched:
                 del self.reports[accused]

@@ -322,11 +322,9 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: P
     expected = {n: (-9 if last.get(n) == "kill" else 0) for n in range(plan.nodes)}
     for ev in events:  # a poisoner whose bad messages the others reported leaves when the gate removes it
         if ev["event"].startswith("poison") and codes.get(ev["node"]) not in (0, None):
-            path = run_dir / "logs" / f"node{ev['node']}.log"
-            text = path.read_text(errors="replace") if path.exists() else ""
-            why = next((line.strip() for line in text.splitlines() if REMOVED in line), None)
+            why = _log_line(run_dir / "logs" / f"node{ev['node']}.log", REMOVED, 400)
             if why is not None:
-                ev["removed"] = why[why.index("node "):][:400]
+                ev["removed"] = why
                 expected[ev["node"]] = codes[ev["node"]]
     bad = {n: c for n, c in codes.items() if c != expected[n]}
     if bad:
@@ -376,6 +374,16 @@ REFUSED = "is refused by the job"
 REMOVED = "is removed from the job"
 
 
+def _log_line(path: Path, marker: str, limit: int) -> str | None:
+    """The first line of the log ``path`` that holds ``marker``, from its "node " on (the error without the
+    program's prefix), at most ``limit`` characters; None when there is none."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    line = next((line.strip() for line in text.splitlines() if marker in line), None)
+    if line is None:
+        return None
+    return (line[line.index("node "):] if "node " in line else line)[:limit]
+
+
 def _check_intruders(events: list[dict], log_dir: Path) -> list[str]:
     """Mark each ``intrude`` event ``refused`` (it exited non-zero with the refusal in its log) and give it the
     refusal's first line; return what to say for each intruder that was not refused."""
@@ -384,10 +392,8 @@ def _check_intruders(events: list[dict], log_dir: Path) -> list[str]:
         if ev["event"] != "intrude":
             continue
         path = log_dir / f"{ev['name']}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        why = next((line.strip() for line in text.splitlines() if REFUSED in line), None)
-        ev["refused"] = ev.get("exit") not in (0, None) and why is not None
-        ev["why"] = why[why.index("node "):][:300] if why and "node " in why else why
+        ev["why"] = _log_line(path, REFUSED, 300)
+        ev["refused"] = ev.get("exit") not in (0, None) and ev["why"] is not None
         if not ev["refused"]:
             code = "still running when the job ended" if ev.get("exit") is None else f"exit {ev['exit']}"
             admitted.append(f"{ev.get('planned', ev['name'])} ({code}); log {path}:\n{log_excerpt(path)}")
