@@ -218,6 +218,23 @@ def ft_section(results: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _plot_delta(ax, run: Run, twin: Run | None, twin_variant) -> None:
+    """The faulted run's validation loss minus its twin's at the steps both validated, and the band of the twin's
+    final losses over its seeds, relative to this seed's (where more than one seed ran)."""
+    ax.axhline(0.0, color="tab:blue", lw=1)
+    ax.set_ylabel("Δ val loss vs twin", fontsize=8)
+    if twin is None or not twin.val_history or not run.val_history:
+        return
+    theirs = {p["step"]: p["val_loss"] for p in twin.val_history}
+    pts = [(p["step"], p["val_loss"] - theirs[p["step"]]) for p in run.val_history if p["step"] in theirs]
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "--", marker=".", color="tab:orange", label="with faults − twin")
+    if twin_variant is not None and len(twin_variant.ok) > 1 and twin.val_loss is not None:
+        _, lo, hi = twin_variant.stat("val_loss")
+        ax.axhspan(lo - twin.val_loss, hi - twin.val_loss, color="tab:blue", alpha=0.15,
+                   label=f"twin's final loss over {len(twin_variant.ok)} seeds")
+    ax.legend(fontsize=7, loc="upper left")
+
+
 def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
     """``faults.png``: per faulted run, loss against step beside its twin, faults marked, live nodes below."""
     runs = results["runs"]
@@ -227,27 +244,31 @@ def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
     from matplotlib.figure import Figure
 
     n = min(len(faulted), 6)
-    fig = Figure(figsize=(6.5 * min(n, 3), 6.0 * ((n + 2) // 3)))
-    grid = fig.add_gridspec(2 * ((n + 2) // 3), min(n, 3), height_ratios=[3, 1] * ((n + 2) // 3))
+    vs = {(v.label, v.bandwidth_bps): v for v in variants(runs)}
+    fig = Figure(figsize=(6.5 * min(n, 3), 8.0 * ((n + 2) // 3)))
+    grid = fig.add_gridspec(3 * ((n + 2) // 3), min(n, 3), height_ratios=[3, 1.6, 1] * ((n + 2) // 3))
     for i, r in enumerate(faulted[:n]):
-        row, col = 2 * (i // 3), i % 3
+        row, col = 3 * (i // 3), i % 3
         ax = fig.add_subplot(grid[row, col])
-        axn = fig.add_subplot(grid[row + 1, col], sharex=ax)
+        axd = fig.add_subplot(grid[row + 1, col], sharex=ax)
+        axn = fig.add_subplot(grid[row + 2, col], sharex=ax)
         twin = _find(runs, label=_twin_label(r.label), seed=r.seed, bw=r.bandwidth_bps)
         for run, style, name in ((twin, "-", "fault-free twin"), (r, "--", "with faults")):
             if run is None or not run.val_history:
                 continue
             pts = [(p["step"], p["val_loss"]) for p in run.val_history]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", label=name)
+        _plot_delta(axd, r, twin, vs.get((_twin_label(r.label), r.bandwidth_bps)))
         for e in fault_events(r):
             if e.get("job_step") is None:
                 continue
             colour = {"kill": "tab:red", "start": "tab:green", "intrude": "tab:brown"}.get(e["action"],
                                                                                            "tab:purple")  # poison
-            for a in (ax, axn):
+            for a in (ax, axd, axn):
                 a.axvline(e["job_step"], color=colour, alpha=0.6, lw=1)
-            ax.annotate(e["event"], (e["job_step"], 1.0), xycoords=("data", "axes fraction"), rotation=90,
-                        va="top", ha="right", fontsize=7, color=colour)
+            ax.annotate(e["event"] + (": removed" if e.get("removed") else ""), (e["job_step"], 1.0),
+                        xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7,
+                        color=colour)
         ax.set_title(f"{r.label} (seed {r.seed})", fontsize=9)
         ax.set_ylabel("validation loss")
         ax.legend(fontsize=7)
@@ -266,8 +287,9 @@ def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
     import textwrap
 
     fig.suptitle(textwrap.fill("Faults: validation loss beside the fault-free twin (kills red, starts green, "
-                               "intruders brown, poison purple); live nodes below, dropped steps x", 60 * min(n, 3)),
-                 fontsize=10)
+                               "intruders brown, poison purple); the difference to the twin at each validation "
+                               "(zoomed), with the twin's seed spread where several seeds ran; live nodes below, "
+                               "dropped steps x", 60 * min(n, 3)), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path

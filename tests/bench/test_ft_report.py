@@ -97,3 +97,14 @@ def test_what_the_exchange_refused_is_reported_by_member_for_any_run():
     ]
     assert "## What the exchange refused" in "\n".join(ft_section({"runs": [clean, agree]}))
     assert not any("What the exchange refused" in line for line in ft_section({"runs": [clean]}))
+
+
+def test_the_fault_plot_draws_each_faulted_run_its_difference_to_the_twin_and_the_twins_seed_spread(tmp_path):
+    from lowband.bench.ft_report import fault_plot
+
+    runs = [_run("FlexDeMo Top1 FT", loss=7.00, ft={"faults": []}),
+            _run("FlexDeMo Top1 FT", loss=7.02, seed=1, ft={"faults": []}),
+            _run("FlexDeMo Top1 FT faults", loss=7.05, ft=_faulted_ft())]
+    path = fault_plot({"runs": runs}, tmp_path / "faults.png")
+    assert path.stat().st_size > 10_000
+    assert fault_plot({"runs": runs[:2]}, tmp_path / "none.png") is None  # no faulted run: no plot
