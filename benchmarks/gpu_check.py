@@ -21,7 +21,7 @@ Sections (each prints a table; ``--json OUT`` writes them all):
 3. **Compression throughput.** GB/s of fp32 momentum encoded (DCT, top-k, wire packing) and
    decoded (unpacking, sparse inverse DCT of R replicas), on the same shards.
 4. **bf16 training steps.** ``--train-steps`` steps of every method on ``--train-model`` (the
-   reversing task of lowband.testing, FSDP2 with bf16 parameters and compute, fp32 reduction),
+   reversing task of lowband.testing.ranks, FSDP2 with bf16 parameters and compute, fp32 reduction),
    in a one-rank process group (nccl on CUDA, gloo on CPU); the losses must be finite.
 5. **Peak memory per method** during those steps: ``torch.cuda.max_memory_allocated`` (reset
    before the model is built). On CPU there is no such counter; the column says n/a.
@@ -181,10 +181,10 @@ def train_bf16(*, methods: list[str], model_name: str, steps: int, device: str, 
 
 
 def _train_each(methods, *, model_name: str, steps: int, device: str, batch_size: int) -> list[dict]:
-    from lowband.link import Link
-    from lowband.sharding import shard_model
-    from lowband.testing import REVERSE_VOCAB, reverse_task_batch
-    from lowband.topology import Topology
+    from lowband.comm.link import Link
+    from lowband.distributed.sharding import shard_model
+    from lowband.distributed.topology import Topology
+    from lowband.testing.ranks import REVERSE_VOCAB, reverse_task_batch
     from lowband.train.methods import build_optimizer
     from lowband.train.models import build_model, compute_loss, transformer_blocks
 

@@ -75,10 +75,10 @@ def _worker(rank: int, opts: dict, data) -> dict:
     import torch
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_pg
 
-    from lowband.link import Link
+    from lowband.comm.link import Link
+    from lowband.distributed.sharding import shard_model
+    from lowband.distributed.topology import Topology
     from lowband.optim._common import local
-    from lowband.sharding import shard_model
-    from lowband.topology import Topology
     from lowband.train.data import train_batch
     from lowband.train.methods import build_optimizer
     from lowband.train.models import build_model, compute_loss, transformer_blocks
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab-size", type=int, default=32128)
     ap.add_argument("--json", default=None, help="write rank 0's timeline and sizes here")
     args = ap.parse_args(argv)
-    from lowband.testing import run_ranks
+    from lowband.testing.ranks import run_ranks
     from lowband.train.data import DataConfig, load_data
 
     data = load_data(DataConfig(max_source_len=args.source_len, max_target_len=args.target_len,

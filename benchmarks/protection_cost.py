@@ -47,7 +47,7 @@ def summary(log: Path) -> dict:
 
 def run(variant: str, args, out: Path) -> list[dict]:
     from lowband.cluster.ftjob import FaultTolerantJob
-    from lowband.secret import write_secret
+    from lowband.trust.secret import write_secret
 
     train = [*COMMON, *METHODS[args.method], "--steps", str(args.steps), "--link-bandwidth", str(args.bandwidth),
              "--link-latency", str(args.latency)]

@@ -6,7 +6,7 @@ gloo on this machine), each in a fresh set of forked processes so that peak memo
 configuration:
 
 1. ``flexdemo``   lowband FlexDeMo, Top-k / chunk c (bf16 values, uint8 indices), model sharded
-                  with FSDP2 over the node (lowband.sharding.shard_model), exchange through the Link;
+                  with FSDP2 over the node (lowband.distributed.sharding.shard_model), exchange through the Link;
 2. ``adamw``      lowband AdamWFullSync: AdamW on the gradient all-reduced between nodes
                   (HSDP-equivalent), same sharding, same Link;
 3. ``detonation`` DeToNATION 0.5.2: ``prepare_detonation(model, Optimizers.SGD, DeMoReplicator(...))``,
@@ -280,8 +280,8 @@ def _worker(rank: int, config: str, opts: dict, data) -> dict:
     import torch
     import torch.distributed as dist
 
-    from lowband.link import Link
-    from lowband.topology import Topology
+    from lowband.comm.link import Link
+    from lowband.distributed.topology import Topology
     from lowband.train.data import train_batch
     from lowband.train.models import build_model, compute_loss, transformer_blocks
 
@@ -300,7 +300,7 @@ def _worker(rank: int, config: str, opts: dict, data) -> dict:
     link = None
     det = None
     if config in ("flexdemo", "adamw"):
-        from lowband.sharding import shard_model
+        from lowband.distributed.sharding import shard_model
         from lowband.train.methods import build_optimizer
 
         model = shard_model(model, topo, blocks=blocks, activation_checkpointing=opts["activation_checkpointing"])
@@ -707,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     import torch
 
-    from lowband.testing import run_ranks
+    from lowband.testing.ranks import run_ranks
     from lowband.train.data import DataConfig, load_data
 
     world = args.nodes * args.ranks_per_node

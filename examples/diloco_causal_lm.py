@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lowband.checkpoint import save_checkpoint
-from lowband.link import Link
+from lowband.checkpoint.dcp import save_checkpoint
+from lowband.comm.link import Link
+from lowband.distributed.sharding import shard_model
+from lowband.distributed.topology import Topology
 from lowband.optim import DiLoCo
-from lowband.sharding import shard_model
-from lowband.topology import Topology
 from lowband.train.models import transformer_blocks
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

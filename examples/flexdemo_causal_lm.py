@@ -16,7 +16,7 @@ Two nodes of 2 ranks (run on each machine, NODE = 0 or 1; on one machine, start 
         examples/flexdemo_causal_lm.py --steps 20
 
 Prints each step's loss (rank 0's batch) and the bytes rank 0 sent to other nodes; writes a DCP
-checkpoint to OUT/checkpoints/step_NNNNNN (load it with lowband.checkpoint.load_checkpoint).
+checkpoint to OUT/checkpoints/step_NNNNNN (load it with lowband.checkpoint.dcp.load_checkpoint).
 """
 
 import argparse
@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lowband.checkpoint import save_checkpoint
-from lowband.link import Link
+from lowband.checkpoint.dcp import save_checkpoint
+from lowband.comm.link import Link
+from lowband.distributed.sharding import shard_model
+from lowband.distributed.topology import Topology
 from lowband.optim import FlexDeMo
-from lowband.sharding import shard_model
-from lowband.topology import Topology
 from lowband.train.models import transformer_blocks
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -12,17 +12,17 @@ __all__ = ["main", "build_parser"]
 
 # command -> (module, its add-arguments function, its main function, help); imported only when used.
 COMMANDS = {
-    "train": ("lowband.train.cli", "add_arguments", "main",
+    "train": ("lowband.commands.train", "add_arguments", "main",
               "train on this rank (launch with torchrun on real clusters)"),
-    "bench": ("lowband.bench", "add_arguments", "main",
+    "bench": ("lowband.commands.bench", "add_arguments", "main",
               "methods × links on emulated nodes: tables, results.json and plots"),
-    "report": ("lowband.bench", "add_report_arguments", "report_main",
+    "report": ("lowband.commands.report", "add_arguments", "main",
                "re-render report.md and plots of a bench run directory"),
-    "lighthouse": ("lowband.lighthouse", "add_lighthouse_arguments", "lighthouse_main",
+    "lighthouse": ("lowband.commands.lighthouse", "add_arguments", "main",
                    "run the torchft Lighthouse that a fault-tolerant job's nodes report to"),
-    "secret": ("lowband.secret", "add_arguments", "main",
+    "secret": ("lowband.commands.secret", "add_arguments", "main",
                "write a new job secret to a file (mode 0600) for --secret-file / LOWBAND_SECRET_FILE"),
-    "simulate": ("lowband.simulate", "add_arguments", "main",
+    "simulate": ("lowband.commands.simulate", "add_arguments", "main",
                  "model DiLoCo's all-reduce against NoLoCo's gossip for 2..1024 replicas, check it on emulated links"),
 }
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(getattr(importlib.import_module(module), main_fn)(args) or 0)
     except ValueError as e:
-        from lowband.admission import RemovedFromJob
+        from lowband.trust.admission import RemovedFromJob
 
         print(f"lowband {args.command}: error: {e}", file=sys.stderr)
         if isinstance(e, RemovedFromJob):
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RuntimeError as e:
         # A lost peer or a timeout carries its own explanation; anything else keeps its traceback.
-        from lowband.link import PeerLostError, PeerTimeoutError
+        from lowband.comm.link import PeerLostError, PeerTimeoutError
 
         if isinstance(e, PeerLostError | PeerTimeoutError):
             print(f"lowband {args.command}: error: {e}", file=sys.stderr)

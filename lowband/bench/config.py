@@ -43,7 +43,7 @@ from lowband.bench.presets import (
     sequence_lengths,
 )
 from lowband.bench.timebudget import check_time_budget, parse_time_budget, reference_first
-from lowband.optim.outer_schedule import unmerged_tail_note
+from lowband.optim.outer.schedule import unmerged_tail_note
 from lowband.units import parse_bandwidth, parse_duration, parse_int_list, split_list
 
 __all__ = [
@@ -288,7 +288,7 @@ def make_config(
     Raises:
         ValueError: naming the bad value and listing what is accepted.
     """
-    from lowband.topology import Topology
+    from lowband.distributed.topology import Topology
 
     if emulation not in EMULATION_MODES:
         raise ValueError(f"unknown emulation {emulation!r}; accepted: {', '.join(EMULATION_MODES)}")
@@ -338,7 +338,7 @@ def make_config(
         raise ValueError(f"entry script {entry} does not exist; give a module name or an existing .py file")
     _check_group_sizes(specs, nodes=nodes, ranks_per_node=ranks_per_node, shards=shard_values)
     if entry == DEFAULT_ENTRY:  # lowband's own flags, checked now (another entry may take flags of its own)
-        from lowband.train.cli import train_overrides
+        from lowband.train.args import train_overrides
         from lowband.train.config import TrainConfig
 
         user = shlex.join(entry_args[len(DEFAULT_TRAIN_ARGS):])
@@ -402,7 +402,7 @@ def _check_fault_tolerance(specs: Sequence[BenchMethod], *, ft: str, faults: str
     events = parse_faults(faults, nodes=nodes, steps=steps) if faults is not None else ()
     if ft == "off" and not events:
         return ()
-    from lowband.ft import require_torchft
+    from lowband.ft.node import require_torchft
 
     require_torchft()
     if entry != DEFAULT_ENTRY:

@@ -7,11 +7,11 @@ Syntax: events separated by commas, each ``node<I>:<action>@<when>``:
   fault of malice: ``poison`` (from that step on the node sends its updates times 1,000: finite,
   well-formed, huge), ``poison-flip`` (sign-flipped), ``poison-nan`` (NaN values with a clean flag)
   or ``poison-index`` (indices out of range; FlexDeMo, DeMo, SparseLoCo), through ``lowband train --poison``
-  (:mod:`lowband.poison`; at a step only, one per plan; not for AdamW and Deto-Full, whose gradients
+  (:mod:`lowband.testing.poison`; at a step only, one per plan; not for AdamW and Deto-Full, whose gradients
   are all-reduced); or ``intrude`` (a process with the job's command line but not its secret starts
   in node I's slot, as an outsider on the job's network would: it must be refused before any process
   group includes it, and the job drops no step; the run fails if it is admitted. The bench gives every
-  fault-tolerant run a job secret of its own, :mod:`lowband.secret`);
+  fault-tolerant run a job secret of its own, :mod:`lowband.trust.secret`);
 - ``when``: a training step of the job (``@60``: once a live node has finished step 60) or a time
   since the run started (``@45s``, ``@1.5m``).
 
@@ -30,7 +30,7 @@ from lowband.units import split_list
 __all__ = ["POISON_ACTIONS", "FaultEvent", "format_faults", "parse_faults", "poison_of"]
 
 _EVENT = re.compile(r"node(\d+):(kill|start|intrude|poison|poison-flip|poison-nan|poison-index)@(\d+(?:\.\d+)?)(s|m)?")
-#: --faults' poison actions -> lowband.poison's kinds.
+#: --faults' poison actions -> lowband.testing.poison's kinds.
 POISON_ACTIONS = {"poison": "scale", "poison-flip": "flip", "poison-nan": "nan", "poison-index": "index"}
 
 

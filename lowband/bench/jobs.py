@@ -26,7 +26,7 @@ def train_config(plan, config: BenchConfig, out_dir: Path, *, shaped: bool):
     user's, which win), then the link (bandwidth when shaped in-process, latency always)."""
     import dataclasses
 
-    from lowband.train.cli import train_overrides
+    from lowband.train.args import train_overrides
     from lowband.train.config import RunMethod, TrainConfig
     from lowband.train.methods import canonical_names
 

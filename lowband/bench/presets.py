@@ -1,7 +1,7 @@
 """Named benches (``lowband bench --preset NAME``) and how a run of one differs from the preset.
 
 A :class:`Preset` is a set of :func:`~lowband.bench.config.make_config` arguments with the reasons
-for them; the report (:mod:`lowband.bench.report`) says which of a run's settings came from its
+for them; the report (:mod:`lowband.report.render`) says which of a run's settings came from its
 preset (:func:`preset_differences`) and whether its learning rates were tuned on what ran
 (:func:`lrs_tuned_here`).
 """
@@ -165,7 +165,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (QUALITY_PRESET, FRONTIER_PRESE
 
 def sequence_lengths(model: str, train_args: Sequence[str]) -> str:
     """The tokens per example a run of ``model`` with these ``lowband train`` arguments uses, in words."""
-    from lowband.train.cli import parse_train_args
+    from lowband.train.args import parse_train_args
     from lowband.train.models import MODEL_SIZES
 
     data = parse_train_args(train_args, known_only=True).data

@@ -14,13 +14,14 @@ not apply or was not measured is ``None`` (``null``). Every field is always writ
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lowband.traffic import OpTally
+from lowband.comm.traffic import OpTally
 
-__all__ = ["RunRecord"]
+__all__ = ["RunRecord", "error_headline"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -142,7 +143,7 @@ class RunRecord:
     """Peak memory of every rank."""
     link_ops: dict[str, OpTally] | None = None
     """Per operation kind ("all_reduce", "all_gather", "exchange", ...), its tally
-    (:class:`~lowband.traffic.OpTally`: count, bytes sent (ring model, intra-node hops included),
+    (:class:`~lowband.comm.traffic.OpTally`: count, bytes sent (ring model, intra-node hops included),
     inter_node_bytes, largest_group); count and bytes are totals over the run and over all ranks."""
     val_history: list[dict[str, Any]] | None = None
     """Rank 0's validations: [{"step", "epoch", "tokens" (summed over ranks), "train_time_s" (training
@@ -193,3 +194,15 @@ class RunRecord:
             except (AttributeError, TypeError, ValueError) as exc:
                 raise ValueError(f"{source}: link_ops is not a tally per operation kind: {exc}") from exc
         return cls(**fields)
+
+
+_ERROR_LINE = re.compile(r"Error|Exception|error:|Killed|timed out")
+
+
+def error_headline(error: str | None) -> str:
+    """One line of a run's error for the console: the last line that names an error, else the first."""
+    lines = [line.strip() for line in (error or "").splitlines() if line.strip()]
+    if not lines:
+        return "no error recorded"
+    named = [line for line in lines if _ERROR_LINE.search(line) and not line.startswith("torchrun:")]
+    return named[-1] if named else lines[0]

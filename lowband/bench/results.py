@@ -3,8 +3,8 @@
 A bench's run directory holds::
 
     results.json                 this file's schema, below
-    report.md                    the tables (lowband.bench.report)
-    *.png                        the plots (lowband.bench.plots)
+    report.md                    the tables (lowband.report.render)
+    *.png                        the plots (lowband.report.plots)
     runs/<run id>/               one directory per run: the trainer's metrics.jsonl and
                                  summary_rank<R>.json, and logs/node<i>.log
 
@@ -75,7 +75,7 @@ from pathlib import Path
 from typing import Any
 
 from lowband.bench.record import RunRecord
-from lowband.traffic import OpTally, merge_tallies
+from lowband.comm.traffic import OpTally, merge_tallies
 from lowband.train.methods import family_of
 from lowband.train.summary import RunSummary, summary_path
 from lowband.util import atomic_path

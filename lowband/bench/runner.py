@@ -40,8 +40,7 @@ from lowband.bench.faults import poison_of
 from lowband.bench.jobs import run_command
 from lowband.bench.plan import RunPlan, plan_runs
 from lowband.bench.quality import annotate_time_to_target
-from lowband.bench.record import RunRecord
-from lowband.bench.report import error_headline
+from lowband.bench.record import RunRecord, error_headline
 from lowband.bench.results import (
     SCHEMA_VERSION,
     aggregate_run,
@@ -59,7 +58,7 @@ from lowband.cluster import (
     measure_throughput,
     netns_available,
 )
-from lowband.secret import write_secret
+from lowband.trust.secret import write_secret
 from lowband.units import format_bandwidth
 
 __all__ = ["check_out_dir", "choose_emulation", "default_out_dir", "prepare_out_dir", "run_bench"]
@@ -301,7 +300,7 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: P
     tx_before = [net.tx_bytes(n) for n in range(plan.nodes)] if net is not None else None
     t0 = time.monotonic()
     try:
-        # The job's secret (lowband.secret): every node proves it before it joins a quorum, as across the
+        # The job's secret (lowband.trust.secret): every node proves it before it joins a quorum, as across the
         # internet; it lives in a private directory outside the bench's output and goes when the run ends.
         keydir = tempfile.TemporaryDirectory(prefix="lowband-secret-")
         with keydir, FaultTolerantJob(train_args=args, nodes=plan.nodes, ranks_per_node=plan.ranks_per_node,
@@ -368,9 +367,9 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: P
     return record
 
 
-#: What a node refused by the job's nodes prints (lowband.ft): the line the report quotes for an intruder.
+#: What a node refused by the job's nodes prints (lowband.ft.node): the line the report quotes for an intruder.
 REFUSED = "is refused by the job"
-#: What a member that the Lighthouse's gate removed from the job prints (lowband.ft.gate_refusal).
+#: What a member that the Lighthouse's gate removed from the job prints (lowband.ft.node.gate_refusal).
 REMOVED = "is removed from the job"
 
 

@@ -39,15 +39,15 @@ class FaultTolerantJob:
         ranks_per_node: ranks of each node (``--nproc-per-node``).
         out: run directory; node i writes ``out/node{i}`` and its log ``out/node{i}.log``.
         heartbeat_timeout_s, join_timeout_s, min_nodes: the Lighthouse's (see
-            :func:`lowband.lighthouse.start_lighthouse`). ``min_nodes`` = ``nodes`` makes the job start with every
+            :func:`lowband.ft.lighthouse.start_lighthouse`). ``min_nodes`` = ``nodes`` makes the job start with every
             node at once (the first node up does not train alone while the others start), but then no
             quorum forms while a node is down: for measurements without faults.
         ft_timeout_s: each node's ``--ft-timeout``.
         start_nodes: each node's ``--ft-start-nodes`` (None: theirs by default, every node slot): a test
             that starts fewer nodes than ``nodes`` sets it, or the first step waits for the others.
-        secret_file: the job's secret (:mod:`lowband.secret`), given to every node as LOWBAND_SECRET_FILE
+        secret_file: the job's secret (:mod:`lowband.trust.secret`), given to every node as LOWBAND_SECRET_FILE
             (never on a command line); :meth:`start` can give one node another. The Lighthouse gets it too,
-            and then sits behind its gate (:mod:`lowband.gateway`).
+            and then sits behind its gate (:mod:`lowband.ft.gateway`).
         lighthouse_args: more ``lowband lighthouse`` arguments (the gate's ``--probation``, ...).
     """
 
@@ -56,7 +56,7 @@ class FaultTolerantJob:
                  min_nodes: int = 1, start_nodes: int | None = None,
                  net=None, node_dirs: Path | None = None, log_dir: Path | None = None,
                  secret_file: str | Path | None = None, lighthouse_args: list[str] | None = None) -> None:
-        from lowband.ft import require_torchft
+        from lowband.ft.node import require_torchft
 
         require_torchft()
         if net is not None and net.num_nodes != nodes:
@@ -83,11 +83,11 @@ class FaultTolerantJob:
                 "--min-nodes", str(min_nodes), *(lighthouse_args or [])]
         if net is not None:
             argv = net.exec_argv(0, argv)
-        from lowband.secret import ENV_SECRET, ENV_SECRET_FILE
+        from lowband.trust.secret import ENV_SECRET, ENV_SECRET_FILE
 
         env = {k: v for k, v in os.environ.items() if k not in (ENV_SECRET, ENV_SECRET_FILE)}
         env["RUST_LOG"] = os.environ.get("RUST_LOG", "error")
-        if secret_file:  # the job's gate admits only its members (lowband.gateway); by the environment, as for nodes
+        if secret_file:  # the job's gate admits only its members (lowband.ft.gateway); by the environment, as for nodes
             env[ENV_SECRET_FILE] = str(secret_file)
         self.lighthouse = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=open(self.log_dir / "lighthouse.log", "w"), text=True,  # noqa: SIM115
@@ -158,7 +158,7 @@ class FaultTolerantJob:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    RUST_LOG=os.environ.get("RUST_LOG", "error"))
         secret = self.secret_file if secret_file is None else secret_file
-        from lowband.secret import ENV_SECRET, ENV_SECRET_FILE
+        from lowband.trust.secret import ENV_SECRET, ENV_SECRET_FILE
 
         for name in (ENV_SECRET, ENV_SECRET_FILE):  # only what this job gives the node, never this shell's
             env.pop(name, None)

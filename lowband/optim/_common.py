@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lowband.comm.link import Link
 from lowband.compress.check import UNATTRIBUTED, BadMessage
-from lowband.link import Link
-from lowband.topology import Topology
+from lowband.distributed.topology import Topology
 
 if TYPE_CHECKING:
     from lowband.optim.robust import ClipTally
@@ -62,7 +62,7 @@ def check_sharded(param_groups: list[dict], topology: Topology | None) -> None:
             if not isinstance(p, DTensor) or not any(isinstance(pl, Shard) for pl in p.placements):
                 raise ValueError(
                     f"parameter {param_label(group, i, p)} is not sharded by FSDP2, but the topology shards "
-                    f"each model copy over {topology.shards} ranks. Call lowband.sharding.shard_model(model, "
+                    f"each model copy over {topology.shards} ranks. Call lowband.distributed.sharding.shard_model(model, "
                     "topology) before building the optimizer (or use shards=1)."
                 )
 
@@ -151,7 +151,7 @@ def check_lr(lr: Any) -> None:
 
 
 def committed(link: Link | None) -> bool:
-    """Whether the step's exchanges may be applied (:meth:`lowband.link.Link.commit`); True without a link.
+    """Whether the step's exchanges may be applied (:meth:`lowband.comm.link.Link.commit`); True without a link.
 
     Every optimizer asks once per communicating step, after its last collective and before it
     changes any state: under fault tolerance a step whose exchange failed anywhere in the node is
@@ -186,7 +186,7 @@ class BadMessageTally:
     never sends a malformed message (its own check flags the step instead), so the count needs no
     patience. Under fault tolerance with the job's secret each rank reports the members it evicted to the
     Lighthouse's gate, which removes one from the quorum once most of the other members reported it
-    (:meth:`lowband.ft.FaultTolerance.report_bad`, docs/trust.md).
+    (:meth:`lowband.ft.node.FaultTolerance.report_bad`, docs/trust.md).
     """
 
     def __init__(self) -> None:

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import AdamW, Optimizer
 
+from lowband.comm.link import Link
 from lowband.compress.check import UNATTRIBUTED, BadMessage, mean_flag_problem
-from lowband.link import Link
 from lowband.optim._common import (
     NONFINITE_POLICIES,
     BadMessageTally,

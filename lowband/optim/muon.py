@@ -3,7 +3,7 @@
 :class:`MuonAdamW` is the inner optimizer that ``inner=muon`` gives DiLoCo, NoLoCo and SparseLoCo
 (:mod:`lowband.train.methods`). It is one ``torch.optim.Optimizer`` over the param groups it is
 given, as the outer-step optimizers need (they share those groups with their inner optimizer, see
-:class:`~lowband.optim.outer.OuterStepOptimizer`), and it delegates both updates to torch:
+:class:`~lowband.optim.outer.base.OuterStepOptimizer`), and it delegates both updates to torch:
 ``torch.optim.Muon`` for the hidden weight matrices, ``torch.optim.AdamW`` for the rest.
 
 Sources: MuLoCo (Thérien et al. 2025, "MuLoCo: Muon is a practical inner optimizer for DiLoCo",
@@ -99,7 +99,7 @@ class MuonAdamW(Optimizer):
     keyed by parameter as torch's optimizers keep it (Muon's ``momentum_buffer``, AdamW's
     ``step``, ``exp_avg``, ``exp_avg_sq``; the two sets of parameters are disjoint), so
     ``state_dict``/``load_state_dict``, the outer optimizers' per-replica checkpoints and the
-    fault-tolerance heal (:mod:`lowband.train.ft_state`) see one ordinary optimizer.
+    fault-tolerance heal (:mod:`lowband.ft.state`) see one ordinary optimizer.
 
     ``muon_adjust_lr_fn="match_rms_adamw"`` (the default here; torch's own default is
     ``"original"``) scales Muon's lr by 0.2·sqrt(max(A, B)) for an A × B matrix, so the method's

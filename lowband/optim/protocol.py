@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["LowbandOptimizer", "OptimizerStats"]
+__all__ = ["LowbandOptimizer", "OptimizerStats", "OutgoingHook"]
 
 
 @dataclass(frozen=True)
@@ -80,3 +80,23 @@ class LowbandOptimizer(Protocol):
 
     def state_owners(self) -> list[torch.optim.Optimizer]:
         """The optimizers whose ``state`` a joining replica copies: this one, and its inner optimizer if any."""
+
+
+class OutgoingHook(Protocol):
+    """What may change a node's outgoing message, installed from outside as ``optimizer.outgoing_hook``.
+
+    The optimizers call it where a message leaves and know nothing of what it does; fault injection
+    (:mod:`lowband.testing.poison`: a poisoning member on purpose) is the one user. Each method changes
+    only what is sent: the node's own state goes on from the honest message.
+    """
+
+    def update_(self, tensors: list[torch.Tensor], step: int) -> bool:
+        """Change the update in place before the sender's own checks; True when it changed it."""
+
+    def sparse(self, idx: torch.Tensor, vals: torch.Tensor, step: int, *, chunk: int,
+               index_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sparse message's (indices, values) as sent, after the sender's check: new tensors, or the same ones."""
+
+    def dense(self, message: torch.Tensor, lo: int, hi: int, *, step: int, numel: int,
+              codec: Any = None) -> torch.Tensor:
+        """A sealed dense message (values, then the flag) as sent: a new tensor, or ``message`` itself."""

@@ -2,7 +2,7 @@
 
 For each N in ``nodes``: N network namespaces with tbf-limited veths (:class:`EmulatedNetwork`),
 one torchrun per namespace, one rank each, running :mod:`lowband.simulate.worker`. Where
-namespaces cannot be built, every node runs on loopback and each rank's :class:`~lowband.link.Link`
+namespaces cannot be built, every node runs on loopback and each rank's :class:`~lowband.comm.link.Link`
 shapes its own traffic in-process; that mode only checks the plumbing (the link sleeps until
 its own ring model's time has passed, so measured ≈ modelled by construction).
 

@@ -4,14 +4,14 @@ Run by torchrun on every emulated node (one rank per node)::
 
     python -m torch.distributed.run ... -m lowband.simulate.worker --size-bytes 4194304 --out times.json
 
-Through :class:`lowband.link.Link` on ``Topology(num_nodes=W, ranks_per_node=1)`` each rank
+Through :class:`lowband.comm.link.Link` on ``Topology(num_nodes=W, ranks_per_node=1)`` each rank
 
 1. warms up: one full-size all-reduce and one full-size exchange (not timed);
 2. probes the per-message latency: ``probes`` back-to-back exchanges of one float with its
    NoLoCo peer(s), and ``probes`` all-reduces of 2·W floats (every ring segment non-empty);
 3. ``reps`` times, each after a barrier: an all-reduce of ``size_bytes`` (DiLoCo's pseudo-gradient,
    M), then an exchange of 2·M (NoLoCo's φ and θ−φ) with the members of its group from
-   :func:`lowband.optim.noloco_groups.noloco_groups` for outer step ``rep + 1``, then (diagnostic)
+   :func:`lowband.optim.outer.groups.noloco_groups` for outer step ``rep + 1``, then (diagnostic)
    the same ``batch_isend_irecv`` as ``Link.exchange`` with the receives listed before the sends.
 
 Why the diagnostic: gloo's TCP transport sends a message only after the receiver announced its
@@ -53,9 +53,9 @@ def measure(*, size_bytes: int, reps: int, group_size: int, seed: int, probes: i
     import torch
     import torch.distributed as dist
 
-    from lowband.link import Link
-    from lowband.optim.noloco_groups import noloco_groups
-    from lowband.topology import Topology
+    from lowband.comm.link import Link
+    from lowband.distributed.topology import Topology
+    from lowband.optim.outer.groups import noloco_groups
 
     world, rank = dist.get_world_size(), dist.get_rank()
     topo = Topology(num_nodes=world, ranks_per_node=1)

@@ -15,7 +15,7 @@
 
 Every field of a table is declared once, with :func:`lowband.train.fields.option`: its default, its
 help and its ``lowband train`` flag; the job file's tables and keys (:mod:`lowband.train.jobfile`),
-the flags and ``--help`` (:mod:`lowband.train.cli`) are derived from these classes. A table's
+the flags and ``--help`` (:mod:`lowband.train.args`) are derived from these classes. A table's
 fields without help (DataConfig's ``kind`` and ``seed``) are not part of the job: the trainer sets
 them from the model and the run's seed.
 
@@ -139,7 +139,7 @@ class RunConfig:
 @dataclass(kw_only=True)
 class FaultToleranceJob:
     """torchft: one torchrun per node, nodes may die and join (docs/fault-tolerance.md). The node's
-    runtime configuration is :meth:`TrainConfig.ft_config` (a :class:`lowband.ft.FaultToleranceConfig`)."""
+    runtime configuration is :meth:`TrainConfig.ft_config` (a :class:`lowband.ft.node.FaultToleranceConfig`)."""
 
     lighthouse: str | None = option(None, "the Lighthouse's address (http://HOST:PORT, printed by `lowband "
                                     "lighthouse`); turns fault tolerance on", flag="--ft-lighthouse", metavar="URL")
@@ -225,7 +225,7 @@ class TrainConfig:
         of each file, not its path), how it is cut and tokenised (columns, split, lengths, packing, the
         tokenizer by content or the trained one's kind and size), the schedule, the seed and the job's
         layout. Two nodes with the same files under other paths agree; another job's node does not."""
-        from lowband.ft import fingerprint
+        from lowband.ft.node import fingerprint
         from lowband.util import file_digest
 
         s, d, ft = self.schedule, self.data, self.fault_tolerance
@@ -251,8 +251,8 @@ class TrainConfig:
         ft = self.fault_tolerance
         if ft.lighthouse is None:
             return None
-        from lowband.ft import FaultToleranceConfig
-        from lowband.secret import load_secret
+        from lowband.ft.node import FaultToleranceConfig
+        from lowband.trust.secret import load_secret
 
         spec = METHODS[self.method.name]
         return FaultToleranceConfig(
@@ -278,7 +278,7 @@ class TrainConfig:
                             (s.warmup_steps, "--warmup-steps")):
             if value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
-        from lowband.sharding import PRECISIONS
+        from lowband.distributed.sharding import PRECISIONS
 
         if self.model.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.model.precision!r}")
@@ -296,7 +296,7 @@ class TrainConfig:
         if not 0.0 <= s.min_lr_ratio <= 1.0:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {s.min_lr_ratio}")
         if self.fault_tolerance.lighthouse is not None:
-            from lowband.ft import require_torchft
+            from lowband.ft.node import require_torchft
 
             if self.fault_tolerance.quorum not in ("async", "sync"):
                 raise ValueError(f"--ft-quorum must be 'async' or 'sync', got {self.fault_tolerance.quorum!r}")

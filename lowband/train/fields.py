@@ -3,7 +3,7 @@
 
 A table class (:mod:`lowband.train.config`, :class:`~lowband.train.data.DataConfig`) declares each
 field once with :func:`option`; the job file (:mod:`lowband.train.jobfile`), the flags and
-``--help`` (:mod:`lowband.train.cli`) are derived from those fields. This module knows no table:
+``--help`` (:mod:`lowband.train.args`) are derived from those fields. This module knows no table:
 the classes import it, never the other way round.
 """
 

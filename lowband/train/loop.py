@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import math
 import os
 import resource
 import statistics
 import sys
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -43,14 +41,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lowband.link import Link
-from lowband.memory import PhaseMemory
-from lowband.poison import arm_poison
-from lowband.topology import Topology
-from lowband.traffic import OpTally, merge_tallies
+from lowband.comm.link import Link
+from lowband.comm.traffic import OpTally, merge_tallies
+from lowband.distributed.topology import Topology
+from lowband.ft.session import membership_for
 from lowband.train.budget import StopFile, TimeBudget
 from lowband.train.config import ScheduleConfig, TrainConfig
-from lowband.train.ft_state import load_optimizer_local_state, local_tensor, optimizer_local_state
+from lowband.train.memory import PhaseMemory
 from lowband.train.methods import METHODS, method_shards
 from lowband.train.metrics import MetricsFile
 from lowband.train.schedule import warmup_cosine_factor
@@ -152,14 +149,12 @@ class Trainer:
         self.local = METHODS[cfg.method.name].family == "local"
         self.tally = _Tally()
         self.start_step = 0
-        self.ft = None  # lowband.ft.FaultTolerance under --ft-lighthouse
-        self._healed_to: int | None = None
-        self.next_step = 0
         self.steps_done = cfg.schedule.steps  # the steps trained: fewer when --time-budget stops the run
-        # Window quorum (NoLoCo under fault tolerance): a peer may copy this node's state at any moment of
-        # an outer window, from torchft's quorum thread; it takes this lock, which each inner step holds
-        # while it changes the weights, the optimizer, the schedule and the step.
-        self._state_lock = threading.Lock()
+        # Who trains with this rank: the same questions with and without fault tolerance (lowband.ft.session).
+        self.membership = membership_for(cfg.ft_config())
+        #: Called with the trainer once it is built, before the first step (``lowband train --poison`` installs
+        #: fault injection on the optimizer this way).
+        self.after_build: list = []
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -170,6 +165,8 @@ class Trainer:
         if self.cfg.checkpoint.resume:
             self._resume()
         self._open_outputs()
+        for hook in self.after_build:
+            hook(self)
 
     def _start_processes(self) -> None:
         cfg = self.cfg
@@ -186,25 +183,17 @@ class Trainer:
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
         # Which slice of each step's global batch this rank reads (fault tolerance: by node slot).
-        self.data_rank, self.data_world = self.rank, self.world
-        self.ft_cfg = cfg.ft_config()
-        if self.ft_cfg is not None:
-            from lowband.ft import data_slot
-
-            if self.topology.num_nodes != 1:
-                raise ValueError("fault tolerance runs one torchrun per node (--nnodes 1 --nproc-per-node S, each node "
-                                 f"with its own --ft-node), but this job spans {self.topology.num_nodes} nodes")
-            self.data_rank, self.data_world = data_slot(self.ft_cfg, local_rank=self.rank,
-                                                        ranks_per_node=self.topology.ranks_per_node)
+        self.data_rank, self.data_world = self.membership.data_slot(rank=self.rank, world=self.world,
+                                                                    topology=self.topology)
         self.out = Path(cfg.run.out)
         self.out.mkdir(parents=True, exist_ok=True)
         # T5 blocks return views; FSDP2 warns that an in-place op on them would skip its hook. Neither
-        # model does one: tests/test_sharding.py checks sharded T5 gradients against unsharded ones.
+        # model does one: tests/distributed/test_sharding.py checks sharded T5 gradients against unsharded ones.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         self.t_start = time.perf_counter()
 
     def _build_model(self) -> None:
-        from lowband.sharding import shard_model
+        from lowband.distributed.sharding import shard_model
         from lowband.train.data import load_data
         from lowband.train.models import build_model, model_kind, transformer_blocks
 
@@ -222,15 +211,10 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         cfg = self.cfg
-        if self.ft_cfg is not None:
-            from lowband.ft import FaultTolerance
-
-            self.ft = FaultTolerance(self.ft_cfg, rank=self.rank, world_size=self.world,
-                                     state_dict=self._ft_state, load_state_dict=self._ft_load)
+        self.membership.attach(self)
         self.link = Link(self.topology, bandwidth_bps=cfg.link.bandwidth_bps, latency_s=cfg.link.latency_s,
-                         ft=self.ft)
+                         ft=self.membership.torchft)
         self.optimizer = self.method.build(list(self.model.named_parameters()), link=self.link, model=self.model)
-        arm_poison(self.optimizer, cfg, ft=self.ft_cfg, topology=self.topology, rank=self.rank)  # --poison
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.schedule))
         # The training clock and token count (see the module docstring); a resumed run goes on from
         # the checkpoint's, so its curves continue the interrupted run's.
@@ -241,7 +225,7 @@ class Trainer:
     def _resume(self) -> None:
         cfg, out, model, optimizer, scheduler, link = (self.cfg, self.out, self.model, self.optimizer,
                                                        self.scheduler, self.link)
-        from lowband.checkpoint import latest_checkpoint, load_checkpoint
+        from lowband.checkpoint.dcp import latest_checkpoint, load_checkpoint
 
         resume = cfg.checkpoint.resume
         path = latest_checkpoint(out / "checkpoints") if resume in ("auto", "if-any") else Path(resume)
@@ -269,16 +253,10 @@ class Trainer:
         cfg = self.cfg
         self.step_batch = cfg.schedule.batch_size * cfg.schedule.grad_accum  # examples per rank per optimizer step
         self.profile = PhaseMemory(self.device, return_freed=cfg.run.memory_profile)
-        # A node that rejoins a fault-tolerant job appends to the record of its earlier life.
-        # Rank 0 looks before it creates the file, and tells the node's other ranks: each looking for
-        # itself would race with rank 0 creating it, and the ranks of a node must decide alike (a new
-        # job's first step waits for its nodes; a node that lived before does not).
-        earlier = [self.ft is not None and (self.out / "metrics.jsonl").exists()]
-        if self.ft is not None and dist.is_initialized() and self.world > 1:
-            dist.broadcast_object_list(earlier, src=0)
-        self._earlier_life = bool(earlier[0])
+        # A resumed run, or a node that may rejoin a fault-tolerant job, appends to the record of its earlier life.
+        append = self.membership.appends_metrics(self)
         self.metrics = MetricsFile(self.out, enabled=self.rank == 0, tensorboard=cfg.run.tensorboard,
-                                append=self.start_step > 0 or self.ft is not None)
+                                append=self.start_step > 0 or append)
         if self.rank == 0:  # the complete job: `lowband train --config OUT/config.toml` runs it again
             from lowband.train import jobfile
 
@@ -322,9 +300,7 @@ class Trainer:
         self.clock["train_time_s"] += time.perf_counter() - t_batch
         traffic = self.link.end_step()
         self.link.history.clear()
-        tally = getattr(self.optimizer, "bad_messages", None)  # members that sent bad messages, evicted from the
-        if self.ft is not None and tally is not None and tally.evicted:  # exchange: the gate removes them from the
-            self.ft.report_bad(tally.evicted_members())  # quorum when most members report them
+        self.membership.report_bad(self.optimizer)  # members evicted from the exchange for bad messages
         if not math.isfinite(loss):
             raise FloatingPointError(f"training loss is {loss} at step {step}; lower --lr")
         t.train_loss = loss
@@ -341,9 +317,7 @@ class Trainer:
             t.sync_times.append(exposed)  # the outer step's time on the critical path
         t.add_ops(traffic.by_kind())
         epoch = epoch_of(step, data=self.data, world_size=self.data_world, batch_size=self.step_batch)
-        ft = {} if self.ft is None else {"replicas": self.ft.last_members, "dropped": self._dropped() > dropped0}
-        if self._healed_to is not None:  # healed at this step's commit vote: the step is the peer's
-            step = self._healed_to
+        step, ft = self.membership.step_record(step, dropped=self._dropped() > dropped0)
         self.metrics.write({"type": "train", **ft, "step": step + 1, "epoch": epoch, "loss": loss,
                             "step_time_s": step_time, "compute_time_s": step_time - exposed,
                             "comm_time_s": traffic.comm_time_s, "exposed_comm_time_s": exposed,
@@ -373,7 +347,7 @@ class Trainer:
 
     def checkpoint(self, step: int) -> None:
         """A DCP checkpoint after ``step`` steps (model, optimizer, schedule, training clock)."""
-        from lowband.checkpoint import save_checkpoint, topology_record
+        from lowband.checkpoint.dcp import save_checkpoint, topology_record
 
         cfg, topo = self.cfg, self.topology
         save_checkpoint(self.out / "checkpoints" / f"step_{step:06d}", model=self.model, optimizer=self.optimizer,
@@ -381,15 +355,15 @@ class Trainer:
                                "method": cfg.method.name, "model": cfg.model.name,
                                "topology": topology_record(topo),
                                "global_batch": topo.world_size * self.step_batch},
-                        secret=self._secret(), fingerprint=self.ft_cfg.fingerprint if self.ft_cfg else None)
+                        secret=self._secret(), fingerprint=self.membership.fingerprint)
 
     def _secret(self) -> bytes | None:
-        """The job's secret (--secret-file, else the environment: :func:`lowband.secret.load_secret`), which signs
+        """The job's secret (--secret-file, else the environment: :func:`lowband.trust.secret.load_secret`), which signs
         its checkpoints."""
-        from lowband.secret import load_secret
+        from lowband.trust.secret import load_secret
 
-        if self.ft_cfg is not None and self.ft_cfg.secret is not None:
-            return self.ft_cfg.secret
+        if self.membership.secret is not None:
+            return self.membership.secret
         return load_secret(self.cfg.fault_tolerance.secret_file)
 
     def summarize(self) -> RunSummary:
@@ -433,10 +407,7 @@ class Trainer:
         if self.start_step == 0:
             self.evaluate(0)
         try:
-            if self.ft is not None and self.ft_cfg.window_quorum:
-                self._run_windows()
-            else:
-                self._run_steps()
+            self.membership.train(self)  # the loop below, or fault tolerance's own around the same steps
             self.optimizer.flush()  # an overlapped exchange still in flight: apply it
             self.evaluate(self.steps_done)
             if cfg.checkpoint.at_end or cfg.checkpoint.every:
@@ -446,30 +417,24 @@ class Trainer:
                 self.bar.close()
             self.metrics.close()
         summary = self.summarize()
-        if self.ft is not None:
-            self._ft_record()
+        self.membership.finish()
         if dist.is_initialized():
             dist.barrier()
-        if self.ft is not None:
-            self.ft.shutdown()
+        self.membership.shutdown()
         return summary
 
     def _run_steps(self) -> None:
-        """The loop: a quorum before each step that communicates, under fault tolerance (or none)."""
+        """The loop: the membership's say before and after each step (fault tolerance's quorums; nothing without)."""
         cfg = self.cfg
         step, first = self.start_step, True
         while step < cfg.schedule.steps:
-            quorum = self.ft is not None and (first or self.optimizer.communicates_next())
-            if quorum:
-                step = self._membership(step)  # a joining node may jump ahead to the live step
-                if step >= cfg.schedule.steps:
-                    break
+            step = self.membership.before_step(step, first=first)  # a joining node may jump ahead to the live step
+            if step >= cfg.schedule.steps:
+                break
             first = False
             window_end = not self.local or self.optimizer.communicates_next()
             self.train_step(step)
-            step = step + 1
-            if quorum and self.ft_cfg.async_quorum:  # a node that healed during the step goes on from the peer's
-                step = self._membership_done(step, trained=True)
+            step = self.membership.after_step(step + 1)  # a node that healed during the step goes on from the peer's
             if self._ends(step, window_end):
                 break
             self._after_step(step)
@@ -490,174 +455,10 @@ class Trainer:
         if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.schedule.steps:
             self.checkpoint(done)
 
-    def _run_windows(self) -> None:
-        """The loop with the window quorum (NoLoCo under fault tolerance): one quorum per outer window.
-
-        It is started when a window starts and forms in the background while the inner steps run
-        (they exchange nothing between nodes); the outer step waits for it. So a node waits for the
-        others' quorum only when one of them is a whole window behind, and otherwise only for its
-        group, in the exchange. A node that heals loads the peer's state before the outer step and
-        goes on from the peer's step, inner weights restarted from the outer ones (the method's
-        rule), taking part in the outer step with the inner steps it trained from there. A peer copies
-        this node's state whenever its quorum forms: between two inner steps (``_state_lock``).
-        """
-        cfg = self.cfg
-        step, start, first = self.start_step, True, True
-        while step < cfg.schedule.steps:
-            if start:
-                self.next_step = step
-                self._membership(step)
-                start = False
-                if first:  # wait for the first quorum at once: a joining node heals before it trains
-                    first = False
-                    step = self._membership_done(step, trained=False)
-                    continue
-            if self.optimizer.communicates_next() and self.ft.quorum_pending:
-                before = step
-                step = self._membership_done(step, trained=False)
-                if step != before:  # healed: on from the peer's step, in the window of the quorum just formed
-                    continue
-            outer = self.optimizer.communicates_next()
-            if outer:  # the window's quorum has formed: nothing copies this node's state until the next one
-                self.train_step(step)
-            else:
-                with self._state_lock:
-                    self.train_step(step)
-                    self.next_step = step + 1
-            step += 1
-            start = outer
-            if self._ends(step, outer):
-                break
-            self._after_step(step)
-        self.steps_done = step
-
-    # ------------------------------------------------------------------ fault tolerance
+    # ------------------------------------------------------------------ counts
     def _dropped(self) -> int:
         """Steps (outer steps for DiLoCo) the optimizer dropped because an exchange failed."""
         return self.optimizer.stats().dropped_steps
-
-    def _membership(self, step: int) -> int:
-        """Form the quorum for ``step``; heal from a live peer if this node is behind. Returns the step to run.
-
-        With the async quorum this only starts it: the step's first exchange waits for it, a heal is
-        loaded at the step's commit vote, and :meth:`_membership_done` follows the step."""
-        self.next_step = step
-        _reshard(self.model)
-        self._members_before = self.ft.last_members
-        self._healed_before = len(self.ft.healed_at)
-        first = self.ft.quorums == 0 and self.ft.quorum_pending is False
-        self.ft.start_step(step)
-        # A new job, or one whose nodes resume from their checkpoints (every node died and was started again),
-        # waits for its nodes; a node joining a running job stops waiting at once (it is behind: it heals).
-        # Without the wait, resumed nodes that came up seconds apart each trained on alone and diverged.
-        if first and ((step == 0 and not self._earlier_life) or (self.start_step > 0 and step == self.start_step)):
-            self.ft.gather(step)
-        if self.ft_cfg.async_quorum:
-            return step
-        return self._membership_done(step, trained=False)
-
-    def _membership_done(self, step: int, *, trained: bool) -> int:
-        """Log what the quorum changed; after a heal, the step to go on from (the peer's, +1 if this node
-        has trained it since: the async quorum heals at the step's commit vote; the window quorum here)."""
-        if self.ft_cfg.window_quorum:
-            self.ft.heal_now()
-        else:
-            self.ft.finish_quorum()
-        before = self._members_before
-        if self._healed_to is not None:
-            self.ft.healed_at[-1]["quorum_s"] = self.ft.last_quorum_s  # the quorum with the transfer in it
-            log.warning("node %d joined at step %d: model and optimizer state copied from a live peer "
-                        "(quorum %.2f s; %s)", self.ft_cfg.node, self._healed_to, self.ft.last_quorum_s,
-                        "per-replica state reset as the method's rule says")
-            step, self._healed_to = self._healed_to + (1 if trained else 0), None
-            if self.bar is not None:
-                self.bar.n = step
-                self.bar.refresh()
-        members = self.ft.last_members
-        healed = len(self.ft.healed_at) != self._healed_before
-        if before == 0 and members == 1 and not healed and self._earlier_life and self.start_step == 0:
-            log.warning("node %d was started again but no other node is live: it trains alone from step 0, not on "
-                        "from the job's progress. If the job has finished or every node died, stop this node and "
-                        "start the job again (checkpoints: --ckpt-every N with --resume if-any); a Lighthouse with "
-                        "--min-nodes 2 makes a lone node wait for a peer instead", self.ft_cfg.node)
-        if members != before or healed:
-            log.warning("step %d: %d live node(s) (was %d); quorum took %.2f s", step, members, before,
-                        self.ft.last_quorum_s)
-            self.metrics.write({"type": "membership", "step": step, "replicas": members, "was": before,
-                                "healed": healed, "quorum_s": self.ft.last_quorum_s,
-                                "wall_s": time.perf_counter() - self.wall0, "unix_s": time.time()})
-        return step
-
-    def _ft_state(self) -> dict:
-        """What a joining node copies from this one (called on torchft's thread while this rank waits for the
-        quorum, so the state is that of the step boundary ``self.next_step``; with the window quorum while
-        this rank trains, between two of its inner steps)."""
-        if self.ft_cfg.window_quorum:
-            with self._state_lock:
-                return self._ft_state_now()
-        return self._ft_state_now()
-
-    def _ft_state_now(self) -> dict:
-        from lowband.ft import local_state
-
-        return {
-            "fingerprint": self.ft_cfg.fingerprint,
-            "trainer": {"step": self.next_step, **self.clock},
-            "scheduler": self.scheduler.state_dict(),
-            "params": {n: local_state(p) for n, p in self._shards.items()},
-            "buffers": {n: local_state(b) for n, b in self.model.named_buffers()},
-            "optimizer": [optimizer_local_state(o) for o in self.optimizer.state_owners()],
-        }
-
-    def _ft_load(self, state: dict) -> int:
-        """Load a live peer's state (fault tolerance's heal); returns the step this node goes on from."""
-        from lowband.ft import load_local_state
-
-        load_local_state(dict(self._shards), state["params"], what="parameters")
-        load_local_state(dict(self.model.named_buffers()), state["buffers"], what="buffers")
-        for owner, peer in zip(self.optimizer.state_owners(), state["optimizer"], strict=True):
-            load_optimizer_local_state(owner, peer, self.topology)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.optimizer.reset_replica_state()
-        self.clock = {"train_time_s": float(state["trainer"]["train_time_s"]), "tokens": int(state["trainer"]["tokens"])}
-        self._healed_to = int(state["trainer"]["step"])
-        if self.ft_cfg.window_quorum:
-            # The peer's state is from some moment of its window (each rank's from its own peer, at
-            # its own moment): every rank goes on at the window's last inner step.
-            skip = self.optimizer.skip_to_outer_step()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()" on a new node
-                for _ in range(skip):
-                    self.scheduler.step()
-            self._healed_to += skip
-        return self._healed_to
-
-    def _ft_record(self) -> None:
-        """``ft_rank{R}.json``: membership, healing and dropped steps of this rank, a digest of its shards, and the
-        members it reported to the Lighthouse's gate for bad messages (by slot: the gate's answer)."""
-        import hashlib
-
-        from lowband.admission import member_of
-
-        h = hashlib.sha256()
-        for name, p in self.model.named_parameters():
-            h.update(name.encode())
-            h.update(local_tensor(p).detach().cpu().contiguous().numpy().tobytes())
-        record = {"rank": self.rank, "node": self.ft_cfg.node, "replicas": self.ft.last_members,
-                  "committed_steps": self.ft.committed_steps, "dropped_steps": self._dropped(),
-                  "healed": self.ft.healed_at, "quorum_s": self.ft.quorum_s, "commit_s": self.ft.commit_s,
-                  "param_sha256": h.hexdigest(), "steps": self.steps_done,
-                  "reported": {str(member_of(r)[1]): why or "counted" for r, why in self.ft.reported.items()}}
-        (self.out / f"ft_rank{self.rank}.json").write_text(json.dumps(record, indent=1))
-
-
-def _reshard(model: torch.nn.Module) -> None:
-    """Put every FSDP2 unit in its sharded state (after a forward pass the root may hold full parameters)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
 
 
 def run_training(cfg: TrainConfig) -> RunSummary:
@@ -667,7 +468,7 @@ def run_training(cfg: TrainConfig) -> RunSummary:
 
 def _log_topology_change(extra: dict, topology: Topology, *, cfg: TrainConfig) -> None:
     """Say what a resume on another topology changes: the replicas' state, the data position."""
-    from lowband.checkpoint import topology_record
+    from lowband.checkpoint.dcp import topology_record
 
     old, new = extra.get("topology"), topology_record(topology)
     if old is None or (old["replicas"], old["shards"]) == (new["replicas"], new["shards"]):

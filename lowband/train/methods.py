@@ -38,14 +38,13 @@ from typing import Any
 
 import torch
 
+from lowband.comm.link import Link
 from lowband.compress.quant import OUTER_VALUE_FORMATS
 from lowband.compress.sparse import SPARSE_VALUE_FORMATS
 from lowband.compress.wire import VALUE_FORMATS
-from lowband.link import Link
 from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, MuonFullSync, NoLoCo, SparseLoCo
 from lowband.optim._common import NONFINITE_POLICIES
-from lowband.optim.diloco import DILOCO_INNER_DEFAULTS
-from lowband.optim.flexdemo import OVERLAP_APPLY
+from lowband.optim.flexdemo.optimizer import OVERLAP_APPLY
 from lowband.optim.muon import (
     INNER_OPTIMIZERS,
     MuonAdamW,
@@ -53,10 +52,11 @@ from lowband.optim.muon import (
     hidden_matrices,
     muon_missing_message,
 )
-from lowband.optim.noloco import NOLOCO_INNER_DEFAULTS
-from lowband.optim.outer_schedule import check_delay, unmerged_tail_note
+from lowband.optim.outer.diloco import DILOCO_INNER_DEFAULTS
+from lowband.optim.outer.noloco import NOLOCO_INNER_DEFAULTS
+from lowband.optim.outer.schedule import check_delay, unmerged_tail_note
+from lowband.optim.outer.sparseloco import SPARSELOCO_INNER_DEFAULTS, SPARSELOCO_TRANSFORMS
 from lowband.optim.robust import AGGREGATES
-from lowband.optim.sparseloco import SPARSELOCO_INNER_DEFAULTS, SPARSELOCO_TRANSFORMS
 from lowband.util import parse_bool
 
 __all__ = [

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 
 import torch
 
-from lowband.sharding import set_gradient_sync
+from lowband.distributed.sharding import set_gradient_sync
 
 __all__ = ["split_batch", "loss_tokens", "train_step"]
 
@@ -80,7 +80,7 @@ def train_step(model, optimizer, micro: list[Mapping[str, torch.Tensor]], *, kin
         kind: "seq2seq" or "causal" (how loss tokens are counted).
         loss_fn: ``loss_fn(model, batch)`` → mean loss over the batch's tokens; default
             :func:`lowband.train.models.compute_loss`.
-        profile: a :class:`lowband.memory.PhaseMemory`, or None.
+        profile: a :class:`lowband.train.memory.PhaseMemory`, or None.
 
     Returns:
         The mean loss over all loss tokens of the batch (a float).

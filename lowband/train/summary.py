@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lowband.traffic import OpTally
+from lowband.comm.traffic import OpTally
 
 __all__ = ["RunSummary", "summary_path"]
 
@@ -40,7 +40,7 @@ class RunSummary:
         steps: the run's last step; start_step: where it began (a resume: the checkpoint's step).
         model, num_params, data: the model's name, its parameter count, the data's name.
         batch_size, grad_accum, precision, activation_checkpointing: as configured.
-        memory: per-phase peaks (:meth:`lowband.memory.PhaseMemory.summary`).
+        memory: per-phase peaks (:meth:`lowband.train.memory.PhaseMemory.summary`).
         status: "ok" (a failed run writes no summary).
         step_time_s, compute_time_s, comm_time_s, exposed_comm_time_s: medians over the steps
             after the warm-up: the step, its compute part (step − exposed), the inter-node
@@ -53,7 +53,7 @@ class RunSummary:
             aggregation clipped or left out, and the members evicted.
         inter_node_bytes_per_step: bytes this rank sent to other nodes per step (mean).
         node_inter_node_bytes_per_step: the same summed over this rank's node.
-        link_ops: per operation kind, this rank's :class:`~lowband.traffic.OpTally` over the run
+        link_ops: per operation kind, this rank's :class:`~lowband.comm.traffic.OpTally` over the run
             (written as ``{"count", "bytes", "inter_node_bytes", "largest_group"}``).
         peak_rss_mb: this rank's peak memory (CUDA: allocated; CPU: resident).
         val_loss: the final validation loss; val_history: every validation, {"step", "epoch",

@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
-import lowband.bench as bench
+import lowband.commands.bench as bench
 
 # The fake trainer. It reads only what the bench passes and writes what the contract promises.
 # Bytes per step and step time follow the method, so tables have distinct, checkable numbers.
@@ -26,7 +26,7 @@ FAKE_TRAINER = textwrap.dedent(
 
     from lowband.train.summary import RunSummary
 
-    from lowband.train.cli import parse_train_args
+    from lowband.train.args import parse_train_args
 
     def main(args, env):
         assert args[0] == "train", args

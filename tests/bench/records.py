@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lowband.bench.record import RunRecord
-from lowband.traffic import OpTally
+from lowband.comm.traffic import OpTally
 
 
 def val_history(losses, *, dt=2.0, tokens=1000, every=10):

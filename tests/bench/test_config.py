@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import lowband.bench as bench
+import lowband.commands.bench as bench
 from lowband.bench.config import PRESETS, make_config
 from lowband.bench.plan import plan_runs
 from tests.bench.fake_trainer import bench_args
@@ -152,7 +152,7 @@ def test_bad_fault_tolerance_settings_are_named_before_anything_starts(kwargs, n
 def test_frontier_preset_is_long_enough_for_local_methods_and_spans_the_bytes_axis() -> None:
     """Every local-step variant takes >= 30 outer steps and ends on an outer step; one pass over the data at
     most; a SparseLoCo variant sends, by its byte formula, >= 1,000x fewer bytes per step than AdamW."""
-    from lowband.optim.sparseloco import sparseloco_message_nbytes
+    from lowband.optim.outer.sparseloco import sparseloco_message_nbytes
     from lowband.train.config import TrainConfig
     from lowband.train.data.sources import default_corpus_path
     from lowband.train.methods import family_of

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-import lowband.bench as bench
 import lowband.bench.runner as runner
+import lowband.commands.bench as bench
 from lowband.bench.config import make_config
 from lowband.bench.data_passes import data_passes_note
 from tests.bench.fake_trainer import bench_args

@@ -91,8 +91,8 @@ def test_malformed_poison_events_map_to_lowband_train_and_index_needs_indices():
 def test_a_node_that_ends_outside_the_plan_is_named_first_with_how_it_ended(tmp_path):
     """An unplanned kill -9 of node 1 (tried by hand: the survivors trained on, the run was not counted, and the
     error's kept end was torchft's log lines, which never say the node was killed): the headline names it."""
-    from lowband.bench.report import error_headline
     from lowband.bench.runner import unplanned_exit_error
+    from lowband.report.render import error_headline
 
     (tmp_path / "node2.log").write_text("step 3\nRuntimeError: boom\n")
     error = unplanned_exit_error({1: -9, 2: 1}, {0: 0, 1: 0, 2: 0}, tmp_path)

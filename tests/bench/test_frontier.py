@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from lowband.bench import quality
-from lowband.bench.plots import FRONTIER_PLOT_FILE, write_plots
 from lowband.bench.record import RunRecord
-from lowband.bench.report import frontier_rows, write_report
+from lowband.report.plots import FRONTIER_PLOT_FILE, write_plots
+from lowband.report.render import frontier_rows, write_report
 from lowband.train.methods import display_name, reference_method
 
 PARAMS = 1_000_000

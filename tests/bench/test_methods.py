@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-import lowband.bench as bench
+import lowband.commands.bench as bench
 from lowband.bench.methods import METHODS, parse_method_list, parse_method_spec
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,7 +9,7 @@ import pytest
 
 from lowband.bench import quality
 from lowband.bench.record import RunRecord
-from lowband.bench.report import modelled_rows, render_markdown, time_to_target_rows
+from lowband.report.render import modelled_rows, render_markdown, time_to_target_rows
 from tests.bench.records import run_record, val_history
 
 
@@ -127,7 +127,7 @@ def test_speedup_at_equal_loss_compares_at_the_target_or_else_at_the_runs_own_fi
     assert quality.equal_loss_steps(missed_low, adamw) is None
     assert quality.modelled_speedup_at_equal_loss(missed_low, adamw, c) is None
 
-    from lowband.bench.plots import PLOT_FILES, write_plots
+    from lowband.report.plots import PLOT_FILES, write_plots
 
     paths = write_plots(results, tmp_path)
     assert "speedup_at_equal_loss_modelled.png" in PLOT_FILES

@@ -1,4 +1,4 @@
-"""lowband/bench/report.py (and plots.py): ``lowband report``'s tables, markdown and plots."""
+"""lowband/report/render.py (and plots.py): ``lowband report``'s tables, markdown and plots."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
-import lowband.bench as bench
 import lowband.bench.runner as runner
+import lowband.commands.bench as bench
+import lowband.commands.report as report_cmd
 from lowband.bench import quality
-from lowband.bench.plots import PLOT_FILES
-from lowband.bench.report import render_markdown, table1, table2
 from lowband.bench.results import SCHEMA_VERSION, load_results
+from lowband.report.plots import PLOT_FILES
+from lowband.report.render import render_markdown, table1, table2
 from tests.bench.fake_trainer import bench_args, in_process_launcher, load_fake
 from tests.bench.records import run_record
 
@@ -85,15 +86,15 @@ def test_report_tables_and_plots(tmp_path: Path, fake_trainer: Path, monkeypatch
     for name in PLOT_FILES:
         (out / name).unlink()
     parser = argparse.ArgumentParser()
-    bench.add_report_arguments(parser)
-    assert bench.report_main(parser.parse_args([str(out)])) == 0
+    report_cmd.add_arguments(parser)
+    assert report_cmd.main(parser.parse_args([str(out)])) == 0
     assert (out / "report.md").read_text().split("\n", 1)[1] == report.split("\n", 1)[1]
     assert all((out / name).read_bytes()[:8] == PNG_MAGIC for name in PLOT_FILES)
-    assert bench.report_main(parser.parse_args([str(tmp_path / "nowhere")])) == 2
+    assert report_cmd.main(parser.parse_args([str(tmp_path / "nowhere")])) == 2
 
 
 def test_a_variant_that_misses_the_target_is_explained_by_loss_and_time_per_step() -> None:
-    from lowband.bench.report import why_not_reached_notes
+    from lowband.report.render import why_not_reached_notes
 
     runs = [run_record("adamw", [8.0, 6.0, 5.0], label="AdamW", compute=0.5),
             run_record("flexdemo", [8.0, 6.5, 5.5], label="FlexDeMo Top1", dt=1.0, compute=0.6),
@@ -117,7 +118,7 @@ def test_a_variant_that_misses_the_target_is_explained_by_loss_and_time_per_step
 
 
 def test_overlapping_and_compressed_variants_are_set_beside_their_plain_twin() -> None:
-    from lowband.bench.report import hiding_rows
+    from lowband.report.render import hiding_rows
     from lowband.train.methods import METHODS
 
     def local(label, losses, seed, nbytes, sync, **hiding):

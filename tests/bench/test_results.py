@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-import lowband.bench as bench
+import lowband.commands.report as report_cmd
 from lowband.bench.record import RunRecord
 from lowband.bench.results import SCHEMA_VERSION, aggregate_run, load_results, read_summaries, write_results
-from lowband.traffic import OpTally
+from lowband.comm.traffic import OpTally
 from tests.bench.fake_trainer import load_fake
 
 pytestmark = pytest.mark.timeout(120)
@@ -149,6 +149,6 @@ def test_a_results_json_of_another_schema_version_is_refused_saying_to_rerun_the
     assert str(path) in message and "schema_version 3" in message and "schema_version 4" in message
     assert "Re-run the bench" in message
     parser = argparse.ArgumentParser()
-    bench.add_report_arguments(parser)
-    assert bench.report_main(parser.parse_args([str(tmp_path)])) == 2  # `lowband report` says so and stops
+    report_cmd.add_arguments(parser)
+    assert report_cmd.main(parser.parse_args([str(tmp_path)])) == 2  # `lowband report` says so and stops
     assert "Re-run the bench" in capsys.readouterr().err

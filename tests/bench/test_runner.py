@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-import lowband.bench as bench
 import lowband.bench.runner as runner
+import lowband.commands.bench as bench
 from lowband.bench.results import load_results
 from lowband.cluster import list_namespaces
-from lowband.testing import default_sigint
+from lowband.testing.ranks import default_sigint
 from tests.bench.fake_trainer import bench_args
 
 pytestmark = pytest.mark.timeout(300)  # 40 s alone; minutes on a loaded machine

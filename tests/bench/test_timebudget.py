@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-import lowband.bench as bench
 import lowband.bench.runner as runner
+import lowband.commands.bench as bench
 from lowband.bench.results import load_results
 from lowband.bench.timebudget import AUTO, STEP_CAP_FACTOR
 from tests.bench.fake_trainer import bench_args, in_process_launcher, load_fake

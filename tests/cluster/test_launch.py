@@ -25,7 +25,7 @@ from lowband.cluster import (
     torchrun_argv,
 )
 from lowband.cluster._procs import kill_trees
-from lowband.testing import default_sigint
+from lowband.testing.ranks import default_sigint
 from tests.cluster.emulation import (
     PREFIX,
     child_env,

@@ -1,5 +1,5 @@
 """Admission with real processes (issue 29 items 1 and 2): one job with a secret, so its Lighthouse sits behind
-the gate (lowband.gateway), through three intruders one after another: an outsider that keeps asking for
+the gate (lowband.ft.gateway), through three intruders one after another: an outsider that keeps asking for
 quorums, a node started with another job's secret, and a member holding the secret that never sends. The
 outsider reads no status page and never reaches a quorum, so the job does not stall; the wrong node is refused
 with a clear error; through both the job drops no step. The silent member is found by the gate and kept out,
@@ -63,8 +63,8 @@ SILENT = r"""
 import sys, threading, time
 from datetime import timedelta
 from torchft._torchft import LighthouseClient
-from lowband.admission import member_of, replica_id
-from lowband.secret import load_secret
+from lowband.trust.admission import member_of, replica_id
+from lowband.trust.secret import load_secret
 addr, secret_file, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 secret = load_secret(secret_file)
 c = LighthouseClient(addr, connect_timeout=timedelta(seconds=5))
@@ -106,7 +106,7 @@ def _dropped(out, node: int, first: int, last: int) -> int:
 @pytest.mark.timeout(480)  # three phases, each within the module's limit
 def test_outsiders_and_a_wrong_secret_are_refused_without_a_dropped_step_and_a_silent_member_is_kept_out(tmp_path):
     from lowband.cluster.ftjob import FaultTolerantJob
-    from lowband.secret import write_secret
+    from lowband.trust.secret import write_secret
 
     key, other = write_secret(tmp_path / "job.secret"), write_secret(tmp_path / "other.secret")
     args = [*ARGS, "--stop-file", str(tmp_path / "stop")]

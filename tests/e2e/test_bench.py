@@ -49,7 +49,7 @@ def test_bench_runs_real_training_side_by_side(tmp_path, tmp_path_factory):
     assert results["target_loss"] == adamw["val_loss"] and adamw["steps_to_target"] is not None
     report = (out / "report.md").read_text()
     assert "Table 1" in report and "FlexDeMo Top1" in report and "## Time to target" in report
-    from lowband.bench.plots import PLOT_FILES
+    from lowband.report.plots import PLOT_FILES
 
     assert all((out / name).stat().st_size > 1000 for name in PLOT_FILES)
     assert "FlexDeMo Top1" in proc.stdout  # the table is printed

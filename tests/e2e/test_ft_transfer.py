@@ -1,14 +1,14 @@
 """The healing state transfer inside torchft's real heal flow: a Lighthouse and two nodes' Managers.
 
 One child process (torchft's runtime must not live in the test process) runs a Lighthouse and two
-:class:`lowband.ft.FaultTolerance` nodes in threads: node 0 at step 5, node 1 at step 0, so torchft
-heals node 1 from node 0 through :class:`lowband.ft_transport.StateTransport`. What must hold:
+:class:`lowband.ft.node.FaultTolerance` nodes in threads: node 0 at step 5, node 1 at step 0, so torchft
+heals node 1 from node 0 through :class:`lowband.ft.transport.StateTransport`. What must hold:
 
 - an honest source: node 1 loads node 0's tensors and plain data (torchft calls send_checkpoint,
   metadata, recv_checkpoint and disallow_checkpoint as in a job; node 0 votes only once node 1 has
   its state, as the step's first collective would make it);
 - a source that stalls mid-state: node 1 abandons it within its timeout, its step is dropped (the commit
-  vote says no), nothing hangs. (A pickle, in torchft's own format, is refused in tests/test_ft_transport.py.)
+  vote says no), nothing hangs. (A pickle, in torchft's own format, is refused in tests/ft/test_transport.py.)
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ SCRIPT = r'''
 import json, os, sys, threading, time
 import torch
 from torch.distributed import TCPStore
-from lowband.ft import FaultTolerance, FaultToleranceConfig
-from lowband.lighthouse import start_lighthouse
-import lowband.ft_transport as ftt
+from lowband.ft.node import FaultTolerance, FaultToleranceConfig
+from lowband.ft.lighthouse import start_lighthouse
+import lowband.ft.transport as ftt
 
 mode, marker = sys.argv[1], sys.argv[2]
 TIMEOUT = 2.0
@@ -115,7 +115,7 @@ def test_a_node_heals_from_a_live_peer_through_torchfts_flow_as_tensors_and_plai
 
 
 def test_a_source_that_stalls_mid_state_is_abandoned_in_time_and_the_step_dropped(tmp_path):
-    # (a source that sends a pickle, a wrong length or a wrong tensor: tests/test_ft_transport.py, in-process)
+    # (a source that sends a pickle, a wrong length or a wrong tensor: tests/ft/test_transport.py, in-process)
     out, marker = _run(tmp_path, "stall")
     assert not marker.exists()
     assert "stopped sending" in out[1]["error"], out[1]["error"]

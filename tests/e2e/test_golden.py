@@ -1,7 +1,7 @@
 """Golden per-step training losses of every method: a change that moves a trajectory is caught.
 
 One launch on a 2 × 2 gloo mesh (four forked ranks, OMP_NUM_THREADS=1) trains every method for
-GOLDEN_STEPS steps of the reversing task (:func:`lowband.testing.train_reverse_task`: t5-tiny, the
+GOLDEN_STEPS steps of the reversing task (:func:`lowband.testing.ranks.train_reverse_task`: t5-tiny, the
 library's sharding, link and optimizers, generated data) at its registry defaults, fp32, and
 compares the mean loss over the ranks at every step with tests/e2e/golden/losses.json.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lowband.testing import run_ranks, train_reverse_task
+from lowband.testing.ranks import run_ranks, train_reverse_task
 
 GOLDEN = Path(__file__).parent / "golden" / "losses.json"
 GOLDEN_STEPS = 30
@@ -78,7 +78,7 @@ def _write_golden(losses: dict[str, list[float]]) -> None:
     GOLDEN.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "about": ("Per-step training losses (mean over the 4 ranks) of each method on the reversing task of "
-                  "lowband.testing.train_reverse_task: t5-tiny, 2 nodes x 2 ranks on gloo, fp32, seed 0, "
+                  "lowband.testing.ranks.train_reverse_task: t5-tiny, 2 nodes x 2 ranks on gloo, fp32, seed 0, "
                   "batch 8 per rank, registry defaults except the hp shown. Made by tests/e2e/test_golden.py; "
                   "update deliberately with LOWBAND_UPDATE_GOLDEN=1 pytest tests/e2e/test_golden.py and commit "
                   "saying why the trajectories moved."),

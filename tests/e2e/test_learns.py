@@ -1,6 +1,6 @@
 """Every method learns a task with a known low loss, not merely "the loss moved".
 
-The task (:func:`lowband.testing.reverse_task_batch`, length LEARN_LEN): reverse LEARN_LEN symbols
+The task (:func:`lowband.testing.ranks.reverse_task_batch`, length LEARN_LEN): reverse LEARN_LEN symbols
 drawn uniformly from 16, then EOS; every batch is freshly drawn, so the training loss is a loss on
 unseen data. A model that does not read its source can do no better, at each target position, than
 the entropy of that token given the previous ones; the symbols are independent and uniform, so that
@@ -28,7 +28,7 @@ from collections import Counter
 
 import pytest
 
-from lowband.testing import REVERSE_SYMBOLS, reverse_task_batch, run_ranks, train_reverse_task
+from lowband.testing.ranks import REVERSE_SYMBOLS, reverse_task_batch, run_ranks, train_reverse_task
 
 LEARN_LEN = 2
 LEARN_STEPS = 100

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lowband.link import Link
-from lowband.testing import tiny_loss, tiny_model, tiny_sharded, tiny_steps
-from lowband.topology import Topology
+from lowband.comm.link import Link
+from lowband.distributed.topology import Topology
+from lowband.testing.ranks import tiny_loss, tiny_model, tiny_sharded, tiny_steps
 
 make_model = tiny_model
 loss_of = tiny_loss

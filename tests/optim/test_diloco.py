@@ -1,4 +1,4 @@
-"""lowband/optim/diloco.py: DiLoCo on real gloo processes and in one process, and the refusals and
+"""lowband/optim/outer/diloco.py: DiLoCo on real gloo processes and in one process, and the refusals and
 state handling DiLoCo and NoLoCo share (tests parametrised over both).
 
 Each distributed test is one launch of forked ranks (OMP_NUM_THREADS=1) that checks many things;
@@ -15,14 +15,14 @@ import time
 import pytest
 import torch
 
-from lowband.link import Link, PeerTimeoutError
+from lowband.comm.link import Link, PeerTimeoutError
+from lowband.distributed.topology import Topology
 from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError
 from lowband.optim._common import state_view
-from lowband.testing import (
+from lowband.testing.ranks import (
     full_params,
     run_ranks,
 )
-from lowband.topology import Topology
 from lowband.train.schedule import warmup_cosine
 from tests.optim.replicas import (
     gather_replicas,
@@ -191,7 +191,7 @@ def test_diloco_demo_like_every_rank_a_replica():
 
 # ----------------------------------------------------------------------------- launch 3: checkpoints, 2 × 2
 def _checkpoint_2x2(rank: int, ckpt_dir: str) -> dict:
-    from lowband.checkpoint import load_checkpoint, save_checkpoint
+    from lowband.checkpoint.dcp import load_checkpoint, save_checkpoint
 
     topo = Topology.from_env()
     out = {}

@@ -1,4 +1,4 @@
-"""lowband/optim/flexdemo.py: FlexDeMo (and DeMo), with the full-sync baselines beside it.
+"""lowband/optim/flexdemo/optimizer.py: FlexDeMo (and DeMo), with the full-sync baselines beside it.
 
 Multi-process tests are each one launch of four forked gloo ranks (a 2 × 2 mesh, OMP_NUM_THREADS=1)
 that checks many things (equivalences with the full-sync baselines, bytes that cross nodes,
@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lowband.comm.link import Link
+from lowband.comm.traffic import OpTally
 from lowband.compress import (
     WireFormat,
     dct_basis,
@@ -27,9 +29,9 @@ from lowband.compress import (
     to_tiles,
     topk_per_chunk,
 )
-from lowband.link import Link
+from lowband.distributed.topology import Topology
 from lowband.optim import AdamWFullSync, DetoFull, FlexDeMo, NonFiniteGradientError
-from lowband.testing import (
+from lowband.testing.ranks import (
     LoopbackLink,
     full_params,
     run_ranks,
@@ -38,8 +40,6 @@ from lowband.testing import (
     tiny_model,
     tiny_sharded,
 )
-from lowband.topology import Topology
-from lowband.traffic import OpTally
 
 LR = 0.05
 
@@ -254,7 +254,7 @@ def test_single_node_sends_nothing_between_nodes():
 
 # ----------------------------------------------------------------------------- launch 3
 def _checkpoint_resume(rank: int, ckpt_dir: str) -> dict:
-    from lowband.checkpoint import load_checkpoint, save_checkpoint
+    from lowband.checkpoint.dcp import load_checkpoint, save_checkpoint
 
     topo = Topology.from_env()
 
@@ -417,7 +417,7 @@ def test_flexdemo_leaves_the_momentum_in_the_gradients(monkeypatch, view_min):
     # The gradients are step()'s scratch (documented): after a step p.grad holds β·δ + lr·g, the
     # momentum that was compressed, and δ is that minus what was sent: q = p.grad − δ, nonzero, and no
     # larger than the momentum (an orthogonal projection onto k basis rows, bf16 values: 1 % slack).
-    import lowband.optim.flexdemo as fd
+    import lowband.optim.flexdemo.optimizer as fd
 
     monkeypatch.setattr(fd, "_VIEW_MIN_ELEMENTS", view_min)
     model = make_model()
@@ -440,7 +440,7 @@ def test_flexdemo_refuses_a_nonfinite_gradient_wherever_it_is(monkeypatch, value
     # (through the DCT and the pick). Every parameter (the 481- and 1073-element weights, the
     # 3-element bias), first, middle and last element, NaN, +Inf and -Inf: the step is refused and
     # nothing changes; with views (large tensors in place) and all packed.
-    import lowband.optim.flexdemo as fd
+    import lowband.optim.flexdemo.optimizer as fd
 
     for view_min in (64, 1 << 16):
         monkeypatch.setattr(fd, "_VIEW_MIN_ELEMENTS", view_min)
@@ -492,7 +492,7 @@ def test_blockwise_transform_equals_one_block(monkeypatch, values):
     # one of 60 (measured on a Xeon: coefficients 1 ulp apart). With sign values and Top-2 such an ulp
     # decides sign(Q) where the two terms ±s·B[i]·... cancel exactly in real arithmetic (DCT rows share
     # magnitudes), a step of 2·lr: sign values run Top-1 (one term per chunk and replica, no cancellation).
-    import lowband.optim.flexdemo as fd
+    import lowband.optim.flexdemo.optimizer as fd
 
     def run(block_elements):
         monkeypatch.setattr(fd, "_BLOCK_ELEMENTS", block_elements)
@@ -515,7 +515,7 @@ def test_batched_group_equals_one_group_per_parameter(monkeypatch, values, view_
     # ones, the rest packed, several tensors to a block): the same message layout, parameters and δ as
     # when every tensor is a group of its own, step after step, up to float rounding (a block of one
     # chunk row takes another BLAS path than a block of many: the 3-element bias differs by 2e-9).
-    import lowband.optim.flexdemo as fd
+    import lowband.optim.flexdemo.optimizer as fd
 
     monkeypatch.setattr(fd, "_VIEW_MIN_ELEMENTS", view_min)
     monkeypatch.setattr(fd, "_BLOCK_ELEMENTS", 256)  # the 481- and 1073-element weights span blocks
@@ -630,7 +630,7 @@ class _HealingPeerLink(_TwoReplicaLink):
 def test_flexdemo_leaves_out_a_replica_that_heals_during_the_step():
     """Under the async quorum a node that heals computed its step on stale weights: its message is
     flagged and left out, and the mean is over the replicas that count (here: replica 0 alone)."""
-    from lowband.optim.flexdemo import _NOT_COUNTED
+    from lowband.optim.flexdemo.optimizer import _NOT_COUNTED
 
     wire = WireFormat(4, 2, "fp32")
     # A flagged message: its payload would change the mean if it were decoded.
@@ -807,9 +807,9 @@ def test_bad_tiles_are_refused(kwargs, needle):
 
 # ----------------------------------------------------------------------------- FSDP2 shards on 2 × 2
 def _tiles_on_2x2(rank: int, ckpt_dir: str) -> dict:
-    from lowband.checkpoint import load_checkpoint, save_checkpoint
-    from lowband.link import Link
-    from lowband.topology import Topology
+    from lowband.checkpoint.dcp import load_checkpoint, save_checkpoint
+    from lowband.comm.link import Link
+    from lowband.distributed.topology import Topology
 
     topo = Topology.from_env()
     out: dict = {}
@@ -895,9 +895,9 @@ def test_tiles_on_fsdp2_shards_of_a_2x2_mesh(tmp_path):
 def _flex_overlap(rank: int, ckpt_dir: str) -> dict:
     import torch.distributed as dist
 
-    from lowband.checkpoint import load_checkpoint, save_checkpoint
+    from lowband.checkpoint.dcp import load_checkpoint, save_checkpoint
     from lowband.optim import FlexDeMo, NonFiniteGradientError
-    from lowband.testing import full_params, tiny_loss, tiny_model, tiny_sharded, tiny_steps
+    from lowband.testing.ranks import full_params, tiny_loss, tiny_model, tiny_sharded, tiny_steps
 
     topo = Topology.from_env()
     out: dict = {}

@@ -12,9 +12,9 @@ import threading
 import pytest
 import torch
 
+from lowband.distributed.topology import Topology
 from lowband.optim import FlexDeMo, NonFiniteGradientError
-from lowband.testing import run_ranks, tiny_loss, tiny_model
-from lowband.topology import Topology
+from lowband.testing.ranks import run_ranks, tiny_loss, tiny_model
 
 
 def _params(model) -> list[torch.Tensor]:
@@ -202,9 +202,9 @@ def test_two_replicas_local_overlap_equals_blocking_after_each_correction():
 def _local_overlap_ranks(rank: int, ckpt_dir: str) -> dict:
     import torch.distributed as dist
 
-    from lowband.checkpoint import load_checkpoint, save_checkpoint
-    from lowband.link import Link
-    from lowband.testing import full_params, tiny_sharded, tiny_steps
+    from lowband.checkpoint.dcp import load_checkpoint, save_checkpoint
+    from lowband.comm.link import Link
+    from lowband.testing.ranks import full_params, tiny_sharded, tiny_steps
 
     topo = Topology.from_env()
     out: dict = {}

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from lowband.ft.state import load_optimizer_local_state, optimizer_local_state
 from lowband.optim import DiLoCo
 from lowband.optim.muon import MuonAdamW, hidden_matrices
-from lowband.testing import run_ranks, tiny_loss, tiny_model, tiny_sharded
-from lowband.train.ft_state import load_optimizer_local_state, optimizer_local_state
+from lowband.testing.ranks import run_ranks, tiny_loss, tiny_model, tiny_sharded
 from lowband.train.methods import build_optimizer, method_config
 
 LR, WD = 0.02, 0.1
@@ -213,8 +213,8 @@ def _sharded_vs_whole(rank: int) -> dict:
     clipping, whose norm over shards rounds differently)."""
     from torch.distributed.tensor import DTensor
 
-    from lowband.link import Link
-    from lowband.topology import Topology
+    from lowband.comm.link import Link
+    from lowband.distributed.topology import Topology
 
     topo = Topology.from_env()
     hp = {"inner": "muon", "H": 2, "lr": LR, "clip": None}
@@ -267,8 +267,8 @@ def test_muon_full_sync_in_one_process_is_muon_adamw():
 def _full_sync_vs_mean(rank: int) -> dict:
     """2 nodes x 2 ranks: the method muon through the link (each rank its own batch) against MuonAdamW on the
     mean of the four ranks' losses in this process."""
-    from lowband.link import Link
-    from lowband.topology import Topology
+    from lowband.comm.link import Link
+    from lowband.distributed.topology import Topology
 
     topo = Topology.from_env()
     net, whole = tiny_sharded(topo), tiny_model()

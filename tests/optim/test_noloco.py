@@ -1,4 +1,4 @@
-"""lowband/optim/noloco.py: NoLoCo on real gloo processes (groups, traffic, gamma, checkpoints, an odd
+"""lowband/optim/outer/noloco.py: NoLoCo on real gloo processes (groups, traffic, gamma, checkpoints, an odd
 replica), in one process, and under fault tolerance without processes.
 
 Fault tolerance: torchft is replaced by a stand-in (a quorum of fixed size, a process group whose
@@ -17,17 +17,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lowband.link import Link
+from lowband.comm.link import Link
+from lowband.distributed.topology import Topology
 from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError, noloco_groups
 from lowband.optim._common import state_view
-from lowband.optim.noloco_groups import noloco_group_size
-from lowband.testing import (
+from lowband.optim.outer.groups import noloco_group_size
+from lowband.testing.ranks import (
     full_params,
     run_ranks,
     tiny_loss,
     tiny_model,
 )
-from lowband.topology import Topology
 from lowband.train.schedule import warmup_cosine
 from tests.optim.replicas import (
     gather_replicas,
@@ -78,7 +78,7 @@ class FakePG:
 
 
 class FakeFT:
-    """lowband.ft.FaultTolerance as the link and the optimizers see it."""
+    """lowband.ft.node.FaultTolerance as the link and the optimizers see it."""
 
     def __init__(self, *, members: int, rank: int, max_nodes: int, net: dict | None = None, lost=()):
         self.members, self.member_rank = members, rank
@@ -305,7 +305,7 @@ INNER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
 
 # ----------------------------------------------------------------------------- launch 2: NoLoCo, R = 4
 def _noloco_r4(rank: int, ckpt_dir: str) -> dict:
-    from lowband.checkpoint import load_checkpoint, save_checkpoint
+    from lowband.checkpoint.dcp import load_checkpoint, save_checkpoint
 
     topo = Topology.from_env(shards=1)
     out: dict = {"replica": topo.replica_index(rank)}

@@ -1,8 +1,8 @@
-"""lowband/optim/noloco_groups.py: NoLoCo's gossip groups partition the replicas."""
+"""lowband/optim/outer/groups.py: NoLoCo's gossip groups partition the replicas."""
 
 from __future__ import annotations
 
-from lowband.optim import noloco_groups
+from lowband.optim.outer.groups import noloco_groups
 
 
 def test_noloco_groups_partition_the_replicas():

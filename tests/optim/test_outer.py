@@ -1,4 +1,4 @@
-"""lowband/optim/outer.py: what DiLoCo and NoLoCo's outer step share: overlap (``delay=τ``: the
+"""lowband/optim/outer/base.py: what DiLoCo and NoLoCo's outer step share: overlap (``delay=τ``: the
 delayed merge, exact checkpoints, the link's record) and compressed outer traffic (block formats).
 
 Single-process tests (``link=None``) check the rule against a reference written out here; launches
@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 
 from lowband.bench.methods import parse_method_spec
+from lowband.comm.link import Link
 from lowband.compress.quant import BlockQuant
-from lowband.link import Link
+from lowband.distributed.topology import Topology
 from lowband.optim import DiLoCo, NoLoCo, NonFiniteGradientError, SparseLoCo
 from lowband.optim._common import state_view
-from lowband.testing import full_params, run_ranks, tiny_batch, tiny_model, tiny_sharded, tiny_steps
-from lowband.topology import Topology
+from lowband.testing.ranks import full_params, run_ranks, tiny_batch, tiny_model, tiny_sharded, tiny_steps
 from lowband.train.methods import method_config
 
 INNER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
@@ -307,7 +307,7 @@ def test_overlap_and_delay_from_specs_and_hyperparameters():
 
 # ----------------------------------------------------------------------------- 2 × 2 gloo
 def _local_overlap_2x2(rank: int, ckpt_dir: str) -> dict:
-    from lowband.checkpoint import load_checkpoint, save_checkpoint
+    from lowband.checkpoint.dcp import load_checkpoint, save_checkpoint
 
     topo = Topology.from_env()
     out: dict = {}

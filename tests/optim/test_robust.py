@@ -1,4 +1,4 @@
-"""Robust aggregation (issue 29 item 5) and the poisoning member that tests it (lowband.poison).
+"""Robust aggregation (issue 29 item 5) and the poisoning member that tests it (lowband.testing.poison).
 
 The rules on plain vectors, then every method that has them against one poisoning member among three
 replicas, in one process: the stand-in link of test_trust returns this rank's message and the
@@ -30,8 +30,8 @@ from lowband.optim.robust import (
     sparse_gram,
     trimmed_mean,
 )
-from lowband.poison import POISON_KINDS, Poison, parse_poison
-from lowband.testing import tiny_loss, tiny_model
+from lowband.testing.poison import POISON_KINDS, Poison, parse_poison
+from lowband.testing.ranks import tiny_loss, tiny_model
 from tests.optim.test_trust import (
     INNER,
     NUMEL,
@@ -96,9 +96,9 @@ def test_poison_specs_parse_and_refuse_clearly():
     with pytest.raises(ValueError, match="nodes 0..1"):
         parse_poison("node2:scale@3", nodes=2)
     t = torch.ones(3)
-    Poison(0, "flip", 5).apply_([t], step=4)
+    Poison(0, "flip", 5).update_([t], step=4)
     assert t.tolist() == [1.0, 1.0, 1.0]
-    Poison(0, "flip", 5).apply_([t], step=5)
+    Poison(0, "flip", 5).update_([t], step=5)
     assert t.tolist() == [-1.0, -1.0, -1.0]
 
 
@@ -508,7 +508,7 @@ def test_a_poisoning_noloco_node_sends_its_whole_payload_times_the_factor_and_ke
     def run(poison, replies=()):
         model, link = tiny_model(), Replay(replies)
         opt = NoLoCo(model.parameters(), INNER, link=link, sync_every=2, group_size=3, aggregate="agree")
-        opt.poison = poison
+        opt.outgoing_hook = poison
         _train(model, opt, 4)
         return model, link.sent
 
@@ -529,7 +529,7 @@ def test_the_poisoning_node_sends_its_update_times_the_factor_from_its_step():
 
     model = tiny_model()
     opt = DiLoCo(model.parameters(), INNER, link=Watch(), sync_every=2, aggregate="clip")
-    opt.poison = Poison(0, "scale", 4)
+    opt.outgoing_hook = Poison(0, "scale", 4)
     honest_model = tiny_model()
     honest = DiLoCo(honest_model.parameters(), INNER, link=Watch(), sync_every=2, aggregate="clip")
     for m, o in ((model, opt), (honest_model, honest)):
@@ -550,7 +550,7 @@ def test_a_poisoning_sparseloco_node_sends_the_wrong_update_and_keeps_its_own_er
         link = _Recording()
         model = tiny_model()
         opt = SparseLoCo(model.parameters(), INNER, link=link, sync_every=2, aggregate="clip", **SPARSE)
-        opt.poison = poison
+        opt.outgoing_hook = poison
         _train(model, opt, steps)
         errors = torch.cat([state_view(opt.state[p]["error"]).reshape(-1) for p in model.parameters()])
         return link.sent, errors
@@ -586,7 +586,7 @@ def test_a_poisoning_flexdemo_node_sends_the_wrong_update_and_keeps_its_own_mome
 
         model = tiny_model()
         opt = FlexDeMo(model.parameters(), lr=1e-2, topk=2, chunk=16, values="fp32", sign=False, link=Watch())
-        opt.poison = poison
+        opt.outgoing_hook = poison
         _train(model, opt, 40)
         deltas = torch.cat([state_view(opt.state[p]["delta"]).reshape(-1) for p in model.parameters()])
         return sent, deltas
@@ -605,17 +605,17 @@ def test_poison_is_armed_on_the_named_node_only_and_refused_for_all_reduced_meth
     from types import SimpleNamespace
 
     from lowband.optim import AdamWFullSync
-    from lowband.poison import arm_poison
+    from lowband.testing.poison import arm_poison
 
     def cfg(text, method="diloco"):
         return SimpleNamespace(run=SimpleNamespace(poison=text), method=SimpleNamespace(name=method))
 
     topo = SimpleNamespace(num_nodes=2, node_of=lambda rank: rank // 2)  # 2 nodes x 2 ranks
     opt = DiLoCo(tiny_model().parameters(), INNER, sync_every=2)
-    assert arm_poison(opt, cfg(None), topology=topo, rank=3) is None and opt.poison is None
-    assert arm_poison(opt, cfg("node1:flip@3"), topology=topo, rank=1) is None and opt.poison is None
+    assert arm_poison(opt, cfg(None), topology=topo, rank=3) is None and opt.outgoing_hook is None
+    assert arm_poison(opt, cfg("node1:flip@3"), topology=topo, rank=1) is None and opt.outgoing_hook is None
     assert arm_poison(opt, cfg("node1:flip@3"), topology=topo, rank=2) == Poison(1, "flip", 3)
-    assert opt.poison == Poison(1, "flip", 3)
+    assert opt.outgoing_hook == Poison(1, "flip", 3)
     ft = SimpleNamespace(node=4, max_nodes=5)  # under fault tolerance: the node's slot
     assert arm_poison(opt, cfg("node4:scale@1"), ft=ft) == Poison(4, "scale", 1)
     with pytest.raises(ValueError, match="nodes 0..1"):
@@ -663,7 +663,7 @@ def _lying_run(name, kind):
         opt = DiLoCo(model.parameters(), INNER, link=Watch(), sync_every=2,
                      aggregate="mean" if name == "diloco" else "clip")
         check = dense_problems(FP32, NUMEL)
-    opt.poison = Poison(0, kind, 4)
+    opt.outgoing_hook = Poison(0, kind, 4)
     _train(model, opt, 5 if name == "flexdemo" else 4)  # FlexDeMo's 5th step is its step 4 (it counts from 0)
     return sent, check, model, opt
 
@@ -696,7 +696,7 @@ def test_nan_in_diloco_fp32_all_reduce_names_no_sender_and_every_replica_drops_t
 def test_index_poison_needs_a_method_that_sends_indices():
     from types import SimpleNamespace
 
-    from lowband.poison import arm_poison
+    from lowband.testing.poison import arm_poison
 
     topo = SimpleNamespace(num_nodes=2, node_of=lambda rank: rank)
     cfg = SimpleNamespace(run=SimpleNamespace(poison="node0:index@3"), method=SimpleNamespace(name="diloco"))

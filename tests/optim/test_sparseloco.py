@@ -1,4 +1,4 @@
-"""lowband/optim/sparseloco.py: SparseLoCo's error feedback, the DiLoCo limit, byte counts, refusals
+"""lowband/optim/outer/sparseloco.py: SparseLoCo's error feedback, the DiLoCo limit, byte counts, refusals
 (no processes), and one 2 × 2 gloo run against a reference averaged by hand. Its codec: tests/compress/test_sparse.py."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lowband.comm.link import Link
 from lowband.compress.dct import num_chunks
 from lowband.compress.sparse import SPARSE_VALUE_FORMATS
-from lowband.link import Link
+from lowband.distributed.topology import Topology
 from lowband.optim import DiLoCo, NonFiniteGradientError, SparseLoCo
 from lowband.optim._common import state_view
-from lowband.optim.sparseloco import sparseloco_message_nbytes
-from lowband.testing import LoopbackLink, run_ranks, tiny_loss, tiny_model, tiny_sharded, tiny_steps
-from lowband.topology import Topology
+from lowband.optim.outer.sparseloco import sparseloco_message_nbytes
+from lowband.testing.ranks import LoopbackLink, run_ranks, tiny_loss, tiny_model, tiny_sharded, tiny_steps
 
 INNER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
 
@@ -229,7 +229,7 @@ def test_sparseloco_2x2_equals_the_mean_of_the_decoded_messages():
 
 def test_bench_spec_label_and_train_flags():
     from lowband.bench.methods import method_label, parse_method_spec, shown_params
-    from lowband.train.cli import add_arguments, config_from_args
+    from lowband.train.args import add_arguments, config_from_args
     from lowband.train.methods import build_optimizer
 
     spec = parse_method_spec("sparseloco:H=30,topk=2,values=2bit")

@@ -27,7 +27,7 @@ from lowband.optim import (
     SparseLoCo,
 )
 from lowband.optim._common import EVICT_AFTER, BadMessageTally, state_view
-from lowband.testing import tiny_loss, tiny_model
+from lowband.testing.ranks import tiny_loss, tiny_model
 
 INNER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
 NAN = float("nan")

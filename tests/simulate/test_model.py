@@ -58,7 +58,7 @@ def test_group_of_three_when_replicas_are_odd() -> None:
 
 @pytest.mark.parametrize("replicas, n", [(2, 2), (7, 2), (8, 2), (9, 4), (10, 3), (5, 4), (16, 16)])
 def test_group_sizes_match_nolocos_own_groups(replicas: int, n: int) -> None:
-    from lowband.optim.noloco_groups import noloco_groups
+    from lowband.optim.outer.groups import noloco_groups
 
     groups = noloco_groups(replicas, n, seed=0, outer_index=3)
     assert sorted(group_sizes(replicas, n)) == sorted(len(g) for g in groups)

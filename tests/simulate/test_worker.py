@@ -16,7 +16,7 @@ def _worker_on_rank(rank: int) -> dict:
 @pytest.mark.multiprocess
 def test_worker_times_both_operations_through_the_link() -> None:
     """The worker's code on 4 forked gloo ranks (loopback, unshaped): structure and byte counts."""
-    from lowband.testing import run_ranks
+    from lowband.testing.ranks import run_ranks
 
     records = run_ranks(_worker_on_rank, world_size=4, ranks_per_node=1, timeout_s=60)
     for r in records:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from lowband.testing import run_ranks
+from lowband.testing.ranks import run_ranks
 from lowband.train.budget import StopFile, TimeBudget
 from lowband.train.config import ScheduleConfig, TrainConfig
 from lowband.train.schedule import warmup_cosine_factor
@@ -55,7 +55,7 @@ def test_no_budget_and_bad_budgets() -> None:
     with pytest.raises(ValueError, match="not supported with fault tolerance"):
         TrainConfig.from_tables({"schedule": {"time_budget_s": 5.0},
                                  "fault_tolerance": {"lighthouse": "http://x:1"}}).validate()
-    from lowband.train.cli import train_overrides
+    from lowband.train.args import train_overrides
 
     assert train_overrides(["--time-budget", "90s"])["schedule"]["time_budget_s"] == 90.0
     with pytest.raises(ValueError, match="--time-budget"):
@@ -119,11 +119,12 @@ class _Outer:
 
 @pytest.mark.parametrize(("local", "h", "expected"), [(False, 1, 4), (True, 3, 6)])
 def test_the_loop_stops_at_the_first_step_past_the_budget_or_at_the_end_of_that_outer_window(local, h, expected):
+    from lowband.ft.session import Solo
     from lowband.train.loop import Trainer
 
     t = Trainer.__new__(Trainer)  # the loop alone: steps that each take 1 s of training clock
     t.cfg = TrainConfig.from_tables({"schedule": {"steps": 50, "time_budget_s": 3.5}})
-    t.start_step, t.ft, t.local, t.optimizer = 0, None, local, _Outer(h)
+    t.start_step, t.membership, t.local, t.optimizer = 0, Solo(), local, _Outer(h)
     t.clock = {"train_time_s": 0.0, "tokens": 0}
     t.scheduler = _scheduler()
     t.budget, t.stop = TimeBudget.of(t.cfg.schedule), None
@@ -143,11 +144,12 @@ def test_the_loop_stops_at_the_first_step_past_the_budget_or_at_the_end_of_that_
 
 def _loop(steps: int, *, local: bool, h: int, stop: StopFile, on_step=None):
     """The loop alone (Trainer._run_steps) over stand-in steps: (steps done, steps validated after)."""
+    from lowband.ft.session import Solo
     from lowband.train.loop import Trainer
 
     t = Trainer.__new__(Trainer)
     t.cfg = TrainConfig.from_tables({"schedule": {"steps": steps}})
-    t.start_step, t.ft, t.local, t.optimizer, t.budget, t.stop = 0, None, local, _Outer(h), None, stop
+    t.start_step, t.membership, t.local, t.optimizer, t.budget, t.stop = 0, Solo(), local, _Outer(h), None, stop
     validated = []
 
     def step(s: int) -> None:

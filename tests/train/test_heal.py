@@ -4,10 +4,10 @@
 What a restarted node of a fault-tolerant job does at its first quorum, without torchft around it (the
 fault-tolerance jobs of tests/e2e/test_fault_tolerance.py do it inside torchft's heal flow, with one
 rank per node for each method but FlexDeMo, whose job has two): a trainer that has trained K steps (the
-live peer) hands its state (:meth:`Trainer._ft_state_now`), the state crosses the healing wire format
-(:mod:`lowband.ft_transport`: header, raw tensors, digest; read back against the healer's own state as
+live peer) hands its state (:meth:`FaultTolerantSession.state_now`), the state crosses the healing wire format
+(:mod:`lowband.ft.transport`: header, raw tensors, digest; read back against the healer's own state as
 the template, as a healer does) and a freshly built trainer (the restarted node) loads it
-(:meth:`Trainer._ft_load`). Then both train on from step K on the same batches.
+(:meth:`FaultTolerantSession.load`). Then both train on from step K on the same batches.
 
 What must hold: the healer goes on from the peer's step, and from there on the two are the same
 replica, bit for bit, on each rank's shard: parameters, every optimizer state tensor, lr, after steps
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import pytest
 
-from lowband.testing import run_ranks
+from lowband.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
-# Every method that passes check_fault_tolerance (tests/test_ft.py), with H small enough for outer steps here.
+# Every method that passes check_fault_tolerance (tests/ft/test_node.py), with H small enough for outer steps here.
 METHODS = {"adamw": {}, "muon": {}, "deto-full": {}, "flexdemo": {"topk": 2}, "diloco": {"H": 2}, "noloco": {"H": 2},
            "sparseloco": {"H": 2}}
 TRAINED = 3  # steps the peer trains before the healer copies it: mid-window at H = 2
@@ -39,7 +39,7 @@ def _wire(state: dict) -> dict:
     import io
     import struct
 
-    from lowband.ft_transport import encode_state, read_state, receive_limit, template_of
+    from lowband.ft.transport import encode_state, read_state, receive_limit, template_of
 
     header, tensors = encode_state(state, step=TRAINED, fingerprint="heal-test")
     payload = b"".join(t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes() for t in tensors)
@@ -90,6 +90,7 @@ def _heal_all(rank: int, out: str, cache: str) -> dict:
     from types import SimpleNamespace
 
     os.environ["LOWBAND_CACHE"] = cache
+    from lowband.ft.session import FaultTolerantSession
     from lowband.train.config import TrainConfig
     from lowband.train.loop import Trainer
 
@@ -103,7 +104,9 @@ def _heal_all(rank: int, out: str, cache: str) -> dict:
         t.build()
         # What a fault-tolerant run's config gives these two (the job's fingerprint; no window quorum: NoLoCo's
         # window heal, which also skips to the window's end, is checked by its fault-tolerance job).
-        t.ft_cfg = SimpleNamespace(fingerprint="heal-test", window_quorum=False)
+        # The session alone, without torchft: its state and load are what a heal runs.
+        t.session = FaultTolerantSession(SimpleNamespace(fingerprint="heal-test", window_quorum=False, secret=None))
+        t.session.trainer = t
         return t
 
     results = {}
@@ -111,16 +114,16 @@ def _heal_all(rank: int, out: str, cache: str) -> dict:
         peer = trainer(method, hp, "peer")
         for step in range(TRAINED):
             peer.train_step(step)
-        peer.next_step = TRAINED  # the step boundary the loop stands at when torchft asks for the state
+        peer.session.next_step = TRAINED  # the step boundary the loop stands at when torchft asks for the state
         healer = trainer(method, hp, "healer")  # a restarted node: built afresh, never stepped
-        went_on_from = healer._ft_load(_wire(peer._ft_state_now()))
+        went_on_from = healer.session.load(_wire(peer.session.state_now()))
         peer.optimizer.reset_replica_state()
-        diffs = {"heal": _differences(_local(peer._ft_state_now()), _local(healer._ft_state_now()))}
+        diffs = {"heal": _differences(_local(peer.session.state_now()), _local(healer.session.state_now()))}
         for step in range(TRAINED, TRAINED + AFTER):
             losses = (peer.train_step(step), healer.train_step(step))
-            diffs[f"step {step + 1}"] = _differences(_local(peer._ft_state_now()), _local(healer._ft_state_now()))
+            diffs[f"step {step + 1}"] = _differences(_local(peer.session.state_now()), _local(healer.session.state_now()))
             diffs[f"step {step + 1} loss"] = [] if losses[0] == losses[1] else [f"{losses}"]
-        n_state = sum(1 for k in _local(peer._ft_state_now()) if k.startswith("state.optimizer"))
+        n_state = sum(1 for k in _local(peer.session.state_now()) if k.startswith("state.optimizer"))
         results[method] = {"went_on_from": went_on_from, "diffs": diffs, "optimizer_entries": n_state,
                            "lr": (peer.scheduler.get_last_lr(), healer.scheduler.get_last_lr())}
     return results

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from lowband.train import jobfile
-from lowband.train.cli import add_arguments, config_from_args
+from lowband.train.args import add_arguments, config_from_args
 from lowband.train.config import DataConfig, RunConfig, ScheduleConfig, TrainConfig, replace
 from lowband.train.methods import method_config
 
@@ -133,7 +133,7 @@ def test_the_bench_builds_each_runs_config_as_its_command_line_would_and_the_use
     from lowband.bench.config import make_config
     from lowband.bench.jobs import shaping_args as _shaping_args
     from lowband.bench.plan import plan_runs
-    from lowband.train.cli import parse_train_args
+    from lowband.train.args import parse_train_args
 
     config = make_config(methods="diloco:H=5,noloco:H=2,n=2", bandwidths="100mbit,1gbit",
                          steps=30, model="t5-tiny", latency="50ms", seeds="0,1",

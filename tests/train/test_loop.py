@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from lowband.testing import run_ranks
+from lowband.testing.ranks import run_ranks
 
 
 def _train(rank: int, out: str, cache: str, method: str) -> dict:
@@ -93,7 +93,7 @@ def _train_then_again(rank: int, out: str, cache: str) -> dict:
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     import argparse
 
-    from lowband.train.cli import add_arguments, config_from_args
+    from lowband.train.args import add_arguments, config_from_args
     from lowband.train.loop import Trainer
 
     def run(*argv: str):

@@ -13,11 +13,11 @@ import torch
 
 from lowband.bench.methods import method_label, parse_method_spec, shown_params, train_hp_args
 from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, MuonFullSync, NoLoCo, SparseLoCo
-from lowband.optim.diloco import DILOCO_INNER_DEFAULTS
 from lowband.optim.muon import MuonAdamW
-from lowband.optim.noloco import NOLOCO_INNER_DEFAULTS
-from lowband.optim.sparseloco import SPARSELOCO_INNER_DEFAULTS
-from lowband.train.cli import add_arguments, config_from_args
+from lowband.optim.outer.diloco import DILOCO_INNER_DEFAULTS
+from lowband.optim.outer.noloco import NOLOCO_INNER_DEFAULTS
+from lowband.optim.outer.sparseloco import SPARSELOCO_INNER_DEFAULTS
+from lowband.train.args import add_arguments, config_from_args
 from lowband.train.methods import (
     ALIASES,
     METHODS,

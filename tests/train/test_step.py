@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from lowband.testing import run_ranks
+from lowband.testing.ranks import run_ranks
 
 # Tolerances. The micro-batches sum their gradients in another order than one batch does, so in
 # fp32 the gradients agree to rounding (relative norm over all parameters). AdamW divides by
@@ -43,10 +43,10 @@ def _accumulation(rank: int, cache: str) -> dict:
 def _accumulation_case(rank: int, cache: str, method: str, precision: str) -> dict:
     import torch.distributed as dist
 
-    from lowband.link import Link
-    from lowband.sharding import shard_model
-    from lowband.testing import full_params
-    from lowband.topology import Topology
+    from lowband.comm.link import Link
+    from lowband.distributed.sharding import shard_model
+    from lowband.distributed.topology import Topology
+    from lowband.testing.ranks import full_params
     from lowband.train.data import train_batch
     from lowband.train.methods import build_optimizer
     from lowband.train.models import build_model, transformer_blocks
@@ -64,7 +64,7 @@ def _accumulation_case(rank: int, cache: str, method: str, precision: str) -> di
     def counting(fn):
         def wrapper(output, input, *args, **kwargs):
             # FSDP2 reduce-scatters each unit's gradients as one flat (1-D) buffer; the tied
-            # embedding's reduce-scatters (lowband.tied_embedding) carry 2-D activations, on every
+            # embedding's reduce-scatters (lowband.distributed.tied_embedding) carry 2-D activations, on every
             # micro-batch by necessity, and are not gradient synchronisation.
             if input.dim() == 1:
                 calls["reduce_scatter"] += 1
@@ -146,8 +146,8 @@ def test_accumulated_micro_batches_equal_one_step_on_the_whole_batch(tmp_path_fa
 def _checkpointing(rank: int, cache: str) -> dict:
     import torch
 
-    from lowband.sharding import shard_model
-    from lowband.topology import Topology
+    from lowband.distributed.sharding import shard_model
+    from lowband.distributed.topology import Topology
     from lowband.train.data import train_batch
     from lowband.train.models import build_model, compute_loss, transformer_blocks
 

@@ -1,0 +1,75 @@
+"""Fault tolerance on torchft: the node side, its quorums, the healing state transfer, the gate and the Lighthouse.
+
+Names are imported when first used: torchft and grpcio are optional (the ``ft`` extra).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "FaultTolerance": "lowband.ft.node",
+    "FaultToleranceConfig": "lowband.ft.node",
+    "committed_of": "lowband.ft.node",
+    "load_local_state": "lowband.ft.node",
+    "local_state": "lowband.ft.node",
+    "quorum_step": "lowband.ft.node",
+    "require_torchft": "lowband.ft.node",
+    "ForeignJob": "lowband.ft.quorum",
+    "GATE_POLL_S": "lowband.ft.quorum",
+    "NodeSlotTaken": "lowband.ft.quorum",
+    "QuorumRecorder": "lowband.ft.quorum",
+    "gate_refusal": "lowband.ft.quorum",
+    "FORMAT": "lowband.ft.transport",
+    "StateTransport": "lowband.ft.transport",
+    "TransferError": "lowband.ft.transport",
+    "decode_header": "lowband.ft.transport",
+    "encode_state": "lowband.ft.transport",
+    "read_state": "lowband.ft.transport",
+    "receive_limit": "lowband.ft.transport",
+    "template_of": "lowband.ft.transport",
+    "load_optimizer_local_state": "lowband.ft.state",
+    "local_tensor": "lowband.ft.state",
+    "optimizer_local_state": "lowband.ft.state",
+    "ACCUSE": "lowband.ft.gateway",
+    "ADMIT": "lowband.ft.gateway",
+    "COMMITTED_SCALE": "lowband.ft.gateway",
+    "GatedManager": "lowband.ft.gateway",
+    "HEARTBEAT": "lowband.ft.gateway",
+    "KEPT_OUT": "lowband.ft.gateway",
+    "LighthouseGateway": "lowband.ft.gateway",
+    "ManagerGate": "lowband.ft.gateway",
+    "QUORUM": "lowband.ft.gateway",
+    "REFUSED": "lowband.ft.gateway",
+    "StallBreaker": "lowband.ft.gateway",
+    "accusation_request": "lowband.ft.gateway",
+    "accuse_at_gate": "lowband.ft.gateway",
+    "admission_request": "lowband.ft.gateway",
+    "ask_gate": "lowband.ft.gateway",
+    "gate_reason": "lowband.ft.gateway",
+    "parse_fields": "lowband.ft.gateway",
+    "peer_host": "lowband.ft.gateway",
+    "quorum_round": "lowband.ft.gateway",
+    "refusal": "lowband.ft.gateway",
+    "string_field": "lowband.ft.gateway",
+    "GatedLighthouse": "lowband.ft.lighthouse",
+    "add_lighthouse_arguments": "lowband.ft.lighthouse",
+    "lighthouse_main": "lowband.ft.lighthouse",
+    "start_lighthouse": "lowband.ft.lighthouse",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lowband.ft' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,637 @@
+"""The Lighthouse behind a gate that only the job's members pass (docs/internet.md).
+
+torchft's Lighthouse asks for no credential: whoever reaches its port can read its status page (every
+member's id, address and step), stop a node through its kill route, and ask for quorums. A job's node
+screens every quorum (:func:`lowband.trust.admission.screen`) and never trains with an outsider, but an
+outsider that keeps asking for quorums keeps the job asking again, and so stalls it. torchft's
+Lighthouse cannot be given a credential, so lowband puts it behind this gate:
+
+- torchft's Lighthouse listens on loopback only, on a port of its own (its status page and kill
+  route are then for the Lighthouse's own host alone);
+- the gate listens on the job's address and serves the two calls a node's Manager makes, ``Quorum``
+  and ``Heartbeat`` (gRPC), and nothing else: no status page, no kill route;
+- a ``Quorum`` is forwarded only when the asking member's replica id proves the job's secret for what
+  it claims (:func:`lowband.trust.admission.proves`: its job, slot, store and Manager addresses) and the
+  addresses in the request are the ones its tag vouches for; a ``Heartbeat`` only when its id proves
+  the secret. Anything else is refused at once (PERMISSION_DENIED, with :data:`REFUSED` in the
+  message), before the Lighthouse sees it: an outsider is never in a quorum, so it cannot stall one.
+
+The gate also keeps out a member that stalls the job, or that most of the other members report for bad
+messages (:class:`StallBreaker`; a report is the gate's own call :data:`ACCUSE`, never forwarded).
+
+The gate reads only three strings of each request (the protobuf fields it needs, by hand: the request
+bytes are forwarded as they came, never deserialised into objects) and holds no state of the job.
+What it does not do: a member of the job (it holds the secret) passes, whatever it does later; and a
+replica id copied from a member (its logs) passes with the member's own addresses (the requests that
+torchft's Manager makes carry nothing fresh to sign).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+
+from lowband.trust.admission import claim_of, proves
+
+__all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "HEARTBEAT", "KEPT_OUT", "QUORUM", "REFUSED", "GatedManager",
+           "LighthouseGateway", "ManagerGate", "StallBreaker", "accusation_request", "accuse_at_gate",
+           "admission_request", "ask_gate", "gate_reason", "parse_fields", "peer_host", "quorum_round", "refusal",
+           "string_field"]
+
+log = logging.getLogger(__name__)
+
+SERVICE = "torchft.LighthouseService"
+QUORUM = f"/{SERVICE}/Quorum"
+HEARTBEAT = f"/{SERVICE}/Heartbeat"
+#: The gate's own call, answered by the gate and never forwarded: may this member pass? (a LighthouseQuorumRequest's
+#: bytes, see :func:`admission_request`). A node asks it before it starts torchft's Manager, which would retry a
+#: refused quorum until its timeout and then report only the timeout; torchft's Lighthouse answers UNIMPLEMENTED.
+GATE_SERVICE = "lowband.LighthouseGate"
+ADMIT = f"/{GATE_SERVICE}/Admit"
+#: A member's report, answered by the gate and never forwarded: a member of the current quorum sent this one bad
+#: messages (:func:`accusation_request`). With the reports of most of the other members the gate removes it from
+#: the quorum (:meth:`StallBreaker.accuse`).
+ACCUSE = f"/{GATE_SERVICE}/Accuse"
+#: In the message of every refusal: a refused node recognises it (:func:`lowband.ft.node` raises AdmissionRefused).
+REFUSED = "lowband gateway: not a member of this job"
+#: In the refusal of a member that the gate removed from the job (a node tells it from a refusal at admission).
+KEPT_OUT = "the Lighthouse's gate keeps node"
+
+
+def gate_reason(message: str) -> str | None:
+    """The gate's reason in an error's ``message`` (grpc's details, or torchft's rendering of the status), or
+    None when the message is not the gate's refusal."""
+    if REFUSED not in message:
+        return None
+    return message.split(REFUSED, 1)[1].split('", details', 1)[0].lstrip(": ")
+
+
+# --------------------------------------------------------------------------- the request's fields
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+
+
+def parse_fields(buf: bytes) -> dict[int, list[bytes | int]]:
+    """The top-level fields of a protobuf message: field number -> values (bytes for length-delimited
+    fields, ints for varints and fixed-width ones). A ValueError for anything malformed."""
+    fields: dict[int, list[bytes | int]] = {}
+    i = 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        number, wire = key >> 3, key & 7
+        if number == 0:
+            raise ValueError("field number 0")
+        if wire == 0:
+            value, i = _varint(buf, i)
+        elif wire == 2:
+            n, i = _varint(buf, i)
+            if i + n > len(buf):
+                raise ValueError("a length-delimited field runs past the end")
+            value, i = buf[i:i + n], i + n
+        elif wire in (1, 5):
+            width = 8 if wire == 1 else 4
+            if i + width > len(buf):
+                raise ValueError("a fixed-width field runs past the end")
+            value, i = int.from_bytes(buf[i:i + width], "little"), i + width
+        else:
+            raise ValueError(f"wire type {wire} is not read here")
+        fields.setdefault(number, []).append(value)
+    return fields
+
+
+def _string(fields: dict[int, list[bytes | int]], number: int) -> str:
+    values = fields.get(number) or [b""]
+    value = values[-1]
+    if not isinstance(value, bytes):
+        raise ValueError(f"field {number} is not a string")
+    return value.decode("utf-8")
+
+
+def _encode_varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def string_field(number: int, value: bytes) -> bytes:
+    """A length-delimited protobuf field: its key (``number``, wire type 2), its length, then ``value``."""
+    return _encode_varint(number << 3 | 2) + _encode_varint(len(value)) + value
+
+
+def admission_request(rid: str, address: str, store: str) -> bytes:
+    """The bytes of a LighthouseQuorumRequest whose requester has replica id ``rid``, Manager ``address`` and
+    ``store``: what :data:`ADMIT` reads."""
+    member = string_field(1, rid.encode()) + string_field(2, address.encode()) + string_field(3, store.encode())
+    return string_field(1, member)
+
+
+def accusation_request(rid: str, address: str, store: str, accused: str, why: str) -> bytes:
+    """The bytes of an :data:`ACCUSE` call: the reporting member as in :func:`admission_request` (field 1), the
+    replica id of the member it reports (field 2) and what was wrong with its messages (field 3)."""
+    return (admission_request(rid, address, store) + string_field(2, accused.encode())
+            + string_field(3, why.encode()[:300]))
+
+
+def refusal(secret: bytes, request: bytes, method: str) -> str | None:
+    """Why ``request`` (the raw bytes of a ``Quorum`` or ``Heartbeat`` call) is refused, or None.
+
+    ``Quorum`` (LighthouseQuorumRequest: field 1, the requester, a QuorumMember whose fields 1-3 are its
+    replica id, Manager address and store address) passes when the id proves the secret and the two
+    addresses are those it claims; ``Heartbeat`` (LighthouseHeartbeatRequest: field 1, the replica id)
+    when the id proves the secret."""
+    try:
+        fields = parse_fields(request)
+        if method == HEARTBEAT:
+            rid = _string(fields, 1)
+            return None if proves(secret, rid) else f"replica id {rid[:80]!r} does not prove the job's secret"
+        member = fields.get(1) or [b""]
+        if not isinstance(member[-1], bytes):
+            return "the request names no requester"
+        m = parse_fields(member[-1])
+        rid, address, store = _string(m, 1), _string(m, 2), _string(m, 3)
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"malformed request ({e})"
+    if not proves(secret, rid):
+        return f"replica id {rid[:80]!r} does not prove the job's secret"
+    claim = claim_of(rid)
+    if address.split("://", 1)[-1].rstrip("/") != claim.manager or store != claim.store:
+        return (f"its addresses (Manager {address[:60]!r}, store {store[:60]!r}) are not the ones its tag vouches "
+                f"for ({claim.manager!r}, {claim.store!r})")
+    return None
+
+
+# --------------------------------------------------------------------------- a member that stalls the job
+#: A lowband node reports training step × this + committed steps to the quorum (:func:`lowband.ft.node.quorum_step`): a
+#: dropped step advances the first and not the second.
+COMMITTED_SCALE = 1 << 32
+
+
+def quorum_round(response: bytes) -> tuple[tuple[int, int], dict[int, int], dict[int, str]] | None:
+    """A LighthouseQuorumResponse's round: (its ``created`` timestamp, {member's slot: its quorum step}, {member's
+    slot: its replica id}), or None when the bytes do not read as one (field 1: the Quorum; its field 2: the members, each with replica id 1 and
+    step 4; its field 3: the timestamp, seconds 1 and nanos 2)."""
+    try:
+        (quorum,) = parse_fields(response).get(1) or [None]
+        if not isinstance(quorum, bytes):
+            return None
+        q = parse_fields(quorum)
+        ts = q.get(3) or [b""]
+        t = parse_fields(ts[-1]) if isinstance(ts[-1], bytes) else {}
+        created = (int((t.get(1) or [0])[-1]), int((t.get(2) or [0])[-1]))
+        members: dict[int, int] = {}
+        ids: dict[int, str] = {}
+        for raw in q.get(2) or []:
+            if not isinstance(raw, bytes):
+                return None
+            m = parse_fields(raw)
+            rid = _string(m, 1)
+            claim = claim_of(rid)
+            if claim is None:
+                return None
+            ids[claim.node] = rid
+            step = int((m.get(4) or [0])[-1])
+            step = step - (1 << 64) if step >= 1 << 63 else step  # int64 on the wire
+            members[claim.node] = step  # training step × COMMITTED_SCALE + committed steps (lowband.ft.node.quorum_step)
+        return created, members, ids
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class StallBreaker:
+    """Finds a member that makes the job's steps fail, and keeps it out.
+
+    A member that holds the secret can heartbeat and ask for quorums and then never send (or never configure
+    its process group): every step of a quorum that holds it waits out the timeout and is dropped, and the
+    collective names no one. The gate sees every quorum round go by, and in it what each member reports: the
+    training step it is at and the steps it has committed (:func:`lowband.ft.node.quorum_step`). From one round to
+    the next a member *committed* (a step went through), *dropped* (its training step moved on, its commits
+    did not) or neither (it waited: the start, a quorum asked again). A round *failed* when more than half of
+    its members that are in the next round dropped, and *went through* when more than half committed; a liar
+    alone cannot swing either while two honest members are in the round.
+
+    - When, of the last ``4 × stall_rounds`` rounds with an outcome, ``stall_rounds`` or more failed and
+      exactly one member was in every one that failed and in none that went through, that member is
+      *benched*.
+    - When the last ``stall_rounds`` failed and several members were in each (the same members every round,
+      nothing went through), one of them (the latest to join first) is put on *probation* for ``probation_s``: its heartbeats go no further (the
+      Lighthouse soon counts it dead and forms quorums without it) and its quorum requests wait. If the others
+      commit meanwhile, it is benched; if not, it comes back (and heals like any node that was away) and the
+      next is tried. Probation needs 3 or more members: with two, each one's absence leaves the other alone.
+
+    - A member that sends *bad messages* (they fail their checks: :mod:`lowband.compress.check`) is evicted from
+      the exchange by each member that receives them, and each reports it (:meth:`accuse`). When two or more of
+      the round's other members, and more than half of them, reported it, it is benched. A report counts only
+      from a member of the current round, about a member of it, and from the address the reporting member's tag
+      vouches for: on a network where each node has its own address (a VPN), one member cannot speak for
+      others, and the reporters must be on two or more addresses (on loopback, where every node has the same
+      one, the slots count). A member alone, or a minority, cannot remove an honest one.
+
+    A benched member's quorum requests are refused with the reason for ``bench_s`` (twice as long each time
+    again) and its heartbeats go no further; a warning names it.
+    """
+
+    def __init__(self, *, stall_rounds: int = 3, probation_s: float = 30.0, bench_s: float = 600.0,
+                 clock=time.monotonic) -> None:
+        self.stall_rounds, self.probation_s, self.bench_s = stall_rounds, probation_s, bench_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._created: tuple[int, int] | None = None
+        self._last: dict[int, int] | None = None  # the last round: slot -> its quorum step
+        self._round = 0
+        self._joined: dict[int, int] = {}  # slot -> the round it joined (came back to) the quorum
+        self.outcomes: deque[tuple[frozenset[int], bool]] = deque(maxlen=4 * stall_rounds)
+        self._tried: set[int] = set()
+        self.probation: tuple[int, float, dict[int, int]] | None = None  # slot, until, the others' commits then
+        self.benched: dict[int, float] = {}  # slot -> until
+        self.why: dict[int, str] = {}  # slot -> why it is benched
+        self.offences: Counter[int] = Counter()
+        self._ids: dict[int, str] = {}  # the last round's members: slot -> replica id
+        self.reports: dict[str, dict[int, str]] = {}  # reported replica id -> {reporting slot: its address}
+
+    def observe(self, created: tuple[int, int], members: dict[int, int], ids: dict[int, str] | None = None) -> None:
+        """One quorum round as the Lighthouse answered it: {slot: its quorum step} and {slot: its replica id}
+        (each member gets the same answer: seen once)."""
+        with self._lock:
+            if created == self._created:
+                return
+            self._created, self._round = created, self._round + 1
+            if ids is not None:
+                self._ids = dict(ids)
+                for rid in [r for r in self.reports if r not in self._ids.values()]:
+                    del self.reports[rid]  # it left (or came back as a new process): reports about it lapse
+            now = self._clock()
+            self._expire(now)
+            for slot in members:
+                if self._last is None or slot not in self._last:
+                    self._joined[slot] = self._round
+            if self.probation is not None:
+                slot, _, before = self.probation
+                moved = sum(1 for s, c in before.items() if s in members and members[s] % COMMITTED_SCALE > c)
+                if slot not in members and moved * 2 > len(before):
+                    self._bench(slot, now, "without it the others committed again; it takes part in quorums but not "
+                                "in the exchange")
+            if self._last is not None:
+                self._outcome(self._last, members)
+            self._last = dict(members)
+            if self.probation is None:
+                self._judge(now)
+
+    def _outcome(self, last: dict[int, int], now: dict[int, int]) -> None:
+        both = [s for s in last if s in now]
+        committed = sum(1 for s in both if now[s] % COMMITTED_SCALE > last[s] % COMMITTED_SCALE)
+        dropped = sum(1 for s in both if now[s] % COMMITTED_SCALE == last[s] % COMMITTED_SCALE
+                      and now[s] // COMMITTED_SCALE > last[s] // COMMITTED_SCALE)
+        if committed * 2 > len(both):
+            self.outcomes.append((frozenset(last), True))
+            self._tried.clear()
+        elif both and dropped * 2 > len(both):
+            self.outcomes.append((frozenset(last), False))
+
+    def _judge(self, now: float) -> None:
+        failed = [m for m, ok in self.outcomes if not ok]
+        if len(failed) < self.stall_rounds:
+            return
+        common = frozenset.intersection(*failed)
+        for members, ok in self.outcomes:
+            if ok:
+                common -= members
+        if len(common) == 1:
+            (slot,) = common
+            self._bench(slot, now, f"it was in each of the last {len(failed)} quorums whose steps failed and in "
+                                   "none that went through; it takes part in quorums but not in the exchange")
+            return
+        recent = list(self.outcomes)[-self.stall_rounds:]
+        if any(ok for _, ok in recent):
+            return
+        common = frozenset.intersection(*(m for m, _ in recent))
+        left = [s for s in common if s not in self._tried and s not in self.benched]
+        size = min(len(m) for m, _ in recent)
+        if not left or size < 3:
+            if not left:
+                self._tried.clear()
+            return
+        slot = max(left, key=lambda s: (self._joined.get(s, 0), s))  # the latest to join first
+        self._tried.add(slot)
+        self.outcomes.clear()
+        others = {s: v % COMMITTED_SCALE for s, v in (self._last or {}).items() if s != slot}
+        self.probation = (slot, now + self.probation_s, others)
+        log.warning("the Lighthouse's gate: the last %d quorums of nodes %s failed their steps and none went "
+                    "through; node %d is left out for %.0f s to see whether the others commit without it",
+                    self.stall_rounds, sorted(common), slot, self.probation_s)
+
+    def accuse(self, reporter: str, accused: str, host: str, what: str) -> str | None:
+        """A member's report that the member with replica id ``accused`` sent it bad messages (``what``), from
+        the address ``host``. None when it counts, else why it does not."""
+        a, b = claim_of(reporter), claim_of(accused)
+        with self._lock:
+            if a is None or self._ids.get(a.node) != reporter:
+                return "the reporting member is not in the current quorum"
+            if b is None or self._ids.get(b.node) != accused or b.node == a.node:
+                return "the member reported is not (or no longer) in the current quorum"
+            own = a.manager.rsplit(":", 1)[0].strip("[]")
+            if host != own:
+                return f"the report came from {host}, not from the reporting member's address ({own})"
+            votes = self.reports.setdefault(accused, {})
+            votes[a.node] = host
+            loopback = all(_is_loopback(h) for h in votes.values())
+            voices = len(votes) if loopback else len(set(votes.values()))
+            if voices >= 2 and voices * 2 > len(self._ids) - 1 and b.node not in self.benched:
+                del self.reports[accused]
+                self._bench(b.node, self._clock(), f"nodes {', '.join(map(str, sorted(votes)))} of the job reported "
+                            f"bad messages from it ({what[:200]})", headline="sent bad messages")
+            return None
+
+    def _bench(self, slot: int, now: float, why: str, *, headline: str = "stalled the job") -> None:
+        self.offences[slot] += 1
+        until = now + self.bench_s * 2 ** (self.offences[slot] - 1)
+        self.benched[slot] = until
+        self.why[slot] = f"{headline}: {why}"
+        self.probation = None
+        self._tried.clear()
+        self.outcomes.clear()
+        log.warning("the Lighthouse's gate: node %d %s (%s); it is kept out for %.0f s", slot, headline, why, until - now)
+
+    def _expire(self, now: float) -> None:
+        if self.probation is not None and now >= self.probation[1]:
+            self.probation = None  # the others did not commit without it: it comes back
+        for slot in [s for s, until in self.benched.items() if now >= until]:
+            del self.benched[slot]
+            self.why.pop(slot, None)
+
+    def held(self, slot: int) -> tuple[str, float] | None:
+        """("probation" or "benched", until) for a member the gate keeps out now, else None."""
+        with self._lock:
+            self._expire(self._clock())
+            if slot in self.benched:
+                return "benched", self.benched[slot]
+            if self.probation is not None and self.probation[0] == slot:
+                return "probation", self.probation[1]
+            return None
+
+
+# --------------------------------------------------------------------------- the gate
+def _timeout(context) -> float | None:
+    """The seconds left to the caller's deadline, for the call passed on; None when it set none (gRPC then
+    reports about 9.2e18 s, and a deadline that far away fails the passed-on call at once: torchft's heartbeats
+    carry no deadline)."""
+    remaining = context.time_remaining()
+    return remaining if remaining is not None and remaining < 1e6 else None
+
+
+class LighthouseGateway:
+    """Serve ``Quorum`` and ``Heartbeat`` on ``bind`` for the job's members only, forwarded to torchft's
+    Lighthouse at ``backend`` (``HOST:PORT``, on loopback). ``address()`` is what nodes pass as
+    ``--ft-lighthouse``; ``refused`` counts the refusals by reason."""
+
+    def __init__(self, *, bind: str, backend: str, secret: bytes, workers: int = 256,
+                 breaker: StallBreaker | None = None) -> None:
+        import grpc
+
+        self._grpc = grpc
+        self._secret = secret
+        self.breaker = breaker if breaker is not None else StallBreaker()
+        self.refused: Counter[str] = Counter()
+        self._named: set[str] = set()
+        self._lock = threading.Lock()
+        self._channel = grpc.insecure_channel(backend)
+        self._forward = {m: self._channel.unary_unary(m) for m in (QUORUM, HEARTBEAT)}  # bytes in, bytes out
+        handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(path))
+                    for name, path in (("Quorum", QUORUM), ("Heartbeat", HEARTBEAT))}
+        admit = {"Admit": grpc.unary_unary_rpc_method_handler(self._handler(ADMIT)),
+                 "Accuse": grpc.unary_unary_rpc_method_handler(self._handler(ACCUSE))}
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowband-gateway"),
+                                   handlers=[grpc.method_handlers_generic_handler(SERVICE, handlers),
+                                             grpc.method_handlers_generic_handler(GATE_SERVICE, admit)])
+        host = bind.rsplit(":", 1)[0]
+        self._port = self._server.add_insecure_port(bind)
+        if not self._port:
+            raise OSError(f"the Lighthouse's gate cannot listen on {bind}")
+        self._host = host.strip("[]")
+        self._server.start()
+
+    def address(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self._port}"
+
+    def _handler(self, method: str):
+        def handle(request: bytes, context) -> bytes:
+            why = refusal(self._secret, request, method if method in (QUORUM, HEARTBEAT) else QUORUM)
+            if why is not None:
+                self._note(why, context.peer())
+                context.abort(self._grpc.StatusCode.PERMISSION_DENIED, f"{REFUSED}: {why}")
+            if method == ACCUSE:
+                return self._accuse(request, context)
+            slot = self._slot(request, HEARTBEAT if method == HEARTBEAT else QUORUM)
+            held = self.breaker.held(slot) if slot is not None else None
+            if held is not None and method == HEARTBEAT:
+                return b""  # not passed on: the Lighthouse counts the member dead and forms quorums without it
+            if held is not None and held[0] == "benched":  # also asked by a member whose quorum waits (ADMIT)
+                context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
+                              f"{REFUSED}: {KEPT_OUT} {slot} out for {held[1] - time.monotonic():.0f} s more: it "
+                              f"{self.breaker.why.get(slot, 'stalled the job')}")
+            if method == ADMIT:
+                return b""
+            while held is not None:  # on probation: its quorum request waits until the probation ends
+                remaining = context.time_remaining()
+                if remaining is not None and remaining < 1.0:
+                    context.abort(self._grpc.StatusCode.UNAVAILABLE, "the Lighthouse's gate holds this node out "
+                                  "for a while (probation: does the job commit without it?)")
+                time.sleep(min(0.2, max(0.0, held[1] - time.monotonic())) or 0.05)
+                held = self.breaker.held(slot)
+                if held is not None and held[0] == "benched":
+                    context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
+                                  f"{REFUSED}: {KEPT_OUT} {slot} out: it {self.breaker.why.get(slot, 'stalled the job')}")
+            call = self._forward[method].future(request, timeout=_timeout(context))
+            context.add_callback(call.cancel)  # the caller gave up (a quorum request's retry): so does this call,
+            try:  # and its thread is free again (left waiting, they filled the pool and heartbeats stopped)
+                answer = call.result()
+            except self._grpc.FutureCancelledError:
+                context.abort(self._grpc.StatusCode.CANCELLED, "the caller cancelled")
+            except self._grpc.RpcError as e:  # the Lighthouse's own answer (a timeout, ...), passed on
+                context.abort(e.code(), e.details() or "")
+            if method == QUORUM:
+                seen = quorum_round(answer)
+                if seen is not None:
+                    self.breaker.observe(*seen)
+            return answer
+        return handle
+
+    def _accuse(self, request: bytes, context) -> bytes:
+        """A member's report of another's bad messages (:data:`ACCUSE`; the reporter is already admitted)."""
+        try:
+            fields = parse_fields(request)
+            reporter = _string(parse_fields((fields.get(1) or [b""])[-1]), 1)
+            accused, what = _string(fields, 2), _string(fields, 3)
+        except (ValueError, UnicodeDecodeError) as e:
+            context.abort(self._grpc.StatusCode.INVALID_ARGUMENT, f"malformed report ({e})")
+        why = self.breaker.accuse(reporter, accused, peer_host(context.peer()), what)
+        if why is not None:
+            context.abort(self._grpc.StatusCode.FAILED_PRECONDITION, f"lowband gateway: the report is not counted: {why}")
+        return b""
+
+    @staticmethod
+    def _slot(request: bytes, method: str) -> int | None:
+        """The node slot the (already admitted) request's replica id claims."""
+        try:
+            fields = parse_fields(request)
+            if method == QUORUM:
+                fields = parse_fields((fields.get(1) or [b""])[-1])  # the requester
+            claim = claim_of(_string(fields, 1))
+        except (ValueError, UnicodeDecodeError, TypeError):
+            return None
+        return None if claim is None else claim.node
+
+    def _note(self, why: str, peer: str) -> None:
+        with self._lock:
+            self.refused[why.split(" (", 1)[0]] += 1
+            first = peer not in self._named
+            self._named.add(peer)
+        if first:
+            log.warning("the Lighthouse's gate refused %s: %s (once per peer)", peer, why)
+
+    def shutdown(self) -> None:
+        self._server.stop(grace=None)
+        self._channel.close()
+
+
+# --------------------------------------------------------------------------- a node's Manager
+MANAGER_SERVICE = "torchft.ManagerService"
+#: What a node's Manager gate serves, and to whom: ``CheckpointMetadata`` (where to fetch a healing source's
+#: state) to every host of the job's network, ``Quorum`` and ``ShouldCommit`` (the node's own ranks) only to
+#: the node's own addresses. ``Kill`` is not served at all.
+MANAGER_METHODS = {"CheckpointMetadata": False, "Quorum": True, "ShouldCommit": True}
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string (``ipv4:10.0.0.2:5123``, ``ipv6:[::1]:5123``)."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0].strip("[]")
+    return rest.rsplit(":", 1)[0] if kind == "ipv4" else ""
+
+
+class ManagerGate:
+    """A node's torchft Manager (its gRPC server) on loopback, behind this gate on the node's address and the
+    same port: the address the Manager advertises reaches the gate. torchft's Manager serves a ``Kill`` that
+    ends the node to whoever reaches it, and takes quorum requests and commit votes for any of the node's
+    ranks from anyone; the gate serves ``Kill`` to no one, and the node's own calls (``Quorum``,
+    ``ShouldCommit``) only to the node's own addresses (``own_hosts``). What it cannot tell apart: another
+    process on the node's own host."""
+
+    def __init__(self, *, bind: str, backend: str, own_hosts: set[str], workers: int = 16) -> None:
+        import grpc
+
+        self._grpc = grpc
+        self._own = set(own_hosts)
+        self._channel = grpc.insecure_channel(backend)
+        self.refused: Counter[str] = Counter()
+        handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name, own))
+                    for name, own in MANAGER_METHODS.items()}
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowband-manager-gate"),
+                                   handlers=[grpc.method_handlers_generic_handler(MANAGER_SERVICE, handlers)])
+        self.port = self._server.add_insecure_port(bind)
+        if not self.port:
+            raise OSError(f"the Manager's gate cannot listen on {bind}")
+        self._server.start()
+
+    def _handler(self, name: str, own_only: bool):
+        forward = self._channel.unary_unary(f"/{MANAGER_SERVICE}/{name}")
+
+        def handle(request: bytes, context) -> bytes:
+            host = peer_host(context.peer())
+            if own_only and host not in self._own:
+                self.refused[name] += 1
+                context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
+                              f"lowband: {name} is served to this node's own ranks only, not to {host}")
+            try:
+                return forward(request, timeout=_timeout(context))
+            except self._grpc.RpcError as e:
+                context.abort(e.code(), e.details() or "")
+        return handle
+
+    def shutdown(self) -> None:
+        self._server.stop(grace=None)
+        self._channel.close()
+
+
+class GatedManager:
+    """torchft's ManagerServer on loopback with a :class:`~lowband.ft.gateway.ManagerGate` in front, on ``host``."""
+
+    def __init__(self, server, host: str, port: str) -> None:
+        self._server = server
+        loopback = "::1" if ":" in host else "127.0.0.1"
+        try:
+            self.gate = ManagerGate(bind=f"{f'[{host}]' if ':' in host else host}:{port}",
+                                    backend=f"{f'[{loopback}]' if ':' in host else loopback}:{port}",
+                                    own_hosts={host, loopback})
+        except BaseException:
+            server.shutdown()
+            raise
+
+    def address(self) -> str:
+        return self._server.address()
+
+    def shutdown(self) -> None:
+        self.gate.shutdown()
+        self._server.shutdown()
+
+
+def accuse_at_gate(lighthouse: str, rid: str, accused: str, why: str, *, timeout_s: float = 10.0) -> str | None:
+    """Report to the gate at ``lighthouse`` that the member with replica id ``accused`` sent this member (replica id
+    ``rid``) bad messages (``why``): None when the gate counted it, else why not (no gate: torchft's own
+    Lighthouse, which cannot remove a member; or the report was refused)."""
+    import grpc
+
+    claim = claim_of(rid)
+    if claim is None:
+        return f"{rid[:80]!r} is not a lowband replica id"
+    target = lighthouse.split("://", 1)[-1].rstrip("/")
+    with grpc.insecure_channel(target) as channel:
+        try:
+            channel.unary_unary(ACCUSE)(accusation_request(rid, f"http://{claim.manager}", claim.store, accused, why),
+                                        timeout=timeout_s)
+        except grpc.RpcError as e:
+            return f"{e.code().name}: {e.details() or ''}"
+    return None
+
+
+def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: float = 10.0) -> str | None:
+    """Ask the gate at ``lighthouse`` (``http://HOST:PORT``) whether a member with replica id ``rid``, Manager
+    ``address`` and ``store`` may pass: the gate's reason for refusing it, or None (it passes; or the Lighthouse
+    has no gate, or cannot be reached yet: torchft's Manager then finds out by itself)."""
+    import grpc
+
+    target = lighthouse.split("://", 1)[-1].rstrip("/")
+    with grpc.insecure_channel(target) as channel:
+        try:
+            channel.unary_unary(ADMIT)(admission_request(rid, address, store), timeout=timeout_s)
+        except grpc.RpcError as e:
+            why = gate_reason(e.details() or "") if e.code() == grpc.StatusCode.PERMISSION_DENIED else None
+            if why is not None:
+                return why
+            log.debug("the Lighthouse at %s did not answer the gate's question (%s): no gate, or not up yet",
+                      lighthouse, e.code())
+    return None

@@ -1,0 +1,76 @@
+"""torchft's Lighthouse for a fault-tolerant job (``lowband lighthouse``), behind the job's gate when it has a secret.
+
+The Lighthouse forms the job's quorums from the nodes' requests and heartbeats (docs/fault-tolerance.md).
+With the job's secret it listens on loopback only, and the gate of :mod:`lowband.ft.gateway` listens on
+the job's address in front of it: only the job's members reach it (docs/internet.md).
+"""
+
+from __future__ import annotations
+
+__all__ = ["GatedLighthouse", "start_lighthouse"]
+
+
+def start_lighthouse(*, bind: str = "127.0.0.1:0", min_nodes: int = 1, join_timeout_s: float = 10.0,
+                     heartbeat_timeout_s: float = 3.0, quorum_tick_s: float = 0.05, secret: bytes | None = None,
+                     stall_rounds: int = 3, probation_s: float = 30.0, bench_s: float = 600.0):
+    """Start a torchft Lighthouse in this process; returns the server (``.address()``, ``.shutdown()``).
+
+    Args:
+        bind: address and port to listen on (the job's network; port 0: any free port).
+        min_nodes: a quorum needs at least this many nodes.
+        join_timeout_s: how long a quorum waits for live nodes of the previous quorum that have not
+            asked yet (a dead node, silent for ``heartbeat_timeout_s``, is not waited for). It must
+            exceed the skew between nodes at a quorum: DiLoCo's nodes drift apart over H inner steps
+            with no exchange, and with 1 s a late node was left out, split the quorum and had to heal.
+        heartbeat_timeout_s: a node without a heartbeat for this long is dead and not waited for.
+        quorum_tick_s: how often the Lighthouse checks whether a quorum can form.
+        secret: the job's secret: torchft's Lighthouse then listens on loopback only and ``bind`` is
+            the gate in front of it that lets only the job's members ask for quorums and send
+            heartbeats, and serves no status page and no kill route (:mod:`lowband.ft.gateway`).
+        stall_rounds, probation_s, bench_s: with the gate, how it finds and keeps out a member that stalls the
+            job, and how long it keeps out one that most members reported for bad messages
+            (:class:`~lowband.ft.gateway.StallBreaker`).
+    """
+    from lowband.ft.node import require_torchft
+
+    require_torchft()
+    from torchft._torchft import LighthouseServer
+
+    def lighthouse(at: str):
+        return LighthouseServer(bind=at, min_replicas=min_nodes, join_timeout_ms=int(join_timeout_s * 1000),
+                                quorum_tick_ms=int(quorum_tick_s * 1000),
+                                heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+
+    if secret is None:
+        return lighthouse(bind)
+    from lowband.ft.gateway import StallBreaker
+
+    breaker = StallBreaker(stall_rounds=stall_rounds, probation_s=probation_s, bench_s=bench_s)
+    return GatedLighthouse(lighthouse("127.0.0.1:0"), bind=bind, secret=secret, breaker=breaker)
+
+
+class GatedLighthouse:
+    """torchft's Lighthouse on loopback behind a :class:`~lowband.ft.gateway.LighthouseGateway` on the job's
+    address: ``address()`` is the gate's (what nodes are given), ``status_address()`` torchft's own
+    (its status page and kill route: this host only)."""
+
+    def __init__(self, server, *, bind: str, secret: bytes, breaker=None) -> None:
+        from lowband.ft.gateway import LighthouseGateway
+
+        self._server = server
+        self._backend = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+        try:
+            self.gate = LighthouseGateway(bind=bind, backend=self._backend, secret=secret, breaker=breaker)
+        except BaseException:
+            server.shutdown()
+            raise
+
+    def address(self) -> str:
+        return self.gate.address()
+
+    def status_address(self) -> str:
+        return f"http://{self._backend}"
+
+    def shutdown(self) -> None:
+        self.gate.shutdown()
+        self._server.shutdown()

@@ -1,0 +1,149 @@
+"""A node's view of each quorum under fault tolerance (:mod:`lowband.ft.node`): who is in it, whether they are all
+of this node's job (:func:`lowband.trust.admission.screen`, :func:`lowband.trust.admission.admit`), and what the
+Lighthouse's gate says of this node (:mod:`lowband.ft.gateway`): refused at admission, or removed from the job."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from lowband.ft.gateway import KEPT_OUT, ask_gate, gate_reason
+from lowband.trust.admission import AdmissionRefused, RemovedFromJob, admit, claim_of, member_of, screen
+
+__all__ = ["GATE_POLL_S", "ForeignJob", "NodeSlotTaken", "QuorumRecorder", "gate_refusal"]
+
+log = logging.getLogger("lowband.ft.node")
+
+#: While a quorum takes longer than this, a node with the job's secret asks the Lighthouse's gate (every this many
+#: seconds) whether it is still a member.
+GATE_POLL_S = 2.0
+
+
+#: What a node refused for want of the job's secret is told to do (after the reason).
+SAME_SECRET = ("Start every node of a job with the same secret: --secret-file PATH or LOWBAND_SECRET_FILE=PATH (one "
+               "file, copied to every node; `lowband secret PATH` makes one). This node leaves before any process "
+               "group includes it; the running job goes on.")
+
+
+def gate_refusal(cfg: Any, why: str) -> AdmissionRefused:
+    """The error of a node that the Lighthouse's gate refused (``cfg``: its :class:`lowband.ft.node.FaultToleranceConfig`;
+    ``why``: the gate's reason)."""
+    if KEPT_OUT in why:  # a member the gate removed from the job (it stalled it, or sent bad messages)
+        return RemovedFromJob(f"node {cfg.node} is removed from the job at {cfg.lighthouse}: {why}. This node "
+                              "leaves; the running job goes on without it.")
+    return AdmissionRefused(f"node {cfg.node} is refused by the job at {cfg.lighthouse}: its Lighthouse admits only "
+                            f"the job's members, and {why}. {SAME_SECRET}")
+
+
+class NodeSlotTaken(ValueError):
+    """Another live process already holds this node's ``--ft-node`` slot."""
+
+
+class ForeignJob(ValueError):
+    """A node of another job (another fingerprint) is in this node's quorum and this node is the one to leave."""
+
+
+class QuorumRecorder:
+    """torchft's manager client with the members of each quorum noted (torchft keeps only their count),
+    and only members of this node's job admitted (see :func:`admit`)."""
+
+    def __init__(self, client, ft: Any) -> None:  # ft: the rank's lowband.ft.node.FaultTolerance
+        self._client = client
+        self._ft = ft
+
+    def _refused(self, why: str) -> AdmissionRefused:
+        err = gate_refusal(self._ft.cfg, why)
+        self._ft.removed = isinstance(err, RemovedFromJob)
+        return err
+
+    def _asked(self, *args, **kwargs):
+        """torchft's quorum call. With the job's secret, while it waits (more than :data:`GATE_POLL_S`) this node
+        asks the Lighthouse's gate whether it is still a member: a node the gate removed learns why at once
+        (torchft's Manager retries a quorum the gate refuses until its timeout, then reports only the timeout)."""
+        cfg = self._ft.cfg
+        claim = claim_of(self._ft.replica_id)
+        if cfg.secret is None or claim is None:
+            return self._client._quorum(*args, **kwargs)
+        done, answer = threading.Event(), {}
+
+        def call() -> None:
+            try:
+                answer["result"] = self._client._quorum(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                answer["error"] = e
+            done.set()
+        threading.Thread(target=call, daemon=True, name="lowband-quorum").start()  # daemon: a call left waiting
+        while not done.wait(GATE_POLL_S):  # after a refusal must not hold the process up until its timeout
+            why = ask_gate(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
+                           timeout_s=GATE_POLL_S)
+            if why is not None:
+                raise self._refused(why)
+        if "error" in answer:
+            raise answer["error"]
+        return answer["result"]
+
+    def _quorum(self, *args, **kwargs):
+        cfg = self._ft.cfg
+        me = self._ft.replica_id
+        mine = member_of(me)[0]  # the fingerprint as the others see it
+        max_rounds = cfg.poll_rounds
+        rounds = 0
+        while True:
+            try:
+                result = self._asked(*args, **kwargs)
+            except (RuntimeError, TimeoutError) as e:  # the Lighthouse's gate refused this node (lowband.ft.gateway)
+                why = gate_reason(str(e))
+                if why is None:
+                    raise
+                raise self._refused(why) from None
+            step = kwargs.get("step")
+            behind = bool(result.heal) or (step is not None and int(result.max_step) > int(step))
+            new = not self._ft.had_peers
+            # Before anything is configured, sent or fetched: does every member prove the job's secret?
+            s = screen(result, secret=cfg.secret, me=me, new=new, behind=behind)
+            if s.verdict == "twin":
+                raise NodeSlotTaken(f"node slot {cfg.node} is already live in this job: stop the other process, or "
+                                    f"start this one with a free slot (0..{cfg.max_nodes - 1}). The running job goes on.")
+            if s.verdict == "refused" or (s.verdict == "retry" and new and s.peers == 0 and rounds >= max_rounds):
+                raise AdmissionRefused(
+                    f"node {cfg.node} is refused by the job at {cfg.lighthouse}: {s.why or 'no member proves its secret'} "
+                    f"({len(s.outsiders)} member(s) do not prove this node's secret). {SAME_SECRET}")
+            if s.verdict == "retry":
+                if rounds % max_rounds == 0:
+                    log.warning("node %d: %s (%d member(s) that do not prove the job's secret); the quorum is not "
+                                "used and is asked for again (this node never trains with, heals from or sends "
+                                "state to them; see docs/internet.md)", cfg.node, s.why, len(s.outsiders))
+                rounds += 1
+                time.sleep(cfg.start_poll_s)
+                continue
+            # A tie between jobs waits half the quorum timeout for more of their nodes before the fingerprint
+            # decides (the job's other nodes may still be starting); the rest of it is for the losers to leave.
+            verdict = admit(list(result.replica_ids), mine, behind=behind, rounds=rounds,
+                            patience=max(1, max_rounds // 2))
+            if verdict == "accept":
+                break
+            others = sorted({f"node{member_of(r)[1]} ({member_of(r)[0] or '?'})" for r in result.replica_ids
+                             if member_of(r)[0] != mine})
+            if verdict == "leave" or rounds >= max_rounds:
+                raise ForeignJob(
+                    f"node {cfg.node}: nodes of this Lighthouse's quorum run another job, model, method or "
+                    f"hyper-parameters ({', '.join(others)}; this node's fingerprint is {mine}). Start every "
+                    "node of a job with the same `lowband train` arguments, or give each job its own Lighthouse "
+                    "(--ft-lighthouse). " + ("This node leaves; the running job goes on." if verdict == "leave"
+                                               else "They did not leave within the quorum timeout."))
+            if rounds == 0:
+                log.warning("node %d: %s of another job joined the quorum; it is refused, and the quorum formed "
+                            "again without it", cfg.node, ", ".join(others))
+            rounds += 1
+            time.sleep(cfg.start_poll_s)
+        self._ft.replica_ids = list(result.replica_ids)
+        self._ft.had_peers = self._ft.had_peers or len(self._ft.replica_ids) > 1
+        self._ft.replica_rank = result.replica_rank
+        self._ft.quorum_heals = bool(result.heal)
+        self._ft.quorum_max_step = int(result.max_step)
+        return result
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)

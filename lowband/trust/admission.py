@@ -1,0 +1,282 @@
+"""Who may join a fault-tolerant job, and where its listeners may listen (docs/internet.md).
+
+torchft's Lighthouse admits anyone who asks for a quorum, and its Lighthouse, Manager, state server,
+store and gloo ask for no credential. lowband adds two things above it:
+
+- **admission by the job's secret** (:mod:`lowband.trust.secret`): the replica id a node gives torchft
+  carries, beside its job's fingerprint and its slot, the address of the store it registers and an
+  HMAC tag of the three under the secret. Every node checks every member of every quorum
+  (:func:`screen`) before torchft configures a process group, sends or fetches state: a member whose
+  tag fails, or whose addresses in the quorum are not the ones its tag vouches for, is an *outsider*.
+  An outsider is never trained with, healed from or sent state; the job's nodes ask for the quorum
+  again (no step is dropped, no process group ever holds the outsider), and never leave because of
+  outsiders. A node whose secret is not the job's is the one refused: it finds no member that
+  proves its secret and leaves with :class:`AdmissionRefused` at its first quorum.
+- **listeners on the job's network** (:func:`check_bind`): loopback by default, a private address
+  (a VPN's) when given; a wildcard or public address is refused unless the user says the network is
+  trusted, because torchft's Lighthouse serves every member and a kill route, and its Manager a
+  kill RPC, to anyone who reaches them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from dataclasses import dataclass
+
+from lowband.trust.secret import tag, verify
+
+__all__ = ["AdmissionRefused", "BindRefused", "Claim", "RemovedFromJob", "admit", "check_bind", "claim_of", "is_public",
+           "member_of", "replica_id", "screen"]
+
+
+class AdmissionRefused(ValueError):
+    """This node's secret is not the running job's (or it has none and the job has one)."""
+
+
+class RemovedFromJob(AdmissionRefused):
+    """The Lighthouse's gate removed this node from the running job (it stalled the job, or most of the other
+    members reported its bad messages)."""
+
+
+class BindRefused(ValueError):
+    """A listener would bind a wildcard or public address without ``--trusted-network``."""
+
+
+# --------------------------------------------------------------------------- replica ids
+def replica_id(fingerprint: str, node: int, *, secret: bytes | None = None, store: str = "",
+               manager: str = "") -> str:
+    """A node's torchft replica id: its job's fingerprint and its slot (torchft reads the slot from the
+    trailing digits and appends ``:uuid``); with a secret, also the addresses it registers (its store's
+    and its Manager's, ``HOST:PORT``) and the tag that binds them all to the secret."""
+    fp = fingerprint or "none"
+    if secret is None:
+        return f"lowband_{fp}_node{node}"
+    addr = f"{store},{manager}"
+    return f"lowband_{fp}_a{addr.encode().hex()}_t{tag(secret, 'lowband-member', fp, node, addr)}_node{node}"
+
+
+_REPLICA_ID = re.compile(r"^lowband_(?:(?P<fp>[0-9A-Za-z]+)_)?(?:a(?P<store>[0-9a-f]*)_t(?P<tag>[0-9a-f]{32})_)?"
+                         r"node(?P<node>\d+)$")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a member's replica id claims: its job's fingerprint, its slot, its store address, its tag."""
+
+    fingerprint: str
+    node: int
+    store: str = ""
+    tag: str = ""
+    manager: str = ""
+
+    @property
+    def addr(self) -> str:
+        return f"{self.store},{self.manager}"
+
+
+def claim_of(rid: str) -> Claim | None:
+    """The claim in a quorum member's replica id (None for ids lowband did not make)."""
+    m = _REPLICA_ID.match(rid.split(":", 1)[0])
+    if m is None:
+        return None
+    try:
+        store, _, manager = bytes.fromhex(m["store"] or "").decode().partition(",")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return Claim(m["fp"] or "", int(m["node"]), store, m["tag"] or "", manager)
+
+
+def member_of(rid: str) -> tuple[str, int | None]:
+    """(fingerprint, node slot) of a quorum member's replica id ("" and None for ids lowband did not make)."""
+    c = claim_of(rid)
+    return ("", None) if c is None else (c.fingerprint, c.node)
+
+
+def proves(secret: bytes, rid: str) -> bool:
+    """Whether ``rid``'s tag proves the secret for what the id claims (its fingerprint, slot and store)."""
+    c = claim_of(rid)
+    return c is not None and bool(c.tag) and verify(secret, c.tag, "lowband-member", c.fingerprint or "none",
+                                                    c.node, c.addr)
+
+
+# --------------------------------------------------------------------------- admission
+def admit(replica_ids: list[str], mine: str, *, behind: bool, rounds: int, patience: int = 1) -> str:
+    """What a node does with a quorum whose members are not all of one job (one fingerprint).
+
+    Every member sees the same members, so they all judge alike: the job with the most nodes in the
+    quorum stays and asks for a quorum again (the Lighthouse forms it without the others once they
+    leave); the nodes of every other job leave. When two jobs have as many nodes, a node that is
+    behind (a newcomer: someone in the quorum is at a newer step) leaves first; if the tie remains
+    ``patience`` rounds later, the job with the smaller fingerprint stays. Patience lets the nodes of
+    both jobs that are still starting arrive and break the tie by number (in a loaded CI run one node
+    of a job and a foreign node met alone at the start, and the job's node, whose fingerprint was the
+    larger, left a round later, before its job's two other nodes were up).
+
+    Returns ``"accept"`` (one job), ``"retry"`` or ``"leave"``.
+    """
+    counts: dict[str, int] = {}
+    for rid in replica_ids:
+        fp = member_of(rid)[0]
+        counts[fp] = counts.get(fp, 0) + 1
+    if len(counts) <= 1:
+        return "accept"
+    top = max(counts.values())
+    if counts.get(mine, 0) < top:
+        return "leave"
+    tied = sorted(fp for fp, c in counts.items() if c == top)
+    if len(tied) == 1:
+        return "retry"
+    if behind:
+        return "leave"
+    if rounds < patience:
+        return "retry"
+    return "retry" if mine == tied[0] else "leave"
+
+
+def free_port(host: str) -> int:
+    """A free TCP port on ``host`` (for a listener whose address must be known before it starts)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Screening:
+    """:func:`screen`'s verdict on one quorum: ``"accept"``, ``"retry"`` (ask again: outsiders in it) or
+    ``"refused"`` (this node is the one without the job's secret), and the outsiders' replica ids."""
+
+    verdict: str
+    outsiders: list[str]
+    why: str = ""
+    peers: int = 0  # other members that prove this node's secret
+
+
+def screen(result, *, secret: bytes | None, me: str, new: bool, behind: bool) -> Screening:
+    """Check every member of a torchft quorum (``result``: its ``replica_ids``, ``replica_rank``,
+    ``store_address``, ``recover_src_replica_rank``, ``recover_src_manager_address`` and
+    ``recover_dst_replica_ranks``) before anything is configured, sent or fetched with it. ``me`` is this
+    node's full replica id (torchft's, with its ``:uuid``).
+
+    With a secret, an outsider is a member whose tag does not prove the secret for what its id
+    claims; the quorum is also refused when the store every rank will rendezvous at is not one a
+    proven member claims, or when this node would heal from (or send its state to) an outsider, or
+    fetch state from another address than its source's, or when a slot is claimed twice (a copied id:
+    ``"twin"`` for a new node whose own slot it is, as torchft's twin check). This node is ``"refused"`` when it is new (its
+    first quorum), no other member proves its secret, and the others look like a job with a secret of
+    its own (a tagged id) that is ahead of it or two or more strong; otherwise outsiders only make the
+    quorum ``"retry"``: no fake member can send a job's node away. Without a secret, members whose ids
+    carry a tag (a job with a secret) refuse this node, and nothing else is checked here.
+    """
+    ids = list(result.replica_ids)
+    others = [r for r in ids if r != me]
+    tagged = [r for r in others if (claim_of(r) or Claim("", -1)).tag]
+    if secret is None:
+        if tagged and new:
+            return Screening("refused", tagged, "the job's nodes prove a secret and this node has none")
+        return Screening("accept", [])
+    outsiders = [r for r in others if not proves(secret, r)]
+    proven = {r.split(":", 1)[0] for r in ids if r not in outsiders}
+    peers = [r for r in others if r not in outsiders]
+    if outsiders and not peers and new and tagged and (behind or len(tagged) >= 2):
+        return Screening("refused", outsiders, "no member of the quorum proves this node's secret")
+    if outsiders:
+        return Screening("retry", outsiders, "outsiders in the quorum", len(peers))
+    slots: dict[tuple[str, int], list[str]] = {}
+    for r in ids:
+        c = claim_of(r)
+        slots.setdefault((c.fingerprint, c.node), []).append(r)
+    twins = [r for group in slots.values() if len(group) > 1 for r in group]
+    if twins:  # a copied id (or a node started twice): whoever is real, the quorum is not used
+        mine_twice = me in twins
+        return Screening("twin" if mine_twice and new else "retry", [r for r in twins if r != me],
+                         "a node slot is claimed twice in the quorum (a copied id, or a node started twice)",
+                         len(peers))
+    stores = {claim_of(r).store for r in ids if r.split(":", 1)[0] in proven}
+    store = getattr(result, "store_address", "")
+    if store and store not in stores:
+        return Screening("retry", [], f"the quorum's store {store} is no member's", len(peers))
+    src = getattr(result, "recover_src_replica_rank", None)
+    if src is not None and getattr(result, "heal", False):
+        claim = claim_of(ids[src])
+        addr = getattr(result, "recover_src_manager_address", "")
+        if claim is None or addr.split("://", 1)[-1].rstrip("/") != claim.manager:
+            return Screening("retry", [ids[src]], f"the state source's address {addr} is not the one it claims",
+                             len(peers))
+    return Screening("accept", [], "", len(peers))
+
+
+# --------------------------------------------------------------------------- listeners
+LOOPBACK = "127.0.0.1"
+
+
+def is_public(host: str) -> bool:
+    """Whether binding ``host`` exposes a listener beyond the job's network: a wildcard (every
+    interface) or a global address. Loopback, link-local and private addresses (a VPN's, e.g.
+    WireGuard's 10.0.0.x) are the job's network; a host name counts as the addresses it resolves to."""
+    h = host.strip("[]")
+    if h in ("", "*", "0.0.0.0", "::"):
+        return True
+    try:
+        ips = [ipaddress.ip_address(h)]
+    except ValueError:
+        try:
+            ips = [ipaddress.ip_address(i[4][0].split("%")[0]) for i in socket.getaddrinfo(h, None)]
+        except OSError:
+            return True  # cannot tell where it listens: treat it as public
+    return any(ip.is_unspecified or not (ip.is_loopback or ip.is_private or ip.is_link_local) for ip in ips)
+
+
+def split_bind(bind: str) -> tuple[str, str]:
+    """``HOST:PORT`` / ``[V6]:PORT`` -> (host, port)."""
+    if bind.startswith("["):
+        host, _, port = bind[1:].partition("]:")
+        return host, port
+    host, _, port = bind.rpartition(":")
+    return host, port
+
+
+def check_bind(host: str, *, what: str, flag: str, secret: bool, trusted_network: bool, port: str = "") -> None:
+    """Refuse to bind a wildcard or public address unless ``trusted_network`` (the user says every host
+    that reaches it is trusted). A secret does not make it safe: torchft's Lighthouse lists the
+    members and kills a node on request, and its Manager does too, for anyone who reaches them."""
+    if trusted_network or not is_public(host):
+        return
+    why = ("and this job has no secret: anyone who reaches it can join the job" if not secret else
+           "where anyone who reaches it can stop a node (torchft's Lighthouse and Manager ask for no credential; "
+           "the job's secret guards who joins, not these ports)")
+    raise BindRefused(
+        f"{what} would listen on {host or 'every interface'}, a public interface, {why}. Bind the job's network "
+        f"instead: {flag} 127.0.0.1{':' + port if port else ''} (one machine) or this host's VPN address (e.g. "
+        "WireGuard's 10.0.0.x, see "
+        "docs/internet.md); or, if every host that can reach it is trusted, pass --trusted-network")
+
+
+def gloo_interface(host: str) -> str | None:
+    """The name of the network interface that holds IPv4 address ``host`` (gloo binds by interface:
+    GLOO_SOCKET_IFNAME), or None."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.is_loopback:
+        return "lo"
+    if ip.version != 4:
+        return None
+    import fcntl
+    import struct
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == str(ip):
+                return name
+    finally:
+        s.close()
+    return None

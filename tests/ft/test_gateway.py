@@ -1,0 +1,426 @@
+"""The Lighthouse's gate (lowband.ft.gateway, issue 29 items 1 and 2): only requests whose replica id proves the
+job's secret, with the addresses its tag vouches for, reach the Lighthouse; nothing else is served.
+
+In one process: the backend is a stand-in gRPC server that records what reaches it (torchft's Lighthouse runs in
+the multi-process layer, tests/e2e/test_admission.py)."""
+
+from __future__ import annotations
+
+import http.client
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+
+from lowband.ft.gateway import (  # noqa: E402
+    ACCUSE,
+    ADMIT,
+    COMMITTED_SCALE,
+    HEARTBEAT,
+    KEPT_OUT,
+    MANAGER_SERVICE,
+    QUORUM,
+    REFUSED,
+    SERVICE,
+    LighthouseGateway,
+    ManagerGate,
+    StallBreaker,
+    accusation_request,
+    accuse_at_gate,
+    admission_request,
+    ask_gate,
+    parse_fields,
+    peer_host,
+    quorum_round,
+    refusal,
+    string_field,
+)
+from lowband.trust.admission import replica_id  # noqa: E402
+
+SECRET = b"s" * 32
+STORE, MANAGER = "127.0.0.1:5000", "127.0.0.1:6000"
+MEMBER = replica_id("f00d", 1, secret=SECRET, store=STORE, manager=MANAGER) + ":uuid"
+
+
+def _heartbeat(rid: str) -> bytes:  # a LighthouseHeartbeatRequest: field 1, the replica id
+    return string_field(1, rid.encode())
+
+
+# ----------------------------------------------------------------------------- the rule, on request bytes
+def test_the_request_bytes_are_read_field_by_field():
+    req = admission_request(MEMBER, f"http://{MANAGER}", STORE)
+    (member,) = parse_fields(req)[1]
+    fields = parse_fields(member)
+    assert [fields[i][0] for i in (1, 2, 3)] == [MEMBER.encode(), f"http://{MANAGER}".encode(), STORE.encode()]
+    assert parse_fields(bytes([0x20, 0x96, 0x01])) == {4: [150]}  # a varint field (a step)
+    for bad in (b"\x0a\x05ab", b"\x00\x01", b"\x20\xff", b"\x0b"):  # past the end, field 0, truncated, wire type 3
+        with pytest.raises(ValueError):
+            parse_fields(bad)
+
+
+def test_a_member_passes_and_every_kind_of_outsider_is_refused_with_its_reason():
+    assert refusal(SECRET, admission_request(MEMBER, f"http://{MANAGER}", STORE), QUORUM) is None
+    assert refusal(SECRET, _heartbeat(MEMBER), HEARTBEAT) is None
+    untagged = replica_id("f00d", 1) + ":x"
+    other = replica_id("f00d", 1, secret=b"o" * 32, store=STORE, manager=MANAGER) + ":x"
+    for rid in (untagged, other, "anything", MEMBER.replace("_node1", "_node2")):  # a slot it has no tag for
+        assert "does not prove the job's secret" in refusal(SECRET, admission_request(rid, f"http://{MANAGER}",
+                                                                                      STORE), QUORUM)
+        assert "does not prove" in refusal(SECRET, _heartbeat(rid), HEARTBEAT)
+    # a member's id copied with other addresses: its tag vouches for its own Manager and store only
+    assert "not the ones its tag vouches for" in refusal(SECRET, admission_request(MEMBER, "http://10.9.9.9:1",
+                                                                                    STORE), QUORUM)
+    assert "not the ones its tag vouches for" in refusal(SECRET, admission_request(MEMBER, f"http://{MANAGER}",
+                                                                                    "10.9.9.9:2"), QUORUM)
+    assert refusal(SECRET, b"\x0a\xff\xff", QUORUM).startswith("malformed request")
+    assert "does not prove" in refusal(SECRET, b"", QUORUM)  # no requester at all
+
+
+# ----------------------------------------------------------------------------- the gate, served
+@pytest.fixture
+def gate():
+    """A gate in front of a stand-in Lighthouse that answers b"quorum:" + the request and counts calls."""
+    seen: list[tuple[str, bytes]] = []
+
+    def handler(path):
+        def handle(request, context):
+            seen.append((path, request))
+            return b"answer:" + request[:8]
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    backend = grpc.server(ThreadPoolExecutor(max_workers=4), handlers=[grpc.method_handlers_generic_handler(
+        SERVICE, {"Quorum": handler(QUORUM), "Heartbeat": handler(HEARTBEAT)})])
+    port = backend.add_insecure_port("127.0.0.1:0")
+    backend.start()
+    g = LighthouseGateway(bind="127.0.0.1:0", backend=f"127.0.0.1:{port}", secret=SECRET, workers=4)
+    yield g, seen, f"127.0.0.1:{port}"
+    g.shutdown()
+    backend.stop(grace=None)
+
+
+def _call(address: str, method: str, request: bytes) -> bytes:
+    with grpc.insecure_channel(address.split("://", 1)[-1]) as ch:
+        return ch.unary_unary(method)(request, timeout=10)
+
+
+def test_the_gate_forwards_members_bytes_as_they_came_and_refuses_outsiders_before_the_lighthouse(gate):
+    g, seen, _ = gate
+    good = admission_request(MEMBER, f"http://{MANAGER}", STORE)
+    assert _call(g.address(), QUORUM, good) == b"answer:" + good[:8]
+    assert _call(g.address(), HEARTBEAT, _heartbeat(MEMBER)) == b"answer:" + _heartbeat(MEMBER)[:8]
+    assert seen == [(QUORUM, good), (HEARTBEAT, _heartbeat(MEMBER))]
+    outsider = admission_request(replica_id("f00d", 1) + ":x", "http://127.0.0.1:9", "127.0.0.1:9")
+    for method, req in ((QUORUM, outsider), (HEARTBEAT, _heartbeat("lowband_f00d_node1:x"))):
+        with pytest.raises(grpc.RpcError) as e:
+            _call(g.address(), method, req)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and REFUSED in e.value.details()
+    assert len(seen) == 2  # nothing of the outsider's reached the Lighthouse
+    assert sum(g.refused.values()) == 2
+
+
+def test_the_gate_serves_no_status_page_kill_route_or_other_call(gate):
+    g, seen, _ = gate
+    for path in ("/status", "/replica/x/kill"):
+        with pytest.raises((urllib.error.URLError, http.client.HTTPException, OSError)):
+            urllib.request.urlopen(g.address() + path, timeout=5).read()
+    with pytest.raises(grpc.RpcError) as e:
+        _call(g.address(), "/torchft.LighthouseService/Status", b"")
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert seen == []
+
+
+def test_a_node_asks_the_gate_before_it_starts_and_an_ungated_lighthouse_lets_it_go_on(gate):
+    g, seen, backend = gate
+    assert ask_gate(g.address(), MEMBER, f"http://{MANAGER}", STORE) is None
+    why = ask_gate(g.address(), replica_id("f00d", 1) + ":x", f"http://{MANAGER}", STORE)
+    assert why is not None and "does not prove the job's secret" in why
+    assert seen == []  # the gate answers its own question: the Lighthouse never sees it
+    # torchft's own Lighthouse has no gate (UNIMPLEMENTED) and one not up yet cannot answer: the node goes on
+    assert ask_gate(f"http://{backend}", replica_id("f00d", 1) + ":x", "x", "y") is None
+    assert _call(g.address(), ADMIT, admission_request(MEMBER, f"http://{MANAGER}", STORE)) == b""
+
+
+# ----------------------------------------------------------------------------- a member that stalls the job
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _varint_field(number: int, value: int) -> bytes:
+    out, key = bytearray(), number << 3
+    for n in (key, value):
+        while True:
+            out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+            n >>= 7
+            if not n:
+                break
+    return bytes(out)
+
+
+def _response(rnd: int, steps: dict[int, int]) -> bytes:
+    """A LighthouseQuorumResponse of round ``rnd``: members by slot with their steps."""
+    members = b"".join(string_field(2, string_field(1, (replica_id("f00d", slot, secret=SECRET, store=STORE,
+                                                                   manager=MANAGER) + ":u").encode())
+                                    + _varint_field(4, step)) for slot, step in steps.items())
+    created = string_field(3, _varint_field(1, 1000 + rnd) + _varint_field(2, 7))
+    return string_field(1, _varint_field(1, 5) + members + created)
+
+
+def test_a_quorum_round_reads_each_members_slot_and_committed_steps():
+    from lowband.ft.node import _STEP_SCALE, quorum_step
+
+    assert COMMITTED_SCALE == _STEP_SCALE  # a node reports training step × this + committed steps
+    steps = {0: quorum_step(40, 12), 2: quorum_step(41, 12)}
+    ids = {slot: replica_id("f00d", slot, secret=SECRET, store=STORE, manager=MANAGER) + ":u" for slot in steps}
+    assert quorum_round(_response(3, steps)) == ((1003, 7), steps, ids)
+    assert quorum_round(b"\x0a\x02\xff") is None
+
+
+def _rounds(breaker, clock, rounds):
+    """One quorum round each, 5 s apart (a round is known by its time: each member gets the same answer)."""
+    for steps in rounds:
+        clock.t += 5.0
+        breaker.observe((round(clock.t * 1000), 0), steps)
+        breaker.observe((round(clock.t * 1000), 0), steps)  # the same round, as another member received it
+
+
+def q(train: int, committed: int) -> int:
+    """A node's quorum step (lowband.ft.node.quorum_step)."""
+    return train * COMMITTED_SCALE + committed
+
+
+def test_the_gate_benches_the_one_member_in_every_failed_quorum_and_none_that_went_through():
+    clock = Clock()
+    b = StallBreaker(stall_rounds=3, probation_s=20.0, bench_s=100.0, clock=clock)
+    # node 2 gets into every other quorum, claiming the others' steps and progress of its own; those steps fail
+    rounds, t, c = [], 10, 10
+    for k in range(4):
+        rounds.append({0: q(t, c), 1: q(t, c)})  # without it: committed
+        t, c = t + 1, c + 1
+        rounds.append({0: q(t, c), 1: q(t, c), 2: q(t + 40, c + k)})  # with it: dropped
+        t += 1
+    _rounds(b, clock, rounds)
+    assert b.held(2)[0] == "benched" and b.held(0) is None and b.held(1) is None
+    clock.t += 101.0
+    assert b.held(2) is None  # it may come back; a second offence keeps it out twice as long
+    _rounds(b, clock, rounds)
+    kind, until = b.held(2)
+    assert kind == "benched" and until - clock.t > 150.0
+
+
+def test_with_the_same_members_every_round_the_gate_finds_it_by_probation():
+    clock = Clock()
+    b = StallBreaker(stall_rounds=2, probation_s=20.0, bench_s=100.0, clock=clock)
+
+    def failing(slots, t):  # node 0 claims commits of its own; the others drop their steps
+        return {s: q(t, 7 + t if s == 0 else 7) for s in slots}
+
+    t = 0
+
+    def run(slots, n, *, until_probation=False):
+        nonlocal t
+        for _ in range(n):
+            t += 1
+            _rounds(b, clock, [failing(slots, t)])
+            if until_probation and b.probation is not None:
+                return
+
+    run((0, 1, 2), 5, until_probation=True)
+    assert b.probation[0] == 2  # all joined together: the highest slot first
+    run((0, 1), 5)  # without node 2 the steps fail too: its probation runs out, it comes back
+    assert b.held(2) is None
+    run((0, 1, 2), 5, until_probation=True)
+    assert b.probation is not None and b.probation[0] == 1
+    run((0, 2), 5)
+    run((0, 1, 2), 5, until_probation=True)
+    assert b.probation[0] == 0
+    _rounds(b, clock, [{1: q(t + 1, 8), 2: q(t + 1, 8)}])  # without node 0 the others commit
+    assert b.held(0)[0] == "benched" and b.held(1) is None and b.held(2) is None
+
+
+def test_a_job_that_commits_waits_or_has_two_members_is_never_held():
+    clock = Clock()
+    b = StallBreaker(stall_rounds=2, clock=clock)
+    _rounds(b, clock, [{0: q(s, s), 1: q(s, s), 2: q(s, s - 1)} for s in range(1, 20)])  # training (2 behind)
+    _rounds(b, clock, [{0: q(20, 19), 1: q(20, 19), 2: q(20, 19)}] * 10)  # asking again, not training: no outcome
+    _rounds(b, clock, [{0: q(20 + k, 19), 1: q(20 + k, 19)} for k in range(10)])  # two members: nobody can tell
+    assert b.probation is None and not b.benched and not any(ok is False for _, ok in b.outcomes if len(_) > 2)
+
+
+# ----------------------------------------------------------------------------- a node's Manager
+@pytest.fixture
+def manager_backend():
+    """A stand-in for a node's torchft Manager that records what reaches it."""
+    seen: list[str] = []
+
+    def handler(name):
+        def handle(request, context):
+            seen.append(name)
+            return b"ok:" + request
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    names = ("Quorum", "CheckpointMetadata", "ShouldCommit", "Kill")
+    server = grpc.server(ThreadPoolExecutor(max_workers=4), handlers=[grpc.method_handlers_generic_handler(
+        MANAGER_SERVICE, {n: handler(n) for n in names})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", seen
+    server.stop(grace=None)
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_a_nodes_manager_gate_serves_no_kill_and_its_own_calls_to_its_own_host_only(manager_backend, own):
+    backend, seen = manager_backend
+    gate = ManagerGate(bind="127.0.0.1:0", backend=backend, own_hosts={"127.0.0.1" if own else "10.9.9.9"},
+                       workers=4)
+    try:
+        address = f"127.0.0.1:{gate.port}"
+        assert _call(address, f"/{MANAGER_SERVICE}/CheckpointMetadata", b"r0") == b"ok:r0"  # healing peers: all
+        for name in ("Quorum", "ShouldCommit"):
+            if own:
+                assert _call(address, f"/{MANAGER_SERVICE}/{name}", b"x") == b"ok:x"
+            else:
+                with pytest.raises(grpc.RpcError) as e:
+                    _call(address, f"/{MANAGER_SERVICE}/{name}", b"x")
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "own ranks only" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            _call(address, f"/{MANAGER_SERVICE}/Kill", b"")
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        gate.shutdown()
+    assert "Kill" not in seen
+    assert seen == (["CheckpointMetadata", "Quorum", "ShouldCommit"] if own else ["CheckpointMetadata"])
+
+
+def test_a_peer_strings_host():
+    assert peer_host("ipv4:10.0.0.2:5123") == "10.0.0.2"
+    assert peer_host("ipv6:[::1]:5123") == "::1"
+    assert peer_host("unix:/tmp/x") == ""
+
+
+def test_a_call_without_a_deadline_is_passed_on_without_one(gate):
+    """torchft's heartbeats carry no deadline: gRPC reports ~9.2e18 s left, and passed on as a timeout that
+    failed every heartbeat at once (DEADLINE_EXCEEDED), so the Lighthouse saw no member alive but by its
+    quorum requests."""
+    g, seen, _ = gate
+    with grpc.insecure_channel(g.address().split("://", 1)[-1]) as ch:
+        assert ch.unary_unary(HEARTBEAT)(_heartbeat(MEMBER)) == b"answer:" + _heartbeat(MEMBER)[:8]  # no timeout
+    assert seen == [(HEARTBEAT, _heartbeat(MEMBER))]
+
+
+# ----------------------------------------------------------------------------- a member that sends bad messages
+def _member(slot: int, host: str) -> str:
+    return replica_id("f00d", slot, secret=SECRET, store=f"{host}:5000", manager=f"{host}:6000") + f":u{slot}"
+
+
+def test_reports_of_bad_messages_remove_a_member_only_when_most_of_the_others_report_it():
+    """Each member that evicts a sender from the exchange reports it; the gate benches it once two or more of the
+    round's other members, and more than half of them, reported it, each from its own address."""
+    clock = Clock()
+    b = StallBreaker(bench_s=100.0, clock=clock)
+    ids = {s: _member(s, f"10.0.0.{s + 1}") for s in range(4)}
+    b.observe((1, 0), {s: q(5, 5) for s in ids}, ids)
+    # a report counts only from a member of the round, about a member of it, from the reporter's own address
+    assert "came from 10.0.0.1" in b.accuse(ids[1], ids[3], "10.0.0.1", "x")  # node 0 speaking for node 1
+    forged = _member(1, "10.0.0.1")  # a valid tag for slot 1 at node 0's address: not the round's node 1
+    assert "not in the current quorum" in b.accuse(forged, ids[3], "10.0.0.1", "x")
+    assert "not (or no longer) in the current quorum" in b.accuse(ids[0], _member(3, "10.0.0.9"), "10.0.0.1", "x")
+    assert "not (or no longer)" in b.accuse(ids[0], ids[0], "10.0.0.1", "x")  # itself
+    assert b.accuse(ids[0], ids[3], "10.0.0.1", "index out of range") is None
+    assert b.accuse(ids[0], ids[3], "10.0.0.1", "index out of range") is None  # the same reporter again: one voice
+    assert b.held(3) is None and b.reports[ids[3]] == {0: "10.0.0.1"}
+    assert b.accuse(ids[1], ids[3], "10.0.0.2", "index out of range") is None  # 2 of the 3 others
+    assert b.held(3) == ("benched", 100.0)
+    assert "sent bad messages" in b.why[3] and "nodes 0, 1" in b.why[3] and "index out of range" in b.why[3]
+    assert b.held(0) is b.held(1) is b.held(2) is None
+    clock.t = 101.0
+    assert b.held(3) is None and 3 not in b.why  # its time is up
+
+
+def test_a_minority_or_a_lone_reporter_cannot_remove_a_member_and_reports_lapse_when_it_leaves():
+    clock = Clock()
+    b = StallBreaker(clock=clock)
+    ids = {s: _member(s, f"10.0.0.{s + 1}") for s in range(5)}
+    b.observe((1, 0), {s: q(5, 5) for s in ids}, ids)
+    b.accuse(ids[0], ids[4], "10.0.0.1", "x")
+    b.accuse(ids[1], ids[4], "10.0.0.2", "x")
+    assert b.held(4) is None  # 2 of the 4 others: not more than half
+    b.observe((2, 0), {s: q(6, 6) for s in range(4)}, {s: ids[s] for s in range(4)})  # node 4 left
+    assert ids[4] not in b.reports
+    # two members: one's report never removes the other (no majority to speak for the job)
+    two = {s: _member(s, f"10.0.0.{s + 1}") for s in range(2)}
+    b.observe((3, 0), {s: q(7, 7) for s in two}, two)
+    assert b.accuse(two[0], two[1], "10.0.0.1", "x") is None and b.held(1) is None
+    # on one host (loopback) every member has the same address: the slots count
+    local = {s: _member(s, "127.0.0.1") for s in range(3)}
+    b.observe((4, 0), {s: q(8, 8) for s in local}, local)
+    b.accuse(local[0], local[2], "127.0.0.1", "x")
+    b.accuse(local[1], local[2], "127.0.0.1", "x")
+    assert b.held(2) is not None
+    # on a network, two reports from one address are one voice (one host running two members)
+    b = StallBreaker(clock=clock)
+    net = {s: _member(s, "10.0.0.1" if s < 2 else f"10.0.0.{s + 1}") for s in range(3)}
+    b.observe((5, 0), {s: q(9, 9) for s in net}, net)
+    b.accuse(net[0], net[2], "10.0.0.1", "x")
+    b.accuse(net[1], net[2], "10.0.0.1", "x")
+    assert b.held(2) is None and b.reports[net[2]] == {0: "10.0.0.1", 1: "10.0.0.1"}
+
+
+def test_a_member_reported_through_the_gate_is_refused_there_and_leaves_with_the_reason(gate):
+    from lowband.ft.node import FaultToleranceConfig, gate_refusal
+
+    g, seen, _ = gate
+    ids = {s: _member(s, "127.0.0.1") for s in range(3)}
+    g.breaker.observe((1, 0), {s: q(5, 5) for s in ids}, ids)
+    assert accuse_at_gate(g.address(), ids[0], ids[2], "index out of range") is None
+    outsider = replica_id("f00d", 0) + ":x"
+    with pytest.raises(grpc.RpcError) as e:  # an outsider's report never reaches the breaker
+        _call(g.address(), ACCUSE, accusation_request(outsider, "http://127.0.0.1:6000", "127.0.0.1:5000", ids[2], "x"))
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "FAILED_PRECONDITION" in accuse_at_gate(g.address(), _member(1, "127.0.0.9"), ids[2], "x")
+    assert g.breaker.held(2) is None
+    assert accuse_at_gate(g.address(), ids[1], ids[2], "index out of range") is None
+    with pytest.raises(grpc.RpcError) as e:  # node 2's quorum request: refused, with the reason
+        _call(g.address(), QUORUM, admission_request(ids[2], "http://127.0.0.1:6000", "127.0.0.1:5000"))
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and KEPT_OUT in e.value.details()
+    assert _call(g.address(), HEARTBEAT, _heartbeat(ids[2])) == b""  # its heartbeats go no further
+    assert seen == []  # neither reached the Lighthouse
+    cfg = FaultToleranceConfig(lighthouse=g.address(), node=2, max_nodes=3, fingerprint="f00d")
+    err = str(gate_refusal(cfg, e.value.details().split(REFUSED, 1)[1]))
+    assert "node 2 is removed from the job" in err and "bad messages" in err and "secret" not in err
+
+
+def test_a_node_whose_quorum_waits_asks_the_gate_and_leaves_at_once_when_it_was_removed(gate, monkeypatch):
+    """torchft's Manager retries a quorum the gate refuses until its timeout and then reports only the timeout: a
+    node whose quorum waits asks the gate itself, and a node the gate removed leaves at once, with the reason."""
+    import time
+
+    from lowband.ft import quorum as ft_quorum
+    from lowband.ft.node import FaultTolerance, FaultToleranceConfig
+    from lowband.trust.admission import AdmissionRefused
+
+    g, seen, _ = gate
+    monkeypatch.setattr(ft_quorum, "GATE_POLL_S", 0.2)
+    ids = {s: _member(s, "127.0.0.1") for s in range(3)}
+    g.breaker.observe((1, 0), {s: q(5, 5) for s in ids}, ids)
+    ft = FaultTolerance.__new__(FaultTolerance)
+    ft.cfg = FaultToleranceConfig(lighthouse=g.address(), node=2, max_nodes=3, fingerprint="f00d", secret=SECRET)
+    ft.replica_id = ids[2]
+    client = type("C", (), {})()
+    client._quorum = lambda **kw: (time.sleep(0.7), "the quorum")[1]  # slow, but a member's: the gate lets it be
+    rec = ft_quorum.QuorumRecorder(client, ft)
+    assert rec._asked(step=0) == "the quorum"
+    for reporter in (0, 1):
+        assert accuse_at_gate(g.address(), ids[reporter], ids[2], "index out of range") is None
+    client._quorum = lambda **kw: time.sleep(60)  # refused at the gate: torchft would wait out its timeout
+    t0 = time.monotonic()
+    with pytest.raises(AdmissionRefused, match=r"node 2 is removed from the job .*sent bad messages.*nodes 0, 1"):
+        rec._asked(step=1)
+    assert time.monotonic() - t0 < 5.0
+    assert seen == []
