@@ -28,12 +28,7 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lowband.checkpoint.dcp import save_checkpoint
-from lowband.comm.link import Link
-from lowband.distributed.sharding import shard_model
-from lowband.distributed.topology import Topology
-from lowband.optim import FlexDeMo
-from lowband.train.models import transformer_blocks
+from lowband import FlexDeMo, Link, Topology, save_checkpoint, shard_model, transformer_blocks
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--steps", type=int, default=20, help="optimizer steps")

@@ -1,12 +1,17 @@
 """The package's shape, read from its source with ast (no import, no process).
 
-Two rules a reviewer asked for (issue 28, item 7):
+The rules:
   * no import circle anywhere in lowband/: no module imports, at any depth (module level or
     inside a function), a module that imports it back. A package's __init__ counts as that
     package's module; `from lowband.x import y` where y is a submodule imports lowband.x.y,
     where y is a name defined in lowband.x it imports lowband.x; a module named in a string where
     importlib.import_module is called (lowband/cli.py's command table) counts as imported too.
   * no module over MAX_LINES lines.
+  * the layers of docs/architecture.md: a package imports only packages below it (the block there is
+    read, so the picture and the code cannot drift apart), and it names every package;
+  * at most MAX_TOP modules at the top of lowband/;
+  * the core knows nothing of fault tolerance or test faults: the trainer asks its membership
+    (lowband.ft.session) and never whether fault tolerance is on; the optimizers never import testing/.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from pathlib import Path
 
 PACKAGE = "lowband"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
 MAX_LINES = 700
+MAX_TOP = 5
 
 
 def _modules() -> dict[str, Path]:
@@ -74,7 +81,8 @@ def _imports(mod: str, path: Path, modules: dict[str, Path]) -> set[str]:
     # module that calls import_module, every string that names a module of the package is an import.
     if any(isinstance(n, ast.Attribute) and n.attr == "import_module" for n in ast.walk(tree)):
         for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules:
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules \
+                    and node.value != PACKAGE:  # "lowband" alone is a program name (prog=), not an import
                 found.add(node.value)
     found.discard(mod)
     return found
@@ -181,3 +189,65 @@ def test_a_circle_is_found_and_printed_as_a_path():
     (cycle,) = find_cycles(graph)
     assert cycle["modules"] == ["a", "b", "c"] and cycle["cycle"] == ["a", "b", "c", "a"]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def layers() -> dict[str, int]:
+    """docs/architecture.md's layer block: package or top-level module (``cli``, ``units``) -> its height."""
+    text = ARCHITECTURE.read_text()
+    start = text.index("<!-- layers:")
+    block = text[text.index("```text\n", start) + len("```text\n"):text.index("```", text.index("```text\n", start) + 8)]
+    out: dict[str, int] = {}
+    rows = [line.split() for line in block.splitlines()[2:] if line[:6].strip()]
+    for height, (_, name, *_rest) in enumerate(reversed(rows)):
+        out[name.rstrip("/").removesuffix(".py")] = height
+    return out
+
+
+def _unit(module: str) -> str:
+    """The layer unit of a module: its package under lowband/ (``lowband.optim.outer.diloco`` -> ``optim``), or
+    the top-level module's own name; ``lowband`` itself (the public API) and ``__main__`` stand above all."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "lowband"
+
+
+def test_the_architecture_picture_names_every_package_and_top_module():
+    names = set(layers())
+    on_disk = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    on_disk |= {p.stem for p in ROOT.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    assert on_disk == names, f"docs/architecture.md's layers lack {on_disk - names}, name gone {names - on_disk}"
+
+
+def test_every_import_goes_down_the_layers():
+    height = layers()
+    top = max(height.values()) + 1
+    height.update({"lowband": top, "__main__": top})
+    upward = sorted(
+        f"{a} -> {b}"
+        for a, targets in import_graph().items()
+        for b in targets
+        if _unit(a) != _unit(b) and height[_unit(a)] <= height[_unit(b)]
+    )
+    assert not upward, "imports that go up or across docs/architecture.md's layers:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    height = {"optim": 5, "testing": 8}
+    assert height[_unit("lowband.optim.outer.diloco")] <= height[_unit("lowband.testing.poison")]
+    assert _unit("lowband.cli") == "cli" and _unit("lowband") == "lowband"
+    assert layers()["compress"] < layers()["optim"] < layers()["train"] < layers()["commands"] < layers()["cli"]
+
+
+def test_at_most_five_modules_at_the_top():
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(top) <= MAX_TOP, f"{len(top)} modules at the top of lowband/ (at most {MAX_TOP}): {top}"
+
+
+def test_the_core_knows_nothing_of_fault_tolerance_or_test_faults():
+    graph = import_graph()
+    ft_in_core = sorted(m for m in graph["lowband.train.loop"] if m.startswith("lowband.ft") and m != "lowband.ft.session")
+    assert not ft_in_core, f"the trainer imports fault tolerance beyond its membership interface: {ft_in_core}"
+    loop = (ROOT / "train" / "loop.py").read_text()
+    assert "self.ft" not in loop and "ft_cfg" not in loop, "the trainer asks whether fault tolerance is on"
+    poisoned = sorted(f"{a} -> {b}" for a, bs in graph.items() if a.startswith("lowband.optim")
+                      for b in bs if b.startswith("lowband.testing"))
+    assert not poisoned, f"optimizers importing test faults: {poisoned}"

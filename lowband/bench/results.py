@@ -61,6 +61,7 @@ one schema for the writer and this reader) are the source of every training fiel
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import math
@@ -103,18 +104,24 @@ def now_iso() -> str:
     return datetime.now().astimezone().isoformat(timespec="seconds")
 
 
+def _lowband_version() -> str:
+    # From the installed distribution, not `lowband.__version__`: the bench does not import the package's top.
+    try:
+        return importlib.metadata.version("lowband")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def host_info() -> dict[str, Any]:
     """Where the bench ran: host name, platform, Python, torch and lowband versions, CPU count."""
     import torch
-
-    import lowband
 
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
-        "lowband": lowband.__version__,
+        "lowband": _lowband_version(),
         "cpu_count": os.cpu_count(),
     }
 

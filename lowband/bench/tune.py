@@ -84,7 +84,7 @@ MAX_EXTEND = 2
 #: Losses within this fraction of a round's lowest are tied; the smallest tied lr leads (see the module's docstring).
 TIE = 0.01
 #: MODELLED cost of one search run besides its steps (start-up, validation, exit) and of one step, on 2 CPU cores.
-EST_RUN_OVERHEAD_S = 15.0  # measured 2026-12-03: t5-tiny search runs took 13 s each (5 runs, 35 steps: 64 s)
+EST_RUN_OVERHEAD_S = 15.0  # start-up of one search run, for the printed estimate (docs/time-to-quality.md)
 EST_STEP_S = 0.5
 TUNED, GIVEN, PRESET, DEFAULT = "tuned here", "given", "preset default", "method default"
 

@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 #: How often a node's Manager tells the Lighthouse it is alive (torchft's default: every 0.1 s). Half a second is
 #: still six beats in the Lighthouse's 3 s heartbeat timeout, and a fifth of the calls through the Lighthouse's
-#: gate (each costs about 0.85 ms of the Lighthouse host's CPU; benchmarks/README.md, protection_cost.py).
+#: gate, each of which costs the Lighthouse host CPU (benchmarks/README.md: protection_cost.py).
 HEARTBEAT_INTERVAL_S = 0.5
 
 __all__ = ["FaultToleranceConfig", "FaultTolerance", "local_state", "load_local_state",

@@ -99,9 +99,7 @@ def choose_mode() -> tuple[str, str]:
 
 
 def _repo_root() -> Path:
-    import lowband
-
-    return Path(lowband.__file__).resolve().parents[1]
+    return Path(__file__).resolve().parents[2]  # lowband/simulate/measure.py -> the folder that holds lowband/
 
 
 def _measure_one(num_nodes: int, spec: MeasureSpec, *, mode: str, work_dir: Path) -> dict[str, Any]:
