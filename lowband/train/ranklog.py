@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TextIO
 
-__all__ = ["RankIdentity", "configure_rank_logging", "rank_identity"]
+__all__ = ["QUIET_LOGGERS", "RankIdentity", "configure_rank_logging", "rank_identity"]
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,16 @@ def rank_identity(environ: Mapping[str, str] | None = None, *, node: int | None 
     return RankIdentity(node=node, rank=rank, local_rank=local_rank)
 
 
+#: Loggers held at WARNING: torchft's Manager logs three INFO lines per step (quorum, commit vote), which would
+#: bury the progress lines; lowband logs each change of membership itself (lowband.ft.session).
+QUIET_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits")
+
+
 def configure_rank_logging(identity: RankIdentity, *, stream: TextIO | None = None) -> None:
     """Set the root logger up for this rank: its level (:attr:`RankIdentity.level`) and a format that names its
-    node and rank; called again (the node known only once the config is read), it replaces what it set."""
+    node and rank; :data:`QUIET_LOGGERS` at WARNING. Called again (the node known only once the config is read),
+    it replaces what it set."""
     logging.basicConfig(level=identity.level, stream=stream, force=True,
                         format=f"%(asctime)s {identity.prefix} %(levelname)s %(name)s: %(message)s")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(max(identity.level, logging.WARNING))

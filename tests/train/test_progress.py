@@ -15,7 +15,7 @@ import pytest
 
 from lowband.train.config import RunConfig, TrainConfig
 from lowband.train.progress import ProgressLog, ProgressReport, format_duration, show_progress_bar
-from lowband.train.ranklog import configure_rank_logging, rank_identity
+from lowband.train.ranklog import QUIET_LOGGERS, configure_rank_logging, rank_identity
 from tests.train.corpus import corpus
 
 
@@ -93,7 +93,10 @@ def root_logger():
     """The root logger's handlers and level, put back after the test (configure_rank_logging replaces them)."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    quiet = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
     yield root
+    for name, lvl in quiet.items():
+        logging.getLogger(name).setLevel(lvl)
     for h in root.handlers[:]:
         root.removeHandler(h)
     for h in handlers:
@@ -114,6 +117,7 @@ def test_local_rank_0_logs_info_the_others_warnings_and_every_line_names_node_an
         configure_rank_logging(rank_identity(env), stream=stream)
         logging.getLogger("lowband.train.loop").info("step 10/100 | loss 3")
         logging.getLogger("lowband.ft.node").warning("the commit vote failed")
+        logging.getLogger("torchft.manager").info("should_commit=True")  # every step: held back
         lines[name] = stream.getvalue().splitlines()
     assert len(lines["leader"]) == 2 and "[node 2 rank 4] INFO lowband.train.loop: step 10/100" in lines["leader"][0]
     assert len(lines["other"]) == 1 and "[node 2 rank 5] WARNING lowband.ft.node: the commit vote failed" in lines["other"][0]
