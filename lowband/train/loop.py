@@ -2,7 +2,9 @@
 
 Per step and rank: the rank's slice of the global batch -> forward/backward (FSDP2 reduce-scatters
 inside the node) -> ``optimizer.step()`` (the inter-node part, through the link) -> the link's
-record of the step. Rank 0 writes ``metrics.jsonl``; every rank writes ``summary_rank{R}.json``.
+record of the step. Rank 0 writes ``metrics.jsonl`` (and sends it to the ``--report-to`` trackers);
+every rank writes ``summary_rank{R}.json``; local rank 0 of each node logs a progress line every
+``--log-every`` steps (:mod:`lowband.train.progress`, docs/monitoring.md).
 
 Outputs in ``--out`` (schema used by `lowband bench`):
 
