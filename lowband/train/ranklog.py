@@ -72,9 +72,10 @@ QUIET_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits")
 
 def configure_rank_logging(identity: RankIdentity, *, stream: TextIO | None = None) -> None:
     """Set the root logger up for this rank: its level (:attr:`RankIdentity.level`) and a format that names its
-    node and rank; :data:`QUIET_LOGGERS` at WARNING. Called again (the node known only once the config is read),
+    node and rank; :data:`QUIET_LOGGERS` at WARNING; Python warnings through logging. Called again (the node known only once the config is read),
     it replaces what it set."""
     logging.basicConfig(level=identity.level, stream=stream, force=True,
                         format=f"%(asctime)s {identity.prefix} %(levelname)s %(name)s: %(message)s")
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(max(identity.level, logging.WARNING))
+    logging.captureWarnings(True)  # Python warnings (torch's, transformers') get the rank's prefix too

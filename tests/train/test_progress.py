@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import struct
+import warnings
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,7 @@ def root_logger():
     handlers, level = root.handlers[:], root.level
     quiet = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
     yield root
+    logging.captureWarnings(False)
     for name, lvl in quiet.items():
         logging.getLogger(name).setLevel(lvl)
     for h in root.handlers[:]:
@@ -118,9 +120,15 @@ def test_local_rank_0_logs_info_the_others_warnings_and_every_line_names_node_an
         logging.getLogger("lowband.train.loop").info("step 10/100 | loss 3")
         logging.getLogger("lowband.ft.node").warning("the commit vote failed")
         logging.getLogger("torchft.manager").info("should_commit=True")  # every step: held back
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")  # not only once per place: both ranks warn
+            warnings.warn("a library's warning", UserWarning, stacklevel=1)
         lines[name] = stream.getvalue().splitlines()
-    assert len(lines["leader"]) == 2 and "[node 2 rank 4] INFO lowband.train.loop: step 10/100" in lines["leader"][0]
-    assert len(lines["other"]) == 1 and "[node 2 rank 5] WARNING lowband.ft.node: the commit vote failed" in lines["other"][0]
+    assert "[node 2 rank 4] INFO lowband.train.loop: step 10/100" in lines["leader"][0]
+    assert "[node 2 rank 5] WARNING lowband.ft.node: the commit vote failed" in lines["other"][0]
+    for name, first in (("leader", 2), ("other", 1)):
+        assert "WARNING py.warnings:" in lines[name][first] and "a library's warning" in lines[name][first]
+        assert not any("should_commit" in line for line in lines[name])
 
 
 # --------------------------------------------------------------------------- the trackers' options
