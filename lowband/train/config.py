@@ -10,7 +10,8 @@
                        time_budget_s
       link             LinkConfig: bandwidth_bps, latency_s
       checkpoint       CheckpointConfig: every, at_end, resume, trust
-      run              RunConfig: seed, val_every, val_batches, out, tensorboard, progress, memory_profile
+      run              RunConfig: seed, val_every, val_batches, out, tensorboard, report_to, log_every,
+                       run_name, wandb_project, progress, memory_profile, poison, stop_file
       fault_tolerance  FaultToleranceJob: lighthouse, node, max_nodes, timeout_s, quorum, start_nodes
 
 Every field of a table is declared once, with :func:`lowband.train.fields.option`: its default, its
@@ -37,7 +38,7 @@ from typing import Any
 from lowband.train.data.config import DataConfig
 from lowband.train.fields import job_fields, option
 from lowband.train.methods import METHODS, MethodConfig, method_config
-from lowband.units import parse_bandwidth, parse_duration
+from lowband.units import parse_bandwidth, parse_duration, split_list
 
 __all__ = ["CheckpointConfig", "DataConfig", "FaultToleranceJob", "LinkConfig", "ModelConfig", "RunConfig",
            "RunMethod", "ScheduleConfig", "TrainConfig", "sections"]
@@ -123,8 +124,22 @@ class RunConfig:
     val_every: int = option(0, "validate every N steps (0: per epoch)")
     val_batches: int = option(8, "validation batches per evaluation")
     out: str = option("runs/train", "run directory")
-    tensorboard: bool = option(False, "also write TensorBoard scalars (needs the tensorboard package)")
-    progress: bool = option(True, "no progress bar", flag="--no-progress")
+    tensorboard: bool = option(False, "the same as --report-to tensorboard (kept for the job files that set it)")
+    report_to: str | None = option(
+        None, "send the run's scalars (rank 0: every step's and validation's record, and the progress lines' numbers) "
+        "to these trackers, a comma list: tensorboard (event files in OUT/tensorboard; pip install "
+        "'lowband[tensorboard]'), wandb (Weights & Biases, with the job's config.toml as the run's config; pip "
+        "install 'lowband[wandb]'; WANDB_MODE=offline keeps the run on disk). Default: none (metrics.jsonl only)",
+        metavar="TRACKERS")
+    log_every: int = option(10, "log a progress line every N steps on local rank 0 of each node: step, training "
+                            "loss, last validation loss, tokens/s, MB sent between nodes per step, share of the "
+                            "step spent communicating, ETA (0: no lines)", metavar="N")
+    run_name: str | None = option(None, "the run's name in the trackers (default: the name of the --out directory; "
+                                  "a fault-tolerant node adds -nodeN)", metavar="NAME")
+    wandb_project: str | None = option(None, "the W&B project (default: $WANDB_PROJECT, else lowband)",
+                                       metavar="NAME")
+    progress: bool = option(True, "no progress bar (it is drawn on rank 0 only when stderr is a terminal; "
+                            "elsewhere the --log-every lines say the same)", flag="--no-progress")
     memory_profile: bool = option(False, "CPU: make glibc return freed memory so the summary's per-phase peaks "
                                   "follow live memory (~25% more CPU time)")
     poison: str | None = option(None, "fault injection: node N sends wrong updates from STEP on (scale: x1000, "
@@ -134,6 +149,11 @@ class RunConfig:
     stop_file: str | None = option(None, "end the run cleanly after the step number this file holds, once it appears "
                                    "(the same number on every node, ahead of the job; a local-step method ends with "
                                    "that window's outer step)", metavar="PATH")
+
+    def trackers(self) -> tuple[str, ...]:
+        """The trackers ``report_to`` names (the older ``tensorboard = true`` adds tensorboard), each once."""
+        names = [n.lower() for n in split_list(self.report_to or "")]
+        return tuple(dict.fromkeys([*names, *(["tensorboard"] if self.tensorboard else [])]))
 
 
 @dataclass(kw_only=True)
@@ -275,9 +295,12 @@ class TrainConfig:
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         for value, flag in ((r.val_every, "--val-every"), (self.checkpoint.every, "--ckpt-every"),
-                            (s.warmup_steps, "--warmup-steps")):
+                            (s.warmup_steps, "--warmup-steps"), (r.log_every, "--log-every")):
             if value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
+        from lowband.train.trackers import check_trackers
+
+        check_trackers(r.trackers())  # a tracker not installed is named now, not after the model is built
         from lowband.distributed.sharding import PRECISIONS
 
         if self.model.precision not in PRECISIONS:

@@ -2,7 +2,9 @@
 
 Per step and rank: the rank's slice of the global batch -> forward/backward (FSDP2 reduce-scatters
 inside the node) -> ``optimizer.step()`` (the inter-node part, through the link) -> the link's
-record of the step. Rank 0 writes ``metrics.jsonl``; every rank writes ``summary_rank{R}.json``.
+record of the step. Rank 0 writes ``metrics.jsonl`` (and sends it to the ``--report-to`` trackers);
+every rank writes ``summary_rank{R}.json``; local rank 0 of each node logs a progress line every
+``--log-every`` steps (:mod:`lowband.train.progress`, docs/monitoring.md).
 
 Outputs in ``--out`` (schema used by `lowband bench`):
 
@@ -25,6 +27,7 @@ trained on (source and target); the bench sums it over ranks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -40,6 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from lowband.comm.link import Link
 from lowband.comm.traffic import OpTally, merge_tallies
@@ -50,6 +54,7 @@ from lowband.train.config import ScheduleConfig, TrainConfig
 from lowband.train.memory import PhaseMemory
 from lowband.train.methods import METHODS, method_shards
 from lowband.train.metrics import MetricsFile
+from lowband.train.progress import ProgressLog, show_progress_bar
 from lowband.train.schedule import warmup_cosine_factor
 from lowband.train.summary import RunSummary
 
@@ -255,25 +260,46 @@ class Trainer:
         self.profile = PhaseMemory(self.device, return_freed=cfg.run.memory_profile)
         # A resumed run, or a node that may rejoin a fault-tolerant job, appends to the record of its earlier life.
         append = self.membership.appends_metrics(self)
-        self.metrics = MetricsFile(self.out, enabled=self.rank == 0, tensorboard=cfg.run.tensorboard,
-                                append=self.start_step > 0 or append)
+        trackers = []
         if self.rank == 0:  # the complete job: `lowband train --config OUT/config.toml` runs it again
             from lowband.train import jobfile
 
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.toml").write_text(jobfile.dumps(cfg))
+            job = jobfile.dumps(cfg)
+            (self.out / "config.toml").write_text(job)
+            trackers = self._open_trackers(jobfile.loads(job))
+        self.metrics = MetricsFile(self.out, enabled=self.rank == 0, append=self.start_step > 0 or append,
+                                   trackers=trackers)
         self.steps_per_epoch = steps_per_epoch(self.data, world_size=self.data_world, batch_size=self.step_batch)
         note = passes_note(self.data, steps=cfg.schedule.steps, world_size=self.data_world,
                            batch_size=cfg.schedule.batch_size, grad_accum=cfg.schedule.grad_accum)
         if note and self.rank == 0:  # before step 0: the data-size guard
             log.warning("%s", note)
         self.bar = None
-        if self.rank == 0 and cfg.run.progress:
+        if show_progress_bar(enabled=cfg.run.progress, rank=self.rank):  # a terminal: not a cluster's log file
             from tqdm import tqdm
 
             self.bar = tqdm(total=cfg.schedule.steps, initial=self.start_step, desc=cfg.method.name, file=sys.stderr,
                             dynamic_ncols=True, mininterval=1.0)
+        # The --log-every lines: local rank 0 of each node (the other ranks of a node would say the same).
+        self.progress = None
+        if cfg.run.log_every and self.rank % self.topology.ranks_per_node == 0:
+            self.progress = ProgressLog(every=cfg.run.log_every, total_steps=cfg.schedule.steps,
+                                        budget_s=cfg.schedule.time_budget_s, tokens=self.clock["tokens"],
+                                        train_time_s=self.clock["train_time_s"])
         self.wall0 = time.perf_counter()
+
+    def _open_trackers(self, job: dict) -> list:
+        """Rank 0's ``--report-to`` trackers; ``job``: the tables of the config.toml just written."""
+        from lowband.train.trackers import open_trackers
+
+        cfg = self.cfg
+        name = cfg.run.run_name or self.out.resolve().name
+        group = None
+        if cfg.fault_tolerance.lighthouse is not None:  # every node reports: one run each, grouped by the job
+            name, group = f"{name}-node{cfg.fault_tolerance.node}", name
+        return open_trackers(cfg.run.trackers(), out=self.out, config=job, name=name,
+                             project=cfg.run.wandb_project, group=group)
 
     # ------------------------------------------------------------------ phases
     def train_step(self, step: int) -> float:
@@ -328,6 +354,14 @@ class Trainer:
             self.bar.set_postfix(loss=f"{loss:.3f}", s_step=f"{step_time:.3f}", comm=f"{traffic.comm_time_s:.3f}",
                                  refresh=False)
             self.bar.update(1)
+        if self.progress is not None:
+            report = self.progress.after_step(step=step + 1, loss=loss, step_time_s=step_time,
+                                              exposed_comm_time_s=exposed,
+                                              node_bytes_sent=traffic.node_inter_node_bytes_sent,
+                                              tokens=self.clock["tokens"], train_time_s=self.clock["train_time_s"])
+            if report is not None:
+                log.info("%s", report.line())
+                self.metrics.log_scalars(report.scalars(), step + 1)
         return loss
 
     def evaluate(self, step: int) -> float:
@@ -343,6 +377,8 @@ class Trainer:
                  "wall_s": time.perf_counter() - self.wall0, "val_loss": v}  # fmt: skip
         self.tally.val_history.append(point)
         self.metrics.write({"type": "val", **point})
+        if self.progress is not None:
+            self.progress.note_val(v)
         return v
 
     def checkpoint(self, step: int) -> None:
@@ -407,7 +443,9 @@ class Trainer:
         if self.start_step == 0:
             self.evaluate(0)
         try:
-            self.membership.train(self)  # the loop below, or fault tolerance's own around the same steps
+            # Under a bar, log lines go through tqdm.write, so that they do not break the bar's line.
+            with logging_redirect_tqdm() if self.bar is not None else contextlib.nullcontext():
+                self.membership.train(self)  # the loop below, or fault tolerance's own around the same steps
             self.optimizer.flush()  # an overlapped exchange still in flight: apply it
             self.evaluate(self.steps_done)
             if cfg.checkpoint.at_end or cfg.checkpoint.every:

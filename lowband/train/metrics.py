@@ -1,40 +1,49 @@
-"""``metrics.jsonl`` (and TensorBoard scalars) on rank 0: one record per training step and per validation."""
+"""``metrics.jsonl`` on rank 0: one record per training step and per validation, also sent to the run's
+trackers (``--report-to``: TensorBoard, W&B; :mod:`lowband.train.trackers`)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from lowband.train.trackers import Tracker
 
 __all__ = ["MetricsFile"]
 
 
 class MetricsFile:
-    """metrics.jsonl (and TensorBoard) on rank 0."""
+    """metrics.jsonl (and the trackers) on rank 0.
 
-    def __init__(self, out: Path, *, enabled: bool, tensorboard: bool, append: bool) -> None:
+    Args:
+        out: the run directory.
+        enabled: False on every rank but 0 (nothing is written).
+        append: go on with an earlier life's file (a resume, a node that rejoins).
+        trackers: opened by :func:`lowband.train.trackers.open_trackers`; closed with this file.
+    """
+
+    def __init__(self, out: Path, *, enabled: bool, append: bool, trackers: Sequence[Tracker] = ()) -> None:
         self.enabled = enabled
         self.file = open(out / "metrics.jsonl", "a" if append else "w") if enabled else None  # noqa: SIM115
-        self.tb = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(out / "tensorboard"))
-            except ImportError as e:
-                raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from e
+        self.trackers = list(trackers) if enabled else []
 
     def write(self, record: dict) -> None:
+        """One record (``type``, ``step`` and its numbers) to the file, and its numbers to each tracker as
+        ``<type>/<key>`` at its step."""
         if not self.enabled:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for k, v in record.items():
-                if k not in ("type", "step") and isinstance(v, int | float):
-                    self.tb.add_scalar(f"{record['type']}/{k}", v, record["step"])
+        self.log_scalars({f"{record['type']}/{k}": v for k, v in record.items()
+                          if k not in ("type", "step") and isinstance(v, int | float)}, record["step"])
+
+    def log_scalars(self, scalars: Mapping[str, float], step: int) -> None:
+        """Numbers for the trackers only (the progress lines'), by tag, at ``step``."""
+        for tracker in self.trackers:
+            tracker.log(scalars, step)
 
     def close(self) -> None:
         if self.file:
             self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
