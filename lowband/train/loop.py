@@ -259,9 +259,12 @@ class Trainer:
                                 append=self.start_step > 0 or append)
         if self.rank == 0:  # the complete job: `lowband train --config OUT/config.toml` runs it again
             from lowband.train import jobfile
+            from lowband.train.tokenizer import save_for_transformers
 
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.toml").write_text(jobfile.dumps(cfg))
+            # The tokenizer the run trained or was given: OUT needs nothing from the user's cache to be used.
+            save_for_transformers(self.data.tokenizer, self.out / "tokenizer", seq2seq=self.spec.kind == "seq2seq")
         self.steps_per_epoch = steps_per_epoch(self.data, world_size=self.data_world, batch_size=self.step_batch)
         note = passes_note(self.data, steps=cfg.schedule.steps, world_size=self.data_world,
                            batch_size=cfg.schedule.batch_size, grad_accum=cfg.schedule.grad_accum)
