@@ -35,11 +35,12 @@ from pathlib import Path
 
 import tomllib
 import torch
+import torch.distributed.checkpoint as dcp
 
 from lowband.checkpoint.dcp import latest_checkpoint
 from lowband.checkpoint.signatures import SafePlanner, SafeReader, read_metadata, verify_manifest
 from lowband.train.methods import METHODS
-from lowband.train.models import MODEL_SIZES
+from lowband.train.models import MODEL_SIZES, build_model
 from lowband.train.tokenizer import for_transformers, load_tokenizer, special_ids
 from lowband.util import atomic_dir
 
@@ -229,8 +230,6 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, force:
 
 def _build(source: ExportSource, *, vocab_size: int) -> tuple[torch.nn.Module, str]:
     """The run's model, built as the run built it (its weights are then overwritten by the checkpoint's)."""
-    from lowband.train.models import build_model
-
     name = source.model
     if name not in MODEL_SIZES and not Path(name).expanduser().is_dir():
         raise ValueError(f"checkpoint {source.checkpoint} was trained from the local model directory {name}, "
@@ -250,11 +249,9 @@ def _targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _load_weights(model: torch.nn.Module, source: ExportSource, md, *, replica: int | str | None) -> str:
     """Read the checkpoint's parameters into ``model`` (in place); returns which, in words."""
-    import torch.distributed.checkpoint as dcp
-
     saved = md.state_dict_metadata
     targets = _targets(model)
-    slow = list(dict(model.named_parameters())) if replica is not None else []
+    slow = dict.fromkeys(dict(model.named_parameters())) if replica is not None else {}  # ordered, quick to test
     problems = []
     for name, t in targets.items():
         key = f"optim.state.{name}.slow" if name in slow else f"model.{name}"
