@@ -1,4 +1,4 @@
-"""``lowband train | bench | report | lighthouse | secret | simulate``: one subcommand each, its module imported only when used."""
+"""``lowband train | export | bench | report | lighthouse | secret | simulate``: one subcommand each, its module imported only when used."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ __all__ = ["main", "build_parser"]
 COMMANDS = {
     "train": ("lowband.commands.train", "add_arguments", "main",
               "train on this rank (launch with torchrun on real clusters)"),
+    "export": ("lowband.commands.export", "add_arguments", "main",
+               "a run's model as a transformers directory (config.json, model.safetensors, tokenizer)"),
     "bench": ("lowband.commands.bench", "add_arguments", "main",
               "methods × links on emulated nodes: tables, results.json and plots"),
     "report": ("lowband.commands.report", "add_arguments", "main",

@@ -1,4 +1,4 @@
-"""Small helpers that several layers share: yes/no values from text and back, atomic file writes.
+"""Small helpers that several layers share: yes/no values from text and back, atomic file and directory writes.
 
 Each exists once, here; the CLI parsers, the bench's spec parser and the caches call these. Numbers
 with units (durations, bandwidths, sizes) and comma-separated lists are :mod:`lowband.units`.
@@ -10,13 +10,14 @@ import argparse
 import functools
 import hashlib
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BoolParseError", "atomic_path", "file_digest", "format_value", "parse_bool"]
+__all__ = ["BoolParseError", "atomic_dir", "atomic_path", "file_digest", "format_value", "parse_bool"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -55,6 +56,32 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+@contextmanager
+def atomic_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """A new, empty temporary directory beside ``target`` to fill; it becomes ``target`` when the block succeeds.
+
+    If the block raises, the temporary directory is removed and ``target`` is untouched, so a failure
+    leaves nothing half-written. An existing ``target`` is replaced only once the new one is complete:
+    it is renamed aside, the new one renamed into place, then the old one removed (a crash between the
+    two renames leaves ``target`` missing and the old one beside it as ``.NAME.old-PID``). Whether an
+    existing ``target`` may be replaced is the caller's to decide.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    old = target.with_name(f".{target.name}.old-{os.getpid()}-{threading.get_ident()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if target.exists():
+            os.replace(target, old)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def format_value(value: Any) -> str:

@@ -124,6 +124,7 @@ BESIDE_FILES = (
     "tests/distributed/test_tied_embedding.py",
     "tests/checkpoint/test_dcp.py",
     "tests/train/test_loop.py",
+    "tests/train/test_export.py",
     "tests/train/test_step.py",
     "tests/train/test_heal.py",
 )

@@ -346,6 +346,10 @@ def make_config(
             given = train_overrides(entry_args)
         except ValueError as e:
             raise ValueError(f"--train-args {user!r}: {e}") from None
+        if given.get("run", {}).get("export_hf"):
+            raise ValueError(f"--train-args {user!r}: --export-hf would have every run of the bench export to one "
+                             "directory; give --train-args=--ckpt-at-end instead and export the runs you want "
+                             "afterwards: lowband export BENCH_OUT/runs/<id> --out DIR")
         user_hp = {k: v for k, v in given.get("method", {}).items() if k != "name"}
         for spec in specs:  # the user's hyper-parameters go to every method: each must have them
             try:

@@ -11,7 +11,8 @@
       link             LinkConfig: bandwidth_bps, latency_s
       checkpoint       CheckpointConfig: every, at_end, resume, trust
       run              RunConfig: seed, val_every, val_batches, out, tensorboard, report_to, log_every,
-                       run_name, wandb_project, progress, memory_profile, poison, stop_file
+                       run_name, wandb_project, progress, memory_profile, poison, stop_file,
+                       export_hf
       fault_tolerance  FaultToleranceJob: lighthouse, node, max_nodes, timeout_s, quorum, start_nodes
 
 Every field of a table is declared once, with :func:`lowband.train.fields.option`: its default, its
@@ -149,6 +150,11 @@ class RunConfig:
     stop_file: str | None = option(None, "end the run cleanly after the step number this file holds, once it appears "
                                    "(the same number on every node, ahead of the job; a local-step method ends with "
                                    "that window's outer step)", metavar="PATH")
+    export_hf: str | None = option(
+        None, "at the end, write the model as a transformers directory (config.json, model.safetensors, the tokenizer, "
+        "generation_config.json) to DIR, which must not exist or be empty: rank 0 exports the final checkpoint (written "
+        "for it when --ckpt-at-end and --ckpt-every are off), as `lowband export OUT --out DIR` does "
+        "(docs/export.md)", flag="--export-hf", metavar="DIR")
 
     def trackers(self) -> tuple[str, ...]:
         """The trackers ``report_to`` names (the older ``tensorboard = true`` adds tensorboard), each once."""
@@ -326,6 +332,10 @@ class TrainConfig:
             self.ft_config()
             method.check_fault_tolerance()
             require_torchft()
+        if r.export_hf is not None:
+            from lowband.train.export import check_out
+
+            check_out(r.export_hf, force=False, keep=(Path(r.out),))  # refused now, not after the run
         for flag, path in (("--data", self.data.path), ("--val-data", self.data.val_path),
                            ("--tokenizer", self.data.tokenizer)):
             if path is not None and not Path(path).exists():

@@ -19,8 +19,9 @@ Every run writes its complete configuration to ``OUT/config.toml`` (every hyper-
 method spelled out, so that a later change of a default does not change what it re-runs), and
 ``lowband train --config OUT/config.toml --out AGAIN`` runs it again.
 
-Left out of the written file: where the run writes (``[run] out``) and what it resumes from
-(``[checkpoint] resume``): a re-run must not write over the run it repeats.
+Left out of the written file: where the run writes (``[run] out``), what it resumes from
+(``[checkpoint] resume``) and where it exports its model (``[run] export_hf``): a re-run must not
+write over the run it repeats.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ TITLES = {
 }
 
 #: (table, key) a written file leaves out (see the module's docstring)
-_NOT_WRITTEN = (("run", "out"), ("checkpoint", "resume"))
+_NOT_WRITTEN = (("run", "out"), ("checkpoint", "resume"), ("run", "export_hf"))
 
 
 def check_value(table: str, key: str, value: Any, *, where: str = "") -> Any:
@@ -121,7 +122,7 @@ def load(path: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def dumps(cfg) -> str:
-    """``cfg`` (a TrainConfig) as a job file: every key but ``out`` and ``resume`` that is not None, and
+    """``cfg`` (a TrainConfig) as a job file: every key but ``out``, ``resume`` and ``export_hf`` that is not None, and
     every hyper-parameter of the method, defaults included."""
     import tomli_w
 
@@ -139,5 +140,5 @@ def dumps(cfg) -> str:
         doc[table].pop(key, None)
     doc = {t: {k: v for k, v in body.items() if v is not None} for t, body in doc.items()}
     head = ("# lowband train --config THIS_FILE --out DIR: this run again (flags given beside --config win).\n"
-            "# Written by the run; `out` and `resume` are left out.\n")
+            "# Written by the run; `out`, `resume` and `export_hf` are left out.\n")
     return head + tomli_w.dumps({t: body for t, body in doc.items() if body})

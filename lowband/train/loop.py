@@ -23,6 +23,8 @@ across a resume (restored from the checkpoint). ``wall_s`` is the wall time sinc
 started its loop, everything included. ``tokens`` counts the non-padding tokens this rank has
 trained on (source and target); the bench sums it over ranks.
 - ``checkpoints/step_NNNNNN/`` (DCP) every ``--ckpt-every`` steps and at the end.
+- ``config.toml`` (the job) and ``tokenizer/`` (the tokenizer the run used, a transformers tokenizer
+  directory), rank 0; with ``--export-hf DIR`` the final model as a transformers directory in DIR.
 """
 
 from __future__ import annotations
@@ -263,10 +265,13 @@ class Trainer:
         trackers = []
         if self.rank == 0:  # the complete job: `lowband train --config OUT/config.toml` runs it again
             from lowband.train import jobfile
+            from lowband.train.tokenizer import save_for_transformers
 
             self.out.mkdir(parents=True, exist_ok=True)
             job = jobfile.dumps(cfg)
             (self.out / "config.toml").write_text(job)
+            # The tokenizer the run trained or was given: OUT needs nothing from the user's cache to be used.
+            save_for_transformers(self.data.tokenizer, self.out / "tokenizer", seq2seq=self.spec.kind == "seq2seq")
             trackers = self._open_trackers(jobfile.loads(job))
         self.metrics = MetricsFile(self.out, enabled=self.rank == 0, append=self.start_step > 0 or append,
                                    trackers=trackers)
@@ -448,8 +453,8 @@ class Trainer:
                 self.membership.train(self)  # the loop below, or fault tolerance's own around the same steps
             self.optimizer.flush()  # an overlapped exchange still in flight: apply it
             self.evaluate(self.steps_done)
-            if cfg.checkpoint.at_end or cfg.checkpoint.every:
-                self.checkpoint(self.steps_done)
+            if cfg.checkpoint.at_end or cfg.checkpoint.every or cfg.run.export_hf:
+                self.checkpoint(self.steps_done)  # --export-hf exports it: one path for a run and `lowband export`
         finally:
             if self.bar is not None:
                 self.bar.close()
@@ -459,7 +464,21 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
         self.membership.shutdown()
+        if cfg.run.export_hf and self.rank == 0:
+            self.export(cfg.run.export_hf)
         return summary
+
+    def export(self, directory: str) -> None:
+        """--export-hf: the final checkpoint as a transformers directory (:mod:`lowband.train.export`; rank 0).
+
+        Read back from the checkpoint, in this process without a process group, rather than gathered from
+        the live shards: the same code as ``lowband export``, so both give the same files.
+        """
+        from lowband.train.export import export_checkpoint
+
+        path = self.out / "checkpoints" / f"step_{self.steps_done:06d}"  # written at the end of run()
+        export_checkpoint(path, directory, tokenizer=self.out / "tokenizer", secret=self._secret())
+        log.info("exported the model of step %d to %s", self.steps_done, directory)
 
     def _run_steps(self) -> None:
         """The loop: the membership's say before and after each step (fault tolerance's quorums; nothing without)."""

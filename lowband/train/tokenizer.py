@@ -8,6 +8,10 @@ A tokenizer is either
   ``~/.cache/lowband``) keyed by a hash of (texts, vocabulary size, kind); or
 * loaded from a user's local ``tokenizer.json`` (or a directory holding one).
 
+A run writes the tokenizer it used to ``OUT/tokenizer`` (:func:`save_for_transformers`), as a
+transformers tokenizer directory, so that the run directory and its exported models
+(``lowband export``) are self-contained.
+
 Training is deterministic (the same texts give byte-identical ``tokenizer.json`` whatever the
 number of threads), so nodes without a shared file system still agree on the token ids.
 Several ranks starting at once are safe: one process trains while the others wait on a file
@@ -24,9 +28,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from lowband.util import atomic_path
+from lowband.util import atomic_dir, atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -287,3 +291,56 @@ def get_tokenizer(
     if not all(isinstance(t, str) for t in texts):
         raise ValueError("get_tokenizer expects a sequence of str texts")
     return _cached_train(texts, vocab_size, kind, cdir)
+
+
+def for_transformers(tokenizer: Tokenizer, *, seq2seq: bool):
+    """``tokenizer`` as a transformers tokenizer (``PreTrainedTokenizerFast``), its special tokens named.
+
+    Its special tokens are those of :func:`special_ids` (pad, eos, unk; a causal model's bos is its eos,
+    as the GPT-2 configs of :mod:`lowband.train.models` say). A seq2seq model saw ``</s>`` after every
+    source and target (lowband appends it when it tokenises): such a tokenizer without a post-processor
+    of its own gets one that appends it, so ``tokenizer(text)`` gives the ids the model was trained on.
+    lowband itself tokenises without special tokens, so the tokenizer read back (``--tokenizer DIR``)
+    gives a run the same ids.
+
+    Args:
+        tokenizer: the tokenizer (left unchanged: the result wraps a copy).
+        seq2seq: whether the model is an encoder-decoder.
+
+    Returns:
+        A ``transformers.PreTrainedTokenizerFast``; its ``save_pretrained(DIR)`` writes ``tokenizer.json``
+        and ``tokenizer_config.json``, which ``AutoTokenizer.from_pretrained(DIR)`` loads.
+
+    Raises:
+        ValueError: the tokenizer has no end-of-sequence token.
+    """
+    # transformers only here: a run imports it with its models anyway, and this module stays light without.
+    from transformers import PreTrainedTokenizerFast
+
+    ids = special_ids(tokenizer)
+    tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: the token cache keys on the run's tokenizer's text
+    eos = tok.id_to_token(ids.eos)
+    if seq2seq and tok.post_processor is None:
+        tok.post_processor = processors.TemplateProcessing(single=f"$A {eos}", pair=f"$A {eos} $B {eos}",
+                                                           special_tokens=[(eos, ids.eos)])
+    named = {"eos_token": eos, "pad_token": tok.id_to_token(ids.pad)}
+    if ids.unk is not None:
+        named["unk_token"] = tok.id_to_token(ids.unk)
+    if not seq2seq:
+        named["bos_token"] = eos
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **named)
+
+
+def save_for_transformers(tokenizer: Tokenizer, directory: str | os.PathLike[str], *, seq2seq: bool) -> Path:
+    """Write ``tokenizer`` to ``directory`` as a transformers tokenizer directory (:func:`for_transformers`).
+
+    The directory appears whole or not at all (:func:`lowband.util.atomic_dir`); an existing one is
+    replaced.
+
+    Returns:
+        The directory.
+    """
+    fast = for_transformers(tokenizer, seq2seq=seq2seq)
+    with atomic_dir(directory) as tmp:
+        fast.save_pretrained(str(tmp))
+    return Path(directory)

@@ -119,6 +119,8 @@ def test_group_size_and_data_columns_are_refused_before_any_process_starts(tmp_p
     csv_file.write_text("source,summary\nx,y\n")
     with pytest.raises(ValueError, match="no target column 'target'"):
         make_config(methods="adamw", steps=5, model="t5-tiny", data=str(csv_file))
+    with pytest.raises(ValueError, match="--export-hf would have every run of the bench export to one directory"):
+        make_config(methods="adamw", steps=5, model="t5-tiny", train_args=f"--export-hf {tmp_path / 'hf'}")
 
 
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None

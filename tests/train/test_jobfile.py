@@ -54,7 +54,7 @@ def test_a_written_file_reads_back_to_the_same_job(tmp_path):
         "data": {"path": "x.jsonl", "max_examples": 900, "val_size": 0.1},
         "schedule": {"steps": 321, "batch_size": 3, "grad_accum": 2, "lr_schedule": "cosine", "warmup_steps": 4,
                      "min_lr_ratio": 0.25},
-        "run": {"seed": 5, "val_every": 9, "progress": False, "out": "runs/elsewhere"},
+        "run": {"seed": 5, "val_every": 9, "progress": False, "out": "runs/elsewhere", "export_hf": "runs/hf"},
         "checkpoint": {"every": 50, "at_end": True, "resume": "auto"},
         "link": {"bandwidth_bps": 1e8, "latency_s": 0.05},
         "fault_tolerance": {"lighthouse": "http://h:1", "node": 2, "max_nodes": 4, "quorum": "sync", "start_nodes": 3},
@@ -62,9 +62,9 @@ def test_a_written_file_reads_back_to_the_same_job(tmp_path):
     text = jobfile.dumps(cfg)
     assert 'max_grad_norm = "none"' in text  # an optional hyper-parameter off, though its default is on
     back = TrainConfig.from_tables(jobfile.loads(text))
-    # a re-run must not write over the run it repeats: out and resume are left out
-    assert (back.run.out, back.checkpoint.resume) == (RunConfig.out, None)
-    assert back == dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out=RunConfig.out),
+    # a re-run must not write over the run it repeats: out, resume and export_hf are left out
+    assert (back.run.out, back.checkpoint.resume, back.run.export_hf) == (RunConfig.out, None, None)
+    assert back == dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out=RunConfig.out, export_hf=None),
                                        checkpoint=dataclasses.replace(cfg.checkpoint, resume=None))
     assert type(back.data.val_size) is float and type(back.link.latency_s) is float
 
