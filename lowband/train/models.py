@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.train.tokenizer import EOS_ID, PAD_ID, UNK_ID, SpecialIds
+from lowband.train.tokenizer import EOS_ID, PAD_ID, UNK_ID, SpecialIds, holds_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,6 @@ _WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _BLOCK_LIST_NAMES = ("block", "h", "layers", "layer")
 _BATCH_KEYS = ("input_ids", "attention_mask", "labels", "decoder_input_ids", "decoder_attention_mask")
 
@@ -183,8 +182,8 @@ class ModelSource:
 
     @property
     def has_tokenizer(self) -> bool:
-        """Whether the directory holds a saved tokenizer (``tokenizer.json`` or ``tokenizer_config.json``)."""
-        return self.path is not None and any((self.path / f).is_file() for f in _TOKENIZER_FILES)
+        """Whether the directory holds a saved tokenizer (:func:`lowband.train.tokenizer.holds_tokenizer`)."""
+        return self.path is not None and holds_tokenizer(self.path)
 
     def describe(self) -> str:
         """The model in words, for messages: its name, and the directory a hub id was found in."""

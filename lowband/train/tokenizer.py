@@ -54,6 +54,9 @@ train_count = 0
 _PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>")
 _EOS_NAMES = ("</s>", "<eos>", "<|endoftext|>", "[SEP]", "<|eos|>")
 _UNK_NAMES = ("<unk>", "[UNK]", "<|unk|>")
+# A slow tokenizer's files, which transformers' AutoTokenizer reads (with the model's config.json) where a
+# directory has no tokenizer.json: older saved models (GPT-2's vocab.json and merges.txt, SentencePiece models).
+_SLOW_TOKENIZER_FILES = ("vocab.json", "spiece.model", "tokenizer.model")
 
 
 def cache_root() -> Path:
@@ -230,8 +233,9 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
 def load_tokenizer_and_ids(path: str | os.PathLike[str]) -> tuple[Tokenizer, SpecialIds]:
     """Load a tokenizer with the special ids it is used with.
 
-    * A directory saved by a Hugging Face tokenizer (``tokenizer_config.json``; a pretrained model's
-      directory, or a ``tokenizer.json`` inside one): loaded with transformers' ``AutoTokenizer``
+    * A directory saved by a Hugging Face tokenizer (``tokenizer_config.json``, or an older model's
+      ``vocab.json`` / ``spiece.model`` without ``tokenizer.json``; a pretrained model's directory, or a
+      ``tokenizer.json`` inside one): loaded with transformers' ``AutoTokenizer``
       (offline), whose configuration names pad / eos / bos / unk. Its fast backend, the
       ``tokenizers.Tokenizer`` that ``AutoTokenizer`` encodes with, is returned. A tokenizer without
       a pad token pads with its eos (labels of padding are -100 either way), as transformers does.
@@ -254,7 +258,7 @@ def load_tokenizer_and_ids(path: str | os.PathLike[str]) -> tuple[Tokenizer, Spe
     """
     p = Path(path).expanduser()
     directory = p if p.is_dir() else p.parent
-    if (directory / "tokenizer_config.json").is_file() and (p.is_dir() or p.name == "tokenizer.json"):
+    if saved_by_transformers(directory) and (p.is_dir() or p.name == "tokenizer.json"):
         tok, ids = _transformers_tokenizer(directory)
     else:
         tok = load_tokenizer(p)
@@ -262,6 +266,20 @@ def load_tokenizer_and_ids(path: str | os.PathLike[str]) -> tuple[Tokenizer, Spe
     tok.no_padding()
     tok.no_truncation()
     return tok, ids
+
+
+def saved_by_transformers(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory`` holds a tokenizer saved by transformers: a ``tokenizer_config.json``, or, without a
+    ``tokenizer.json``, a slow tokenizer's vocabulary (``vocab.json``, ``spiece.model``, ``tokenizer.model``)."""
+    d = Path(directory)
+    if (d / "tokenizer_config.json").is_file():
+        return True
+    return not (d / "tokenizer.json").is_file() and any((d / f).is_file() for f in _SLOW_TOKENIZER_FILES)
+
+
+def holds_tokenizer(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory`` holds a tokenizer :func:`load_tokenizer_and_ids` can load."""
+    return (Path(directory) / "tokenizer.json").is_file() or saved_by_transformers(directory)
 
 
 def _transformers_tokenizer(directory: Path) -> tuple[Tokenizer, SpecialIds]:

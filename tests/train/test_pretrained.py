@@ -92,6 +92,21 @@ def test_a_model_with_weights_trains_on_its_own_tokenizer_by_default(saved, fami
     assert all(torch.equal(state[k], v) for k, v in saved_weights.items())  # loaded, not initialised from the seed
 
 
+def test_an_older_saved_model_without_tokenizer_json_uses_its_vocab_and_merges(saved, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    older = tmp_path / "older-gpt2"
+    older.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(saved["gpt2"] / name, older / name)
+    Tokenizer.from_file(str(saved["gpt2"] / "tokenizer.json")).model.save(str(older))  # vocab.json, merges.txt
+    cfg = data_config_for(str(older), DataConfig(path=str(saved["causal-data"]), val_size=4, packing="lines"))
+    assert cfg.tokenizer == str(older)
+    data, reference = load_data(cfg), load_data(data_config_for(str(saved["gpt2"]), cfg))
+    assert data.special == reference.special and data.special.eos == 340  # <|endoftext|>, GPT2Tokenizer's own
+    assert all(a.tolist() == b.tolist() for a, b in zip(data.train.input_ids, reference.train.input_ids, strict=True))
+
+
 def test_a_tokenizer_of_another_vocabulary_is_refused_naming_both(saved, tmp_path: Path) -> None:
     model_dir = saved["gpt2"]
     # The case: a tokenizer trained on the data, of another size and other ids.
