@@ -112,6 +112,7 @@ BESIDE = (
     "tests/optim/test_diloco.py::test_checkpoint_mid_phase_resumes_exactly_with_fsdp2",
     "tests/optim/test_diloco.py::test_diloco_demo_like_every_rank_a_replica",
     "tests/train/test_tokenizer.py::test_tokenizer_cache_is_safe_for_ranks_starting_together",
+    "tests/train/test_pretrained.py::test_a_pretrained_model_of_each_family_fine_tunes_on_its_own_tokenizer",
 )
 # Whole files of multi-process tests that time nothing (exact checks on gloo ranks).
 BESIDE_FILES = (

@@ -151,21 +151,12 @@ class BenchConfig:
 
 
 def _check_model(model: str) -> None:
-    from lowband.train.models import MODEL_SIZES
+    from lowband.train.models import resolve_model
 
-    if model in MODEL_SIZES:
-        return
-    path = Path(model).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return
-    if path.is_dir():
-        raise ValueError(
-            f"model directory {model} has no config.json; known model sizes: {', '.join(MODEL_SIZES)}"
-        )
-    raise ValueError(
-        f"unknown model {model!r}; known sizes: {', '.join(MODEL_SIZES)} "
-        "(or a local model directory holding a config.json)"
-    )
+    try:
+        resolve_model(model)  # a named size, a local model directory, or a hub id in the local cache
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from e
 
 
 def _check_data(data: str, model: str) -> None:

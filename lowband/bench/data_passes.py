@@ -8,7 +8,6 @@ tokens; loading them here tokenises once, into the disk cache the runs then read
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from lowband.bench.config import DEFAULT_ENTRY, BenchConfig, data_name
@@ -26,14 +25,14 @@ def data_passes_note(config: BenchConfig) -> str | None:
         ValueError: the data cannot be loaded (the runs could not either).
     """
     from lowband.train.data import load_data, passes_note, training_examples
-    from lowband.train.models import model_kind
+    from lowband.train.pretrained import data_config_for
 
     plans = plan_runs(config)
     if config.entry != DEFAULT_ENTRY or not plans:
         return None
     plan = plans[0]  # the same data, split, steps and batch for every run
     cfg = plan.train_config(config, Path("."), shaped=True)
-    data_cfg = dataclasses.replace(cfg.data, kind=model_kind(cfg.model.name))
+    data_cfg = data_config_for(cfg.model.name, cfg.data)  # as the runs load it: a pretrained model's own tokenizer
     packed = data_cfg.kind == "causal" and data_cfg.packing == "blocks"
     data = load_data(data_cfg) if packed else training_examples(data_cfg)
     return passes_note(data, steps=cfg.schedule.steps, world_size=plan.world_size, batch_size=cfg.schedule.batch_size,

@@ -64,8 +64,10 @@ class RunMethod:
 class ModelConfig:
     """The model and how a copy of it is laid out and computed."""
 
-    name: str = option("t5-mini", "named size (t5-tiny, t5-mini, t5-small, gpt-mini, ...) or a local model "
-                       "directory (config.json, optional weights)", flag="--model")
+    name: str = option("t5-mini", "named size (t5-tiny, t5-mini, t5-small, gpt-mini, llama-tiny, llama-small, ...), "
+                       "a local model directory (config.json, optional weights), or a Hugging Face hub id (org/name) "
+                       "already in the local Hugging Face cache (nothing is downloaded). A model with weights trains "
+                       "with its own tokenizer", flag="--model")
     precision: str = option("fp32", "bf16: FSDP2 mixed precision (bf16 parameters and compute, fp32 gradient "
                             "reduction, fp32 optimizer state)", choices=("fp32", "bf16"))
     activation_checkpointing: bool = option(False, "recompute each transformer block's activations in backward "
@@ -342,11 +344,9 @@ class TrainConfig:
                 raise FileNotFoundError(f"{flag} {path!r} does not exist; pass a local file (data: .jsonl, .csv, "
                                         ".tsv, .txt; tokenizer: tokenizer.json or its directory), or leave "
                                         f"{flag} out for the default")
-        from lowband.train.models import MODEL_SIZES
+        from lowband.train.models import resolve_model
 
-        if self.model.name not in MODEL_SIZES and not (Path(self.model.name) / "config.json").exists():
-            raise ValueError(f"unknown model {self.model.name!r}; named sizes: {', '.join(MODEL_SIZES)}, "
-                             "or a local model directory with a config.json")
+        resolve_model(self.model.name)  # a named size, a local directory, or a hub id in the local cache
 
 
 def replace(cfg: TrainConfig, **tables: Mapping[str, Any]) -> TrainConfig:

@@ -30,7 +30,6 @@ trained on (source and target); the bench sums it over ranks.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
@@ -56,6 +55,8 @@ from lowband.train.config import ScheduleConfig, TrainConfig
 from lowband.train.memory import PhaseMemory
 from lowband.train.methods import METHODS, method_shards
 from lowband.train.metrics import MetricsFile
+from lowband.train.models import resolve_model
+from lowband.train.pretrained import data_config_for
 from lowband.train.progress import ProgressLog, show_progress_bar
 from lowband.train.schedule import warmup_cosine_factor
 from lowband.train.summary import RunSummary
@@ -146,12 +147,14 @@ class Trainer:
     - :meth:`summarize`: this rank's :class:`~lowband.train.summary.RunSummary`, written.
 
     Args:
-        cfg: the run (checked at once: :meth:`TrainConfig.validate`).
+        cfg: the run (checked at once: :meth:`TrainConfig.validate`, and the model with its tokenizer:
+            :func:`lowband.train.pretrained.data_config_for`).
     """
 
     def __init__(self, cfg: TrainConfig) -> None:
         cfg.validate()
         self.cfg = cfg
+        _ = self.data_config  # the model and its tokenizer, checked now: before any process group or data
         self.method = cfg.method.hp
         self.local = METHODS[cfg.method.name].family == "local"
         self.tally = _Tally()
@@ -162,6 +165,17 @@ class Trainer:
         #: Called with the trainer once it is built, before the first step (``lowband train --poison`` installs
         #: fault injection on the optimizer this way).
         self.after_build: list = []
+
+    @functools.cached_property
+    def model_source(self):
+        """Where ``--model`` points (:func:`lowband.train.models.resolve_model`)."""
+        return resolve_model(self.cfg.model.name)
+
+    @functools.cached_property
+    def data_config(self):
+        """The data the run loads: the model's kind, and a pretrained model's tokenizer, its own or a ``--tokenizer``
+        that fits it (:func:`lowband.train.pretrained.data_config_for`)."""
+        return data_config_for(self.model_source, self.cfg.data)
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -202,12 +216,13 @@ class Trainer:
     def _build_model(self) -> None:
         from lowband.distributed.sharding import shard_model
         from lowband.train.data import load_data
-        from lowband.train.models import build_model, model_kind, transformer_blocks
+        from lowband.train.models import build_model, transformer_blocks
 
         cfg = self.cfg
-        # The data's kind follows the model; its split is the data's own (not the run's seed).
-        self.data = load_data(dataclasses.replace(cfg.data, kind=model_kind(cfg.model.name)))
-        self.spec = build_model(cfg.model.name, vocab_size=self.data.vocab_size, seed=cfg.run.seed)
+        # The split is the data's own (not the run's seed); a model built here takes the tokenizer's special ids.
+        self.data = load_data(self.data_config)
+        self.spec = build_model(self.model_source, vocab_size=self.data.vocab_size, seed=cfg.run.seed,
+                                special=self.data.special)
         model = self.spec.model.to(self.device)
         self.model = shard_model(model, self.topology, blocks=transformer_blocks(model),
                                  precision=cfg.model.precision,

@@ -6,7 +6,10 @@ A tokenizer is either
   Unigram), with the special tokens ``<pad>`` = 0, ``</s>`` = 1 and ``<unk>`` = 2 (the ids a
   randomly initialised T5 expects), and cached under ``$LOWBAND_CACHE/tokenizers`` (default
   ``~/.cache/lowband``) keyed by a hash of (texts, vocabulary size, kind); or
-* loaded from a user's local ``tokenizer.json`` (or a directory holding one).
+* loaded from a user's local ``tokenizer.json`` (or a directory holding one), or a pretrained
+  model's own: a directory saved by a Hugging Face tokenizer (``tokenizer_config.json`` beside
+  ``tokenizer.json``) is loaded with transformers' ``AutoTokenizer``, and its special ids are the
+  ones its configuration names (:func:`load_tokenizer_and_ids`), not guessed from token names.
 
 A run writes the tokenizer it used to ``OUT/tokenizer`` (:func:`save_for_transformers`), as a
 transformers tokenizer directory, so that the run directory and its exported models
@@ -21,6 +24,7 @@ lock, and the file appears through an atomic rename, so a reader never sees half
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import time
@@ -54,6 +58,9 @@ train_count = 0
 _PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>")
 _EOS_NAMES = ("</s>", "<eos>", "<|endoftext|>", "[SEP]", "<|eos|>")
 _UNK_NAMES = ("<unk>", "[UNK]", "<|unk|>")
+# A slow tokenizer's files, which transformers' AutoTokenizer reads (with the model's config.json) where a
+# directory has no tokenizer.json: older saved models (GPT-2's vocab.json and merges.txt, SentencePiece models).
+_SLOW_TOKENIZER_FILES = ("vocab.json", "spiece.model", "tokenizer.model")
 
 
 def cache_root() -> Path:
@@ -74,11 +81,14 @@ class SpecialIds:
         pad: id used to pad inputs (labels are padded with -100 instead).
         eos: id appended to every sequence.
         unk: id of the unknown token, or None when the tokenizer has none.
+        bos: id of the beginning-of-sequence token, or None when the tokenizer names none (lowband's
+            trained tokenizers have none; the data never inserts one).
     """
 
     pad: int
     eos: int
     unk: int | None
+    bos: int | None = None
 
 
 def special_ids(tokenizer: Tokenizer) -> SpecialIds:
@@ -222,6 +232,115 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
             f"tokenizer not found: {path} (give a tokenizer.json or a directory holding one)"
         )
     return Tokenizer.from_file(str(p))
+
+
+def load_tokenizer_and_ids(path: str | os.PathLike[str]) -> tuple[Tokenizer, SpecialIds]:
+    """Load a tokenizer with the special ids it is used with.
+
+    * A directory saved by a Hugging Face tokenizer (``tokenizer_config.json``, or an older model's
+      ``vocab.json`` / ``spiece.model`` without ``tokenizer.json``; a pretrained model's directory, or a
+      ``tokenizer.json`` inside one): loaded with transformers' ``AutoTokenizer``
+      (offline), whose configuration names pad / eos / bos / unk. Its fast backend, the
+      ``tokenizers.Tokenizer`` that ``AutoTokenizer`` encodes with, is returned. A tokenizer without
+      a pad token pads with its eos (labels of padding are -100 either way), as transformers does.
+    * A bare ``tokenizer.json``: its ids come from a model ``config.json`` beside it where there is one
+      (``eos_token_id``, ``pad_token_id``, ``bos_token_id``), else by the usual names (:func:`special_ids`).
+
+    Padding and truncation saved in the tokenizer are switched off: the data pipeline pads and
+    truncates itself.
+
+    Args:
+        path: a tokenizer directory or a ``tokenizer.json``.
+
+    Returns:
+        ``(tokenizer, special ids)``.
+
+    Raises:
+        FileNotFoundError: no tokenizer there.
+        ValueError: transformers cannot load it, it has no fast (``tokenizers``) backend, or it
+            names no end-of-sequence token.
+    """
+    p = Path(path).expanduser()
+    directory = p if p.is_dir() else p.parent
+    if saved_by_transformers(directory) and (p.is_dir() or p.name == "tokenizer.json"):
+        tok, ids = _transformers_tokenizer(directory)
+    else:
+        tok = load_tokenizer(p)
+        ids = _ids_from_model_config(tok, directory / "config.json") or special_ids(tok)
+    tok.no_padding()
+    tok.no_truncation()
+    return tok, ids
+
+
+def saved_by_transformers(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory`` holds a tokenizer saved by transformers: a ``tokenizer_config.json``, or, without a
+    ``tokenizer.json``, a slow tokenizer's vocabulary (``vocab.json``, ``spiece.model``, ``tokenizer.model``)."""
+    d = Path(directory)
+    if (d / "tokenizer_config.json").is_file():
+        return True
+    return not (d / "tokenizer.json").is_file() and any((d / f).is_file() for f in _SLOW_TOKENIZER_FILES)
+
+
+def holds_tokenizer(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory`` holds a tokenizer :func:`load_tokenizer_and_ids` can load."""
+    return (Path(directory) / "tokenizer.json").is_file() or saved_by_transformers(directory)
+
+
+def _transformers_tokenizer(directory: Path) -> tuple[Tokenizer, SpecialIds]:
+    """A saved Hugging Face tokenizer's fast backend and the special ids its configuration names."""
+    # Imported here: transformers takes seconds to import, and only saved HF tokenizers need it.
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as exc:  # transformers raises many kinds; say which directory, keep the cause
+        raise ValueError(f"transformers could not load the tokenizer in {directory}: {exc}") from exc
+    backend = getattr(hf, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        raise ValueError(
+            f"the tokenizer in {directory} ({type(hf).__name__}) has no fast backend (tokenizer.json); "
+            "convert it once with AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) on a machine "
+            "with sentencepiece installed"
+        )
+    eos = hf.eos_token_id
+    if eos is None:
+        eos = _config_value(directory / "config.json", "eos_token_id")
+    if eos is None:
+        raise ValueError(
+            f"the tokenizer in {directory} names no end-of-sequence token (eos_token in tokenizer_config.json), "
+            "and its config.json has no eos_token_id; lowband ends every document with one: set eos_token in "
+            "tokenizer_config.json"
+        )
+    pad = hf.pad_token_id
+    return backend, SpecialIds(pad=eos if pad is None else pad, eos=eos, unk=hf.unk_token_id, bos=hf.bos_token_id)
+
+
+def _config_value(config_json: Path, key: str) -> int | None:
+    """An id from a model ``config.json`` (the first of a list, as ``eos_token_id`` may be), or None."""
+    if not config_json.is_file():
+        return None
+    try:
+        value = json.loads(config_json.read_text(encoding="utf-8")).get(key)
+    except (OSError, ValueError):
+        return None
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) else None
+
+
+def _ids_from_model_config(tok: Tokenizer, config_json: Path) -> SpecialIds | None:
+    """Special ids from the model ``config.json`` beside a bare ``tokenizer.json``, or None when it names no eos."""
+    eos = _config_value(config_json, "eos_token_id")
+    if eos is None or tok.id_to_token(eos) is None:
+        return None
+    pad = _config_value(config_json, "pad_token_id")
+    unk = next((tok.token_to_id(n) for n in _UNK_NAMES if tok.token_to_id(n) is not None), None)
+    return SpecialIds(pad=eos if pad is None else pad, eos=eos, unk=unk, bos=_config_value(config_json, "bos_token_id"))
+
+
+def tokenizer_size(tok: Tokenizer) -> int:
+    """Entries of a tokenizer, added tokens included: the ids it can produce are ``0 .. size - 1``."""
+    return tok.get_vocab_size(with_added_tokens=True)
 
 
 def _cached_train(texts: Sequence[str], vocab_size: int, kind: str, cache_dir: Path) -> Tokenizer:

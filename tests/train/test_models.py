@@ -39,6 +39,16 @@ def test_gpt_small_is_the_gpt2_124m_shape() -> None:
     assert len(transformer_blocks(spec.model)) == 12
 
 
+@pytest.mark.slow
+def test_llama_small_is_the_smollm2_135m_shape() -> None:
+    spec = build_model("llama-small", vocab_size=49152, seed=0)
+    assert spec.num_params == 134_515_008  # SmolLM2-135M
+    c = spec.config
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (576, 30, 9, 3)
+    assert c.intermediate_size == 1536 and c.tie_word_embeddings and c.hidden_act == "silu"
+    assert len(transformer_blocks(spec)) == 30
+
+
 def _random_batch(kind: str, vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     ids = torch.randint(3, vocab, (2, 9), generator=gen)
     mask = torch.ones_like(ids)
@@ -52,7 +62,7 @@ def _random_batch(kind: str, vocab: int, gen: torch.Generator) -> dict[str, torc
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-_FULL_SIZE = ("t5-small", "gpt-small")  # 60M and 124M parameters: seconds to build
+_FULL_SIZE = ("t5-small", "gpt-small", "llama-small")  # 60M to 135M parameters: seconds to build
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _FULL_SIZE else n
@@ -67,19 +77,17 @@ def test_every_size_builds_and_trains_one_step(name: str) -> None:
     tensors = spec.model.state_dict(keep_vars=True)
     params = {t.data_ptr(): t.numel() for t in tensors.values() if isinstance(t, torch.nn.Parameter)}
     assert spec.num_params == sum(params.values())
-    # The input embedding and the LM head are one weight (T5 also names it in encoder and decoder):
-    # listed under several names, counted once.
+    # A tied input embedding and LM head are one weight (T5 also names it in encoder and decoder): listed
+    # under several names, counted once. Llama's head is a weight of its own (llama-small ties, as SmolLM2).
     embedding = spec.model.get_input_embeddings().weight
-    assert spec.model.get_output_embeddings().weight is embedding
+    tied = size.config["tie_word_embeddings"]
+    assert (spec.model.get_output_embeddings().weight is embedding) == tied
     named = sum(t.numel() for t in tensors.values() if isinstance(t, torch.nn.Parameter))
     extra = named - spec.num_params
-    assert extra > 0 and extra % embedding.numel() == 0
+    assert extra % embedding.numel() == 0 and (extra > 0) == tied
     blocks = transformer_blocks(spec)
-    expected_blocks = (
-        size.config["num_layers"] + size.config["num_decoder_layers"]
-        if size.family == "t5"
-        else size.config["n_layer"]
-    )
+    layers_key = {"t5": "num_layers", "gpt2": "n_layer", "llama": "num_hidden_layers"}[size.family]
+    expected_blocks = size.config[layers_key] + size.config.get("num_decoder_layers", 0)
     assert len(blocks) == expected_blocks
     assert len({type(b) for b in blocks}) <= 2  # encoder and decoder blocks
 
@@ -182,3 +190,20 @@ def test_compute_loss_is_mean_over_non_padded_labels() -> None:
     manual = torch.nn.functional.cross_entropy(logits[keep], batch["labels"][keep])
     assert torch.allclose(loss, manual, atol=1e-5)
     assert keep.sum() == 8  # 3 + 5 target tokens
+
+
+def test_a_built_model_takes_the_tokenizers_special_ids() -> None:
+    from lowband.train.tokenizer import SpecialIds
+
+    ids = SpecialIds(pad=5, eos=7, unk=None, bos=6)
+    t5 = build_model("t5-tiny", vocab_size=300, seed=0, special=ids).config
+    assert (t5.pad_token_id, t5.eos_token_id, t5.decoder_start_token_id) == (5, 7, 5)  # T5 decodes from its pad
+    gpt = build_model("gpt-tiny", vocab_size=300, seed=0, special=ids).config
+    assert (gpt.bos_token_id, gpt.eos_token_id, gpt.pad_token_id) == (6, 7, 5)
+    # A tokenizer that pads with its eos: no pad id, or Llama's embedding would freeze the eos row (padding_idx).
+    llama = build_model("llama-tiny", vocab_size=300, seed=0, special=SpecialIds(pad=7, eos=7, unk=None))
+    assert (llama.config.bos_token_id, llama.config.eos_token_id, llama.config.pad_token_id) == (7, 7, None)
+    assert llama.model.get_input_embeddings().padding_idx is None
+    # Without a tokenizer's ids: lowband's own (pad 0, eos 1).
+    default = build_model("llama-tiny", vocab_size=300, seed=0).config
+    assert (default.pad_token_id, default.eos_token_id) == (PAD_ID, 1)

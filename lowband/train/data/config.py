@@ -50,7 +50,8 @@ class DataConfig:
             ``max_len`` and padded in the batch. Seq2seq pairs are never packed (this is ignored).
         vocab_size: vocabulary size of the tokenizer lowband trains.
         tokenizer: a user's ``tokenizer.json`` or a directory holding one; None trains one on the
-            training text (cached, see :mod:`lowband.train.tokenizer`).
+            training text (cached, see :mod:`lowband.train.tokenizer`), except for a pretrained model,
+            whose own tokenizer the trainer sets here (:mod:`lowband.train.pretrained`).
         tokenizer_kind: ``"bpe"`` or ``"unigram"`` for a trained tokenizer.
         seed: seed of the train/validation split. Fixed for a data set, not the run's seed: runs
             at several seeds are validated on the same documents (and share one tokenizer), so their
@@ -76,8 +77,9 @@ class DataConfig:
                           "(as run_clm's group_texts); 'lines' keeps one example per document, truncated and "
                           "padded. Seq2seq pairs are never packed", choices=PACKINGS)
     vocab_size: int = option(8192, "size of the tokenizer trained on the data")
-    tokenizer: str | None = option(None, "a tokenizer.json or its directory (default: train one on the data, "
-                                   "cached)")
+    tokenizer: str | None = option(None, "a tokenizer.json or its directory (default: a pretrained model's own; "
+                                   "else one trained on the data, cached). With a pretrained model it must have the "
+                                   "model's vocabulary and special ids, or it is refused")
     tokenizer_kind: str = option("bpe", "the kind of tokenizer trained on the data", choices=("bpe", "unigram"))
     seed: int = 0  # not a job key: every run of a data set splits it the same way
     max_examples: int | None = option(None, "use at most this many examples (documents, before packing)")

@@ -13,7 +13,13 @@ from tokenizers import Tokenizer
 from lowband.train.data.config import Data, DataConfig, Split
 from lowband.train.data.sources import default_corpus_texts, default_examples, read_file
 from lowband.train.data.token_cache import encode
-from lowband.train.tokenizer import DEFAULT_DATASET_ID, SpecialIds, get_tokenizer, load_tokenizer, special_ids
+from lowband.train.tokenizer import (
+    DEFAULT_DATASET_ID,
+    SpecialIds,
+    get_tokenizer,
+    load_tokenizer_and_ids,
+    special_ids,
+)
 
 __all__ = ["DEFAULT_VAL_CAP", "DEFAULT_VAL_FRACTION", "load_data", "training_examples"]
 
@@ -155,8 +161,10 @@ def load_data(cfg: DataConfig, *, use_cache: bool = True) -> Data:
     train_sources, train_targets, val_sources, val_targets, name = _read_split(cfg)
     loaded = time.perf_counter()
 
+    special: SpecialIds | None = None
     if cfg.tokenizer is not None:
-        tokenizer = load_tokenizer(cfg.tokenizer)
+        # A given tokenizer (a pretrained model's own, or --tokenizer) comes with the ids its configuration names.
+        tokenizer, special = load_tokenizer_and_ids(cfg.tokenizer)
     elif cfg.path is None:
         # The default corpus: one tokenizer trained on all of it, whatever the split or cap.
         tokenizer = get_tokenizer(default_corpus_texts(), cfg.vocab_size, kind=cfg.tokenizer_kind)
@@ -164,7 +172,7 @@ def load_data(cfg: DataConfig, *, use_cache: bool = True) -> Data:
         # A user's data: train on the training texts (sources and targets), never on validation.
         tok_texts = list(train_sources) + (list(train_targets) if train_targets is not None else [])
         tokenizer = get_tokenizer(tok_texts, cfg.vocab_size, kind=cfg.tokenizer_kind)
-    special = special_ids(tokenizer)
+    special = special or special_ids(tokenizer)
     tokenized = time.perf_counter()
 
     data = Data(
