@@ -18,12 +18,15 @@ __all__ = ["field_types", "job_fields", "option"]
 
 
 def option(default: Any, help: str, *, flag: str | None = None, type: Any = None, choices: tuple | None = None,
-           metavar: str | None = None) -> Any:
-    """A job configuration field (:mod:`lowband.train.config`) with what its ``lowband train`` flag needs: its help, and where they are not
-    the field's own, its flag (default ``--field-name``; a bool field that defaults to True gets a
-    ``--no-...`` flag that turns it off), the type that parses it (default: the field's) and its metavar."""
+           metavar: str | None = None, aliases: tuple[str, ...] = (), nargs: str | None = None) -> Any:
+    """A job configuration field (:mod:`lowband.train.config`, :mod:`lowband.bench.job`) with what its flag
+    needs: its help, and where they are not the field's own, its flag (default ``--field-name``; a bool
+    field that defaults to True gets a ``--no-...`` flag that turns it off), the type that parses it
+    (default: the field's), its metavar, other spellings of the flag (``aliases``) and argparse's
+    ``nargs`` (a list field given as several arguments)."""
     return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "type": type,
-                                                        "choices": choices, "metavar": metavar})
+                                                        "choices": choices, "metavar": metavar,
+                                                        "aliases": aliases, "nargs": nargs})
 
 
 @functools.cache
