@@ -21,6 +21,7 @@ from lowband.bench.config import BenchConfig
 from lowband.bench.defaults import DEFAULT_TRAIN
 from lowband.bench.job import BenchTable, check_tables, flag_of, merge
 from lowband.bench.presets import PRESETS
+from lowband.train.config import sections
 from lowband.train.fields import field_types, job_fields
 from lowband.util import format_value
 
@@ -73,8 +74,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _train_arguments(g) -> None:
-    from lowband.train.config import sections
-
     for (table, key), flag in TRAIN_KEYS.items():
         cls = sections()[table]
         meta = {f.name: f for f in dataclasses.fields(cls)}[key].metadata

@@ -31,6 +31,8 @@ from lowband.bench.timebudget import (
     reference_first,
 )
 from lowband.optim.outer.schedule import unmerged_tail_note
+from lowband.train.args import train_overrides
+from lowband.train.config import TrainConfig
 from lowband.units import parse_bandwidth, parse_duration, parse_int_list, split_list
 
 __all__ = ["FT_MODES", "INDEXED", "PRESETS", "BenchConfig"]
@@ -377,9 +379,6 @@ def _check_train_settings(specs: Sequence[BenchMethod], train: Mapping[str, Mapp
                           extra: Sequence[str], *, data: str | None, model: str) -> None:
     """The train tables and ``[bench] train_args`` with every method, as lowband train will read them: a
     hyper-parameter there goes to every method, so each must have it."""
-    from lowband.train.args import train_overrides
-    from lowband.train.config import TrainConfig
-
     user = shlex.join(extra)
     try:
         given = merge(train, train_overrides(extra))

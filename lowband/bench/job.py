@@ -54,7 +54,9 @@ from lowband.bench.defaults import (
 )
 from lowband.bench.methods import METHODS, accepted_params
 from lowband.bench.timebudget import parse_time_budget
+from lowband.train.config import sections
 from lowband.train.fields import field_types, job_fields, option
+from lowband.train.jobfile import check_value
 from lowband.units import parse_duration, parse_int_list, split_list
 
 __all__ = ["BENCH_SETS", "TABLES", "TRAIN_TABLES", "BenchTable", "check_tables", "coerce", "flag_of", "merge",
@@ -254,18 +256,10 @@ def coerce(key: str, value: Any, *, where: str = "") -> Any:
     return typed
 
 
-def _train_class(table: str) -> type:
-    from lowband.train.config import sections
-
-    return sections()[table]
-
-
 def check_tables(tables: Mapping[str, Mapping[str, Any]], *, where: str = "") -> dict[str, dict[str, Any]]:
     """One layer of a job's tables (a file's, the flags', a preset's), checked and typed: an unknown table or
     key, a key the bench sets itself, a value of the wrong type or out of its choices is a ValueError that
     names it (``where``: the file, as a prefix) and the fix."""
-    from lowband.train.jobfile import check_value
-
     out: dict[str, dict[str, Any]] = {}
     for table, body in tables.items():
         if (table, None) in BENCH_SETS:
@@ -275,7 +269,7 @@ def check_tables(tables: Mapping[str, Mapping[str, Any]], *, where: str = "") ->
                              f"{', '.join(f'[{t}]' for t in TABLES)}")
         if not isinstance(body, Mapping):
             raise ValueError(f"{where}{table} must be a table ([{table}] followed by key = value lines)")
-        keys = job_fields(BenchTable if table == "bench" else _train_class(table))
+        keys = job_fields(BenchTable if table == "bench" else sections()[table])
         out[table] = {}
         for key, value in body.items():
             if (table, key) in BENCH_SETS:
@@ -312,8 +306,6 @@ def train_flags(tables: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """lowband train's tables as its flags (``{"run": {"val_every": 20}}`` -> ``--val-every 20``), in the
     tables' and fields' order: what another entry than lowband's trainer is given, and what results.json
     records. A switch equal to lowband train's default and a None are left out (they change nothing)."""
-    from lowband.train.config import sections
-
     argv: list[str] = []
     for table, cls in sections().items():
         body = tables.get(table) or {}

@@ -18,6 +18,7 @@ from typing import Any
 
 from lowband.bench.defaults import DEFAULT_TRAIN
 from lowband.bench.job import BenchTable, check_tables, merge, run_tables, train_flags
+from lowband.train.args import train_overrides
 from lowband.units import format_bandwidth, parse_bandwidth
 
 __all__ = [
@@ -204,8 +205,6 @@ def preset_differences(preset: Preset, config: Mapping[str, Any]) -> tuple[list[
 def _same_train_settings(ours: Sequence[str], theirs: Sequence[str]) -> bool:
     """Whether two lists of ``lowband train`` flags set the same (a results.json written before the presets
     were tables holds the preset's flags in another order, with the bench's default before them)."""
-    from lowband.train.args import train_overrides
-
     try:
         return train_overrides(ours, known_only=True) == train_overrides(theirs, known_only=True)
     except ValueError:
