@@ -182,3 +182,19 @@ def test_the_train_tables_as_flags_are_the_same_job_for_every_key() -> None:
     assert set(tables) == set(TRAIN_TABLES) and sum(map(len, tables.values())) >= 25
     back = train_overrides(train_flags(tables))
     assert {t: back[t] for t in tables} == tables
+
+
+def test_a_results_json_of_a_preset_written_before_presets_were_tables_still_reads_as_the_preset() -> None:
+    """Then config.train_args held the bench's default flags, then the preset's as it spelled them."""
+    from lowband.bench.presets import preset_differences
+
+    quality = PRESETS["quality"]
+    old = {"methods": list(quality.bench.methods), "bandwidths_bps": [1e8], "steps": 140, "seeds": [0, 1],
+           "model": "t5-mini", "data": None, "preset": "quality",
+           "train_args": ["--val-every", "10", "--max-source-len", "64", "--max-target-len", "16", "--val-every", "20",
+                          "--schedule", "cosine", "--warmup-steps", "20"]}
+    assert preset_differences(quality, old) == (["methods", "link", "steps", "seeds", "model", "data", "train args"], [])
+    new = bench.config_from_args(bench_args("--preset", "quality")).as_dict()
+    assert preset_differences(quality, new) == preset_differences(quality, old)
+    other = preset_differences(quality, {**old, "train_args": [*old["train_args"], "--warmup-steps", "5"]})
+    assert "train args" not in other[0] and other[1][0].startswith("train args --val-every 10 ")
