@@ -1,9 +1,9 @@
 """The fields of the job configuration's tables: declared with :func:`option`, read back with
 :func:`job_fields` and :func:`field_types`.
 
-A table class (:mod:`lowband.train.config`, :class:`~lowband.train.data.DataConfig`) declares each
-field once with :func:`option`; the job file (:mod:`lowband.train.jobfile`), the flags and
-``--help`` (:mod:`lowband.train.args`) are derived from those fields. This module knows no table:
+A table class (:mod:`lowband.train.config`, :class:`~lowband.train.data.DataConfig`, the bench's
+``BenchTable``) declares each field once with :func:`option`; the job file (:mod:`lowband.train.jobfile`),
+the flags and ``--help`` (:mod:`lowband.train.args`) are derived from those fields. This module knows no table:
 the classes import it, never the other way round.
 """
 
