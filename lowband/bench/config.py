@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lowband.bench.defaults import DEFAULT_ENTRY, DEFAULT_TRAIN, FT_MODES
+from lowband.bench.faults import format_faults, parse_faults
 from lowband.bench.job import TABLES, BenchTable, check_tables, merge, run_tables, train_flags
 from lowband.bench.methods import METHODS, BenchMethod, parse_method_list
 from lowband.bench.presets import PRESETS
@@ -124,8 +125,6 @@ class BenchConfig:
     def tables(self) -> dict[str, dict[str, Any]]:
         """The complete job (every ``[bench]`` key, defaults included; the train tables the runs get):
         :meth:`from_tables` of it is this configuration again. A None, which TOML cannot hold, is left out."""
-        from lowband.bench.faults import format_faults
-
         bench = {
             "preset": self.preset, "methods": [str(m) for m in self.methods],
             "bandwidths": [_bandwidth_text(b) for b in self.bandwidths_bps],
@@ -405,8 +404,6 @@ INDEXED = ("flexdemo", "demo", "sparseloco")
 def _check_fault_tolerance(specs: Sequence[BenchMethod], *, ft: str, faults: str | None, nodes: int, steps: int,
                            entry: str, ranks_per_node: int) -> tuple:
     """Check ``--ft`` and ``--faults`` before anything starts; return the parsed fault plan."""
-    from lowband.bench.faults import parse_faults
-
     events = parse_faults(faults, nodes=nodes, steps=steps) if faults is not None else ()
     if ft == "off" and not events:
         return ()
