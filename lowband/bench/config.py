@@ -1,11 +1,13 @@
-"""What a bench runs: the validated configuration of ``lowband bench``.
+"""What a bench runs: the validated configuration of ``lowband bench``, built from the job's tables.
 
-Everything a user can get wrong is checked in :func:`make_config`, before any process starts:
-method specs, bandwidths, shard counts, the model name, the data file, steps, latency.
+:meth:`BenchConfig.from_tables` takes the job's typed tables (:mod:`lowband.bench.job`: ``[bench]``
+and lowband train's ``[model]``, ``[data]``, ...), puts them over a preset's
+(:mod:`lowband.bench.presets`) and the defaults (:mod:`lowband.bench.defaults`), and checks
+everything a user can get wrong before any process starts: method specs, bandwidths, shard counts,
+the model, the data file, steps, latency, the train settings against every method.
 :func:`lowband.bench.plan.plan_runs` then expands the configuration into one
-:class:`~lowband.bench.plan.RunPlan` per training run. The defaults live in
-:mod:`lowband.bench.defaults`, the named benches in :mod:`lowband.bench.presets`; both are
-re-exported here.
+:class:`~lowband.bench.plan.RunPlan` per training run; :meth:`BenchConfig.tables` is the complete
+job again, which the run directory keeps as ``bench.toml`` (:mod:`lowband.bench.jobfile`).
 """
 
 from __future__ import annotations
@@ -13,69 +15,35 @@ from __future__ import annotations
 import logging
 import math
 import shlex
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowband.bench.defaults import (
-    DEFAULT_BANDWIDTHS,
-    DEFAULT_ENTRY,
-    DEFAULT_METHODS,
-    DEFAULT_MODEL,
-    DEFAULT_NODES,
-    DEFAULT_RANKS_PER_NODE,
-    DEFAULT_RUN_TIMEOUT_S,
-    DEFAULT_SEED,
-    DEFAULT_STEPS,
-    DEFAULT_TRAIN_ARGS,
-    EMULATION_MODES,
-)
+from lowband.bench.defaults import DEFAULT_ENTRY, DEFAULT_TRAIN, FT_MODES
+from lowband.bench.faults import format_faults, parse_faults
+from lowband.bench.job import TABLES, BenchTable, check_tables, merge, run_tables, train_flags
 from lowband.bench.methods import METHODS, BenchMethod, parse_method_list
-from lowband.bench.presets import (
-    FRONTIER_PRESET,
-    PRESETS,
-    QUALITY_PRESET,
-    Preset,
-    data_name,
-    lrs_tuned_here,
-    preset_differences,
-    sequence_lengths,
+from lowband.bench.presets import PRESETS
+from lowband.bench.timebudget import (
+    check_time_budget,
+    default_time_budget,
+    parse_time_budget,
+    reference_first,
 )
-from lowband.bench.timebudget import check_time_budget, parse_time_budget, reference_first
 from lowband.optim.outer.schedule import unmerged_tail_note
+from lowband.train.args import train_overrides
+from lowband.train.config import TrainConfig
 from lowband.units import parse_bandwidth, parse_duration, parse_int_list, split_list
 
-__all__ = [
-    "DEFAULT_BANDWIDTHS",
-    "DEFAULT_ENTRY",
-    "DEFAULT_METHODS",
-    "DEFAULT_MODEL",
-    "DEFAULT_NODES",
-    "DEFAULT_RANKS_PER_NODE",
-    "DEFAULT_RUN_TIMEOUT_S",
-    "DEFAULT_SEED",
-    "DEFAULT_STEPS",
-    "DEFAULT_TRAIN_ARGS",
-    "EMULATION_MODES",
-    "FRONTIER_PRESET",
-    "FT_MODES",
-    "PRESETS",
-    "QUALITY_PRESET",
-    "Preset",
-    "BenchConfig",
-    "data_name",
-    "lrs_tuned_here",
-    "preset_differences",
-    "sequence_lengths",
-    "make_config",
-]
+__all__ = ["FT_MODES", "INDEXED", "PRESETS", "BenchConfig"]
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
-    """A validated bench configuration (build it with :func:`make_config`).
+    """A validated bench configuration (build it with :meth:`from_tables`).
 
     Args:
         methods: the method specs, in the order given.
@@ -95,9 +63,12 @@ class BenchConfig:
         preset: the preset this configuration started from, or None.
         run_timeout_s: wall-clock limit of one run.
         entry: module (``python -m ENTRY train ...``) or ``.py`` script each node runs.
-        train_args: extra ``lowband train`` arguments for every run.
+        train: lowband train's tables every run gets on top of lowband train's defaults (the bench's
+            defaults, the preset's and the user's; without the model and data, which are above).
+        extra_train_args: ``[bench] train_args``: ``lowband train`` flags every run gets after ``train``.
         time_budget: training-clock seconds of every run, ``"auto"`` (the reference's measured
             training time; :mod:`lowband.bench.timebudget`), or None: ``steps`` steps each.
+        tune: search each method variant's lr first (:mod:`lowband.bench.tune`).
     """
 
     methods: tuple[BenchMethod, ...]
@@ -113,17 +84,60 @@ class BenchConfig:
     seeds: tuple[int, ...]
     run_timeout_s: float
     entry: str
-    train_args: tuple[str, ...] = ()
+    train: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    extra_train_args: tuple[str, ...] = ()
     target_loss: float | None = None
     preset: str | None = None
     ft: str = "off"
     faults: tuple = ()  # lowband.bench.faults.FaultEvent
     time_budget: float | str | None = None
+    tune: bool = False
 
     @property
     def seed(self) -> int:
         """The first seed (single-seed benches)."""
         return self.seeds[0]
+
+    @property
+    def train_args(self) -> tuple[str, ...]:
+        """Every run's ``lowband train`` flags besides the bench's own: :attr:`train` as flags, then
+        :attr:`extra_train_args` (which win)."""
+        return (*train_flags(self.train), *self.extra_train_args)
+
+    @classmethod
+    def from_tables(cls, tables: Mapping[str, Mapping[str, Any]], *, where: str = "") -> BenchConfig:
+        """The bench a job's tables describe (``{"bench": {"methods": "adamw,flexdemo", "steps": 30},
+        "model": {"name": "t5-tiny"}}``), over its preset's tables and the defaults; keys not given keep
+        those. Lists may be given as comma-separated text, as on the command line.
+
+        Raises:
+            ValueError: naming the bad table, key or value and what is accepted (``where``: the file).
+        """
+        user = check_tables(tables, where=where)
+        preset = user.get("bench", {}).get("preset")
+        if preset is not None and preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+        layers = [DEFAULT_TRAIN, PRESETS[preset].tables() if preset is not None else {}, user]
+        merged = merge(*layers)
+        bench = BenchTable(**merged.get("bench", {}))
+        return _build(bench, merged)
+
+    def tables(self) -> dict[str, dict[str, Any]]:
+        """The complete job (every ``[bench]`` key, defaults included; the train tables the runs get):
+        :meth:`from_tables` of it is this configuration again. A None, which TOML cannot hold, is left out."""
+        bench = {
+            "preset": self.preset, "methods": [str(m) for m in self.methods],
+            "bandwidths": [_bandwidth_text(b) for b in self.bandwidths_bps],
+            "shards": list(self.shards) if self.shards is not None else None, "steps": self.steps,
+            "seeds": list(self.seeds), "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+            "emulation": self.emulation, "latency_s": self.latency_s, "target_loss": self.target_loss,
+            "run_timeout_s": self.run_timeout_s, "time_budget": "off" if self.time_budget is None else self.time_budget,
+            "ft": self.ft, "faults": format_faults(self.faults) if self.faults else None, "tune": self.tune,
+            "entry": self.entry, "train_args": list(self.extra_train_args),
+        }  # fmt: skip
+        out = merge({"bench": bench, "model": {"name": self.model}, "data": {"path": self.data}}, self.train)
+        out = {t: {k: v for k, v in out[t].items() if v is not None} for t in TABLES if t in out}
+        return {t: body for t, body in out.items() if body}
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form, as stored under ``config`` in results.json."""
@@ -147,7 +161,18 @@ class BenchConfig:
             "ft": self.ft,
             "faults": [str(e) for e in self.faults],
             "time_budget": self.time_budget,
+            "train": {t: dict(body) for t, body in self.train.items()},
+            "tune": self.tune,
         }
+
+
+def _bandwidth_text(bps: float) -> str | float:
+    """A rate as a job file writes it: ``"100mbit"`` where that reads back exactly, else bit/s."""
+    for unit, factor in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        text = f"{bps / factor:g}{unit}"
+        if bps >= factor and parse_bandwidth(text) == bps:
+            return text
+    return bps
 
 
 def _check_model(model: str) -> None:
@@ -250,55 +275,34 @@ def _check_meaningful(specs: Sequence[BenchMethod], steps: int) -> None:
                 log.warning("%s: %s", spec, note)
 
 
-def make_config(
-    *,
-    methods: str | Sequence[str] = DEFAULT_METHODS,
-    bandwidths: str | Sequence[str] = DEFAULT_BANDWIDTHS,
-    shards: str | Sequence[str] | None = None,
-    steps: int = DEFAULT_STEPS,
-    model: str = DEFAULT_MODEL,
-    data: str | None = None,
-    emulation: str = "auto",
-    latency: str | float = 0.0,
-    nodes: int = DEFAULT_NODES,
-    ranks_per_node: int = DEFAULT_RANKS_PER_NODE,
-    seeds: int | str | Sequence[int | str] = (DEFAULT_SEED,),
-    target_loss: float | None = None,
-    preset: str | None = None,
-    run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
-    entry: str = DEFAULT_ENTRY,
-    train_args: str | Sequence[str] = (),
-    ft: str = "off",
-    faults: str | None = None,
-    time_budget: float | str | None = None,
-) -> BenchConfig:
-    """Check everything a user gave and build a :class:`BenchConfig`.
-
-    Lists may be given as comma-separated strings (as on the command line) or as sequences.
+def _build(bench: BenchTable, tables: Mapping[str, Mapping[str, Any]]) -> BenchConfig:
+    """Check everything a job's merged tables give and build its :class:`BenchConfig`.
 
     Raises:
         ValueError: naming the bad value and listing what is accepted.
     """
     from lowband.distributed.topology import Topology
 
-    if emulation not in EMULATION_MODES:
-        raise ValueError(f"unknown emulation {emulation!r}; accepted: {', '.join(EMULATION_MODES)}")
+    model = tables["model"]["name"]
+    data = tables.get("data", {}).get("path")
+    nodes, ranks_per_node, steps = bench.nodes, bench.ranks_per_node, bench.steps
     if nodes < 2:
         raise ValueError(f"nodes={nodes}: a bench needs at least 2 nodes to have a link between them")
     if ranks_per_node < 1:
         raise ValueError(f"ranks_per_node={ranks_per_node}: give at least 1 rank per node")
     if steps < 1:
         raise ValueError(f"steps={steps}: give at least 1 training step")
+    run_timeout_s = parse_duration(bench.run_timeout_s, what="--run-timeout")
     if not run_timeout_s > 0:
         raise ValueError(f"run timeout {run_timeout_s} s: give a positive number of seconds")
-    specs = tuple(parse_method_list(methods))
-    bw_items = split_list(bandwidths)
+    specs = tuple(parse_method_list(bench.methods))
+    bw_items = split_list([str(b) for b in bench.bandwidths])
     if not bw_items:
         raise ValueError("no bandwidth given; e.g. --bandwidth 100mbit,500mbit,1gbit")
     bandwidths_bps = tuple(dict.fromkeys(parse_bandwidth(b) for b in bw_items))
     shard_values: tuple[int, ...] | None = None
-    if shards is not None:
-        shard_values = tuple(dict.fromkeys(parse_int_list(shards, what="--shards", example="1,2")))
+    if bench.shards is not None:
+        shard_values = tuple(dict.fromkeys(parse_int_list(bench.shards, what="--shards", example="1,2")))
     divisors = [d for d in range(1, ranks_per_node + 1) if ranks_per_node % d == 0]
     for s in [*(shard_values or ()), *(spec.shards for spec in specs if spec.shards is not None)]:
         try:
@@ -311,51 +315,31 @@ def make_config(
         data = str(Path(data).expanduser().resolve())  # the nodes may not share this working directory
     if Path(model).expanduser().is_dir():
         model = str(Path(model).expanduser().resolve())
-    latency_s = parse_duration(latency)
-    seed_values = _parse_seeds(seeds)
+    latency_s = parse_duration(bench.latency_s)
+    seed_values = _parse_seeds(bench.seeds)
     for spec in specs:
         if (spec.nseeds or 1) > len(seed_values):
             raise ValueError(f"{spec}: nseeds={spec.nseeds} exceeds the {len(seed_values)} seed(s) of the bench "
                              f"(--seeds {','.join(map(str, seed_values))}); lower nseeds or add seeds")
+    target_loss = bench.target_loss
     if target_loss is not None and not (math.isfinite(target_loss) and target_loss > 0):
         raise ValueError(f"--target-loss {target_loss}: give a positive validation loss, e.g. --target-loss 6.5")
     _check_meaningful(specs, steps)
-    if preset is not None and preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
-    # The bench's own defaults first: the user's arguments come later and win.
-    entry_args = DEFAULT_TRAIN_ARGS + (
-        tuple(shlex.split(train_args)) if isinstance(train_args, str) else tuple(train_args))
+    entry = bench.entry
     if entry.endswith(".py") and not Path(entry).is_file():
         raise ValueError(f"entry script {entry} does not exist; give a module name or an existing .py file")
     _check_group_sizes(specs, nodes=nodes, ranks_per_node=ranks_per_node, shards=shard_values)
+    train = run_tables(tables)
     if entry == DEFAULT_ENTRY:  # lowband's own flags, checked now (another entry may take flags of its own)
-        from lowband.train.args import train_overrides
-        from lowband.train.config import TrainConfig
-
-        user = shlex.join(entry_args[len(DEFAULT_TRAIN_ARGS):])
-        try:
-            given = train_overrides(entry_args)
-        except ValueError as e:
-            raise ValueError(f"--train-args {user!r}: {e}") from None
-        if given.get("run", {}).get("export_hf"):
-            raise ValueError(f"--train-args {user!r}: --export-hf would have every run of the bench export to one "
-                             "directory; give --train-args=--ckpt-at-end instead and export the runs you want "
-                             "afterwards: lowband export BENCH_OUT/runs/<id> --out DIR")
-        user_hp = {k: v for k, v in given.get("method", {}).items() if k != "name"}
-        for spec in specs:  # the user's hyper-parameters go to every method: each must have them
-            try:
-                train_config = TrainConfig.from_tables(
-                    {**given, "method": {"name": spec.name, **spec.given_values(), **user_hp}})
-            except ValueError as e:
-                raise ValueError(f"--train-args {user!r} with method {spec}: {e}. A hyper-parameter that only some "
-                                 f"methods have goes in their specs (e.g. diloco:H=10), not in --train-args") from None
-        if data is not None:
-            _check_data_columns(data, model, train_config)
-    budget = parse_time_budget(time_budget)
-    check_time_budget(budget, specs, ft=ft, faults=faults or ())
+        _check_train_settings(specs, train, bench.train_args, data=data, model=model)
+    budget = bench.time_budget
+    if budget is None:  # not given: auto for a plain bench that holds the reference (timebudget's rule)
+        budget = default_time_budget(bench.methods, preset=bench.preset, ft=bench.ft, faults=bench.faults)
+    budget = parse_time_budget(budget)
+    check_time_budget(budget, specs, ft=bench.ft, faults=bench.faults or ())
     specs = reference_first(specs, budget)  # under "auto" the reference runs first: it sets the budget
-    fault_events = _check_fault_tolerance(specs, ft=ft, faults=faults, nodes=nodes, steps=steps, entry=entry,
-                                          ranks_per_node=ranks_per_node)
+    fault_events = _check_fault_tolerance(specs, ft=bench.ft, faults=bench.faults, nodes=nodes, steps=steps,
+                                          entry=entry, ranks_per_node=ranks_per_node)
     return BenchConfig(
         methods=specs,
         bandwidths_bps=bandwidths_bps,
@@ -363,23 +347,49 @@ def make_config(
         steps=steps,
         model=model,
         data=data,
-        emulation=emulation,
+        emulation=bench.emulation,
         latency_s=latency_s,
         nodes=nodes,
         ranks_per_node=ranks_per_node,
         seeds=seed_values,
         target_loss=target_loss,
-        preset=preset,
+        preset=bench.preset,
         run_timeout_s=run_timeout_s,
         entry=entry,
-        train_args=entry_args,
-        ft=ft,
+        train=train,
+        extra_train_args=bench.train_args,
+        ft=bench.ft,
         faults=fault_events,
         time_budget=budget,
+        tune=bench.tune,
     )
 
 
-FT_MODES = ("off", "on", "both")
+def _check_train_settings(specs: Sequence[BenchMethod], train: Mapping[str, Mapping[str, Any]],
+                          extra: Sequence[str], *, data: str | None, model: str) -> None:
+    """The train tables and ``[bench] train_args`` with every method, as lowband train will read them: a
+    hyper-parameter there goes to every method, so each must have it."""
+    user = shlex.join(extra)
+    try:
+        given = merge(train, train_overrides(extra))
+    except ValueError as e:
+        raise ValueError(f"--train-args {user!r}: {e}") from None
+    if given.get("run", {}).get("export_hf"):
+        raise ValueError(f"--train-args {user!r}: --export-hf would have every run of the bench export to one "
+                         "directory; give --train-args=--ckpt-at-end instead and export the runs you want "
+                         "afterwards: lowband export BENCH_OUT/runs/<id> --out DIR")
+    user_hp = {k: v for k, v in given.pop("method", {}).items() if k != "name"}
+    train_config = None
+    for spec in specs:
+        try:
+            train_config = TrainConfig.from_tables(
+                {**given, "model": {**given.get("model", {}), "name": model},
+                 "method": {"name": spec.name, **spec.given_values(), **user_hp}})
+        except ValueError as e:
+            raise ValueError(f"--train-args {user!r} with method {spec}: {e}. A hyper-parameter that only some "
+                             f"methods have goes in their specs (e.g. diloco:H=10), not in --train-args") from None
+    if data is not None and train_config is not None:
+        _check_data_columns(data, model, train_config)
 
 
 #: The methods whose messages carry indices (top-k of chunks): what --faults poison-index needs.
@@ -389,11 +399,6 @@ INDEXED = ("flexdemo", "demo", "sparseloco")
 def _check_fault_tolerance(specs: Sequence[BenchMethod], *, ft: str, faults: str | None, nodes: int, steps: int,
                            entry: str, ranks_per_node: int) -> tuple:
     """Check ``--ft`` and ``--faults`` before anything starts; return the parsed fault plan."""
-    from lowband.bench.faults import parse_faults
-
-    if ft not in FT_MODES:
-        raise ValueError(f"--ft {ft!r}: accepted: {', '.join(FT_MODES)} (both: every method with and without "
-                         "fault tolerance, side by side)")
     events = parse_faults(faults, nodes=nodes, steps=steps) if faults is not None else ()
     if ft == "off" and not events:
         return ()

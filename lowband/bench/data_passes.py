@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lowband.bench.config import DEFAULT_ENTRY, BenchConfig, data_name
+from lowband.bench.config import BenchConfig
+from lowband.bench.defaults import DEFAULT_ENTRY
 from lowband.bench.plan import plan_runs
+from lowband.bench.presets import data_name
 
 __all__ = ["data_passes_note"]
 

@@ -2,11 +2,10 @@
 
 The default bench must finish within 10 minutes on a 2-core machine, and its model must be large
 enough that AdamW's full gradient all-reduce makes it communication-bound on the default link. It
-runs at equal training time (``--time-budget auto``, :mod:`lowband.bench.timebudget`): measured
-2026-12-03, 7 runs in 450 s of wall time on 2 cores (AdamW 40 steps in 43.4 s of training clock,
-the others up to 153 steps in that time).
-The configuration (:mod:`lowband.bench.config`), the presets (:mod:`lowband.bench.presets`), the
-plan (:mod:`lowband.bench.plan`) and the command line (:mod:`lowband.bench`) read them from here.
+runs at equal training time (``--time-budget auto``, :mod:`lowband.bench.timebudget`); what it
+measured is in docs/presets.md.
+The job's tables (:mod:`lowband.bench.job`), the presets (:mod:`lowband.bench.presets`), the
+configuration (:mod:`lowband.bench.config`) and the plan (:mod:`lowband.bench.plan`) read them from here.
 """
 
 from __future__ import annotations
@@ -21,8 +20,9 @@ __all__ = [
     "DEFAULT_RUN_TIMEOUT_S",
     "DEFAULT_SEED",
     "DEFAULT_STEPS",
-    "DEFAULT_TRAIN_ARGS",
+    "DEFAULT_TRAIN",
     "EMULATION_MODES",
+    "FT_MODES",
 ]
 
 #: Methods of the default bench: the FlexDeMo paper's Table 1 columns, then DiLoCo and NoLoCo (H = 10).
@@ -42,10 +42,13 @@ DEFAULT_RANKS_PER_NODE = 2
 DEFAULT_SEED = 0
 #: Wall-clock limit of one run (all its nodes); a run that takes longer is recorded as failed.
 DEFAULT_RUN_TIMEOUT_S = 600.0
-#: `lowband train` arguments of every run, before the user's --train-args (which win).
-DEFAULT_TRAIN_ARGS: tuple[str, ...] = ("--val-every", "10")
+#: `lowband train`'s tables as every run gets them, before a preset's and the user's (which win): the
+#: bench's model, and a validation every 10 steps (the curves need points; lowband train's default is per epoch).
+DEFAULT_TRAIN: dict[str, dict[str, object]] = {"model": {"name": DEFAULT_MODEL}, "run": {"val_every": 10}}
 #: What each node runs: `python -m lowband train ...`. A module name or a path to a .py script.
 DEFAULT_ENTRY = "lowband"
 # ------------------------------------------------------------------------------------------------
 
 EMULATION_MODES: tuple[str, ...] = ("auto", "netns", "shaped")
+#: --ft: off, on, or both (every method with and without fault tolerance, side by side).
+FT_MODES: tuple[str, ...] = ("off", "on", "both")

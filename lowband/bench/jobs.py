@@ -1,7 +1,8 @@
 """Each run's job: what the nodes of one planned run (:class:`~lowband.bench.plan.RunPlan`) are given.
 
-The last stage of a bench configuration's way: the command line (:mod:`lowband.bench`) ->
-:func:`~lowband.bench.config.make_config` -> :func:`~lowband.bench.plan.plan_runs` -> the runner
+The last stage of a bench configuration's way: the command line and the job file
+(:mod:`lowband.bench.args`) -> :meth:`~lowband.bench.config.BenchConfig.from_tables` ->
+:func:`~lowband.bench.plan.plan_runs` -> the runner
 (:mod:`lowband.bench.runner`), which asks here, run by run, for the command of its nodes
 (:func:`run_command`): the run's complete ``TrainConfig`` (:func:`train_config`) written to
 ``RUN_DIR/config.toml`` (:mod:`lowband.train.jobfile`), or, for another entry than lowband's own,
@@ -22,8 +23,9 @@ __all__ = ["run_command", "shaping_args", "train_args", "train_config"]
 
 
 def train_config(plan, config: BenchConfig, out_dir: Path, *, shaped: bool):
-    """The run's TrainConfig: the bench's settings and this run's, then ``config.train_args`` (the
-    user's, which win), then the link (bandwidth when shaped in-process, latency always)."""
+    """The run's TrainConfig: the bench's settings and this run's, then the job's train tables
+    (``config.train``), then ``config.extra_train_args`` (which win), then the link (bandwidth when
+    shaped in-process, latency always)."""
     import dataclasses
 
     from lowband.train.args import train_overrides
@@ -36,9 +38,9 @@ def train_config(plan, config: BenchConfig, out_dir: Path, *, shaped: bool):
                      **({"time_budget_s": plan.time_budget_s} if plan.time_budget_s is not None else {})},
         "run": {"seed": plan.seed, "out": str(out_dir)}, "data": {"path": config.data},
     }
-    for table, body in train_overrides(config.train_args).items():
+    for table, body in [*config.train.items(), *train_overrides(config.extra_train_args).items()]:
         tables.setdefault(table, {}).update(body)
-    user_hp = canonical_names(plan.method, {k: v for k, v in tables.pop("method").items() if k != "name"})
+    user_hp = canonical_names(plan.method, {k: v for k, v in tables.pop("method", {}).items() if k != "name"})
     tables["link"] = {**tables.get("link", {}), "latency_s": plan.latency_s}
     if shaped:
         tables["link"]["bandwidth_bps"] = plan.bandwidth_bps

@@ -30,8 +30,11 @@ Top level::
                     "shards" (list or null), "steps", "model", "data", "emulation" (as asked:
                     auto|netns|shaped), "latency_s", "nodes", "ranks_per_node", "seeds" (list),
                     "target_loss" (as given, or null), "preset" (name or null), "run_timeout_s",
-                    "entry", "train_args", "ft", "faults", "time_budget" (seconds, "auto" or
-                    null: lowband.bench.timebudget)}
+                    "entry", "train_args" (every run's lowband train flags besides the
+                    bench's own: the job's train tables as flags, then [bench] train_args),
+                    "ft", "faults", "time_budget" (seconds, "auto" or null:
+                    lowband.bench.timebudget), "train" (the job's lowband train tables,
+                    lowband.bench.job) and "tune" (both absent in an older results.json)}
     target_loss     the loss every run is timed to: AdamW's final validation loss in this
                     bench (its best variant, mean over seeds; a one-seed variant only when
                     no AdamW variant ran at several) or the --target-loss given; null

@@ -451,7 +451,7 @@ def run_bench(
     """Run every planned run of ``config``; write and return the results (see lowband.bench.results).
 
     Args:
-        config: a validated configuration (:func:`lowband.bench.config.make_config`).
+        config: a validated configuration (:meth:`lowband.bench.config.BenchConfig.from_tables`).
         out_dir: the bench directory (created by :func:`prepare_out_dir`).
         mode: ``netns`` or ``shaped``; None decides with :func:`choose_emulation`.
         reason: why ``mode`` was chosen (recorded).

@@ -113,7 +113,7 @@ def _lr(spec: BenchMethod) -> float | None:
 
 def _source(spec: BenchMethod, config: BenchConfig) -> str:
     preset = PRESETS.get(config.preset or "")
-    if preset is not None and str(spec) in preset.settings.get("methods", ()):
+    if preset is not None and str(spec) in preset.bench.methods:
         return PRESET
     return GIVEN if "lr" in spec.given else DEFAULT
 

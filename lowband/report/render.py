@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lowband.bench.defaults import DEFAULT_TRAIN_ARGS
 from lowband.bench.methods import SHARD_SWEEP, column_labels
 from lowband.bench.presets import PRESETS, data_name, lrs_tuned_here, preset_differences, sequence_lengths
 from lowband.bench.record import RunRecord, error_headline
@@ -248,12 +247,11 @@ def preset_lines(cfg: Mapping[str, Any]) -> list[str]:
         text = (f"Preset `{preset.name}`; from the preset: {', '.join(kept) or 'nothing'}; overridden on the "
                 f"command line: {'; '.join(changed)}.")
     own_data = lrs_tuned_here(preset, cfg) and (sequence_lengths(cfg.get("model") or "", cfg.get("train_args") or ())
-                                                == sequence_lengths(preset.settings.get("model") or "",
-                                                                    DEFAULT_TRAIN_ARGS + tuple(preset.settings.get("train_args", ()))))
+                                                == sequence_lengths(preset.model, preset.train_args))
     if preset.facts and own_data:
         text += f" {preset.facts}"
     out = [text, ""]
-    methods_kept = list(cfg.get("methods") or []) == list(preset.settings.get("methods", []))
+    methods_kept = list(cfg.get("methods") or []) == list(preset.bench.methods)
     if preset.lrs_tuned_on and methods_kept and not lrs_tuned_here(preset, cfg):
         out += [f"**Learning rates not tuned here.** The preset's lrs were tuned on {preset.lrs_tuned_on}, not on "
                 f"this run's {cfg.get('model')} on {data_name(cfg.get('data'))}: no method is known to run at its "

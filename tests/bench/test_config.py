@@ -8,17 +8,23 @@ from pathlib import Path
 import pytest
 
 import lowband.commands.bench as bench
-from lowband.bench.config import PRESETS, make_config
+from lowband.bench.config import PRESETS, BenchConfig
 from lowband.bench.plan import plan_runs
 from tests.bench.fake_trainer import bench_args
 
 
+def _config(*, data: str | None = None, **bench):
+    """The bench of these ``[bench]`` keys on t5-tiny (and ``data``)."""
+    return BenchConfig.from_tables({"bench": bench, "model": {"name": "t5-tiny"},
+                                    **({"data": {"path": data}} if data is not None else {})})
+
+
 @pytest.mark.timeout(120)
 def test_plan_expands_bandwidths_and_shards() -> None:
-    config = make_config(
-        methods="adamw,deto-full,demo,flexdemo:topk=1,flexdemo:topk=8", bandwidths="1gbit,100mbit", shards="1,2",
-        steps=3, model="t5-tiny",
-    )  # fmt: skip
+    config = BenchConfig.from_tables({
+        "bench": {"methods": "adamw,deto-full,demo,flexdemo:topk=1,flexdemo:topk=8", "bandwidths": "1gbit,100mbit",
+                  "shards": "1,2", "steps": 3},
+        "model": {"name": "t5-tiny"}})  # fmt: skip
     plans = plan_runs(config)
     first = [(p.method, p.topk, p.shards) for p in plans if p.bandwidth_bps == 1e9]
     # demo at shards=2 is flexdemo:topk=1 at shards=2: run once.
@@ -32,14 +38,14 @@ def test_plan_expands_bandwidths_and_shards() -> None:
     assert argv[argv.index("--topk") + 1] == "8" and argv[argv.index("--chunk") + 1] == "128"
     assert argv[argv.index("--shards") + 1] == "2" and argv[argv.index("--out") + 1] == "/x"
     # Without --shards every method keeps its own: DeMo 1, the rest ranks per node.
-    plans = plan_runs(make_config(methods="demo,flexdemo,noloco:H=2,n=2", steps=3, model="t5-tiny"))
+    plans = plan_runs(_config(methods="demo,flexdemo,noloco:H=2,n=2", steps=3))
     assert [(p.method, p.shards) for p in plans] == [("demo", 1), ("flexdemo", 2), ("noloco", 2)]
-    assert plans[2].train_args(make_config(methods="adamw", steps=3, model="t5-tiny"), Path("/x"))[3:7] == [
+    assert plans[2].train_args(_config(methods="adamw", steps=3), Path("/x"))[3:7] == [
         "--sync-every", "2", "--group-size", "2"]  # fmt: skip
 
 
 def test_seeds_multiply_the_runs_seed_major() -> None:
-    config = make_config(methods="adamw,flexdemo", seeds="0,1,2", steps=5, model="t5-tiny")
+    config = _config(methods="adamw,flexdemo", seeds="0,1,2", steps=5)
     plans = plan_runs(config)
     assert [(p.method, p.seed) for p in plans] == [
         ("adamw", 0), ("flexdemo", 0), ("adamw", 1), ("flexdemo", 1), ("adamw", 2), ("flexdemo", 2)]
@@ -49,42 +55,42 @@ def test_seeds_multiply_the_runs_seed_major() -> None:
     assert config.as_dict()["seeds"] == [0, 1, 2]
     for bad, words in (("0,x", "'x' is not an integer"), ("1,1", "names a seed twice")):
         with pytest.raises(ValueError, match=words):
-            make_config(methods="adamw", seeds=bad, steps=5, model="t5-tiny")
+            _config(methods="adamw", seeds=bad, steps=5)
 
 
 def test_nseeds_runs_a_variant_at_the_first_seeds_only() -> None:
-    config = make_config(methods=["adamw:lr=0.001,nseeds=1", "flexdemo"], seeds="0,1", steps=5, model="t5-tiny")
+    config = _config(methods=["adamw:lr=0.001,nseeds=1", "flexdemo"], seeds="0,1", steps=5)
     plans = plan_runs(config)
     assert [(p.method, p.seed) for p in plans] == [("adamw", 0), ("flexdemo", 0), ("flexdemo", 1)]
     assert "nseeds" not in plans[0].params  # a bench key: it never reaches the trainer
     assert "--nseeds" not in " ".join(plans[0].train_args(config, __import__("pathlib").Path("/x")))
     with pytest.raises(ValueError, match="nseeds=3 exceeds the 2 seed"):
-        make_config(methods="adamw:nseeds=3", seeds="0,1", steps=5, model="t5-tiny")
+        _config(methods="adamw:nseeds=3", seeds="0,1", steps=5)
     with pytest.raises(ValueError, match="nseeds must be >= 1"):
-        make_config(methods="adamw:nseeds=0", seeds="0,1", steps=5, model="t5-tiny")
+        _config(methods="adamw:nseeds=0", seeds="0,1", steps=5)
 
 
 def test_meaningless_benches_are_refused_with_the_fix() -> None:
     with pytest.raises(ValueError) as err:
-        make_config(methods="diloco,noloco", steps=40, model="t5-tiny")  # registry H = 50 > 40 steps
+        _config(methods="diloco,noloco", steps=40)  # registry H = 50 > 40 steps
     assert "no outer step ever happens" in str(err.value) and "diloco:H=" in str(err.value)
-    make_config(methods="diloco:H=10", steps=40, model="t5-tiny")
+    _config(methods="diloco:H=10", steps=40)
     with pytest.raises(ValueError, match="positive validation loss"):
-        make_config(methods="adamw", steps=5, model="t5-tiny", target_loss=-1.0)
+        _config(methods="adamw", steps=5, target_loss=-1.0)
 
 
 def test_a_run_that_ends_between_outer_steps_is_warned_about_with_the_fix(caplog) -> None:
     from lowband.train.config import TrainConfig
 
     with caplog.at_level("WARNING"):
-        make_config(methods="diloco:H=20,noloco:H=10", steps=150, model="t5-tiny")
+        _config(methods="diloco:H=20,noloco:H=10", steps=150)
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1  # NoLoCo's H=10 divides 150
     assert "diloco:H=20" in warned[0] and "last 10 inner steps are never merged" in warned[0]
     assert "--steps 140 or 160" in warned[0]
     caplog.clear()
     with caplog.at_level("WARNING"):
-        make_config(methods="diloco:H=20", steps=140, model="t5-tiny")
+        _config(methods="diloco:H=20", steps=140)
         TrainConfig.from_tables({"method": {"name": "diloco", "sync_every": 20}, "schedule": {"steps": 140}}).validate()
     assert not caplog.records
     with caplog.at_level("WARNING"):
@@ -95,9 +101,9 @@ def test_a_run_that_ends_between_outer_steps_is_warned_about_with_the_fix(caplog
 def test_preset_settings_and_the_users_options_win() -> None:
     preset = PRESETS["quality"]
     config = bench.config_from_args(bench_args("--preset", "quality"))
-    assert config.preset == "quality" and config.steps == preset.settings["steps"]
+    assert config.preset == "quality" and config.steps == preset.bench.steps
     assert len(config.seeds) >= 2 and config.bandwidths_bps == (1e8,)
-    assert [str(m) for m in config.methods] == list(preset.settings["methods"])
+    assert [str(m) for m in config.methods] == list(preset.bench.methods)
     assert {m.name for m in config.methods} >= {"adamw", "deto-full", "demo", "flexdemo", "diloco", "noloco"}
     config = bench.config_from_args(bench_args("--preset", "quality", "--steps", "60", "--seeds", "5",
                                           "--train-args=--val-every 7"))  # fmt: skip
@@ -107,20 +113,19 @@ def test_preset_settings_and_the_users_options_win() -> None:
 
 def test_group_size_and_data_columns_are_refused_before_any_process_starts(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"group size n=4 exceeds the 2 replicas.*use n <= 2"):
-        make_config(methods="noloco:H=5,n=4", steps=10, model="t5-tiny")
-    make_config(methods="noloco:H=5,n=4", steps=10, model="t5-tiny", nodes=4, ranks_per_node=1)
+        _config(methods="noloco:H=5,n=4", steps=10)
+    _config(methods="noloco:H=5,n=4", steps=10, nodes=4, ranks_per_node=1)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"a": "x", "b": "y"}\n')
     with pytest.raises(ValueError, match=r"no source column 'source' \(its first row has: a, b\).*--source-column"):
-        make_config(methods="adamw", steps=5, model="t5-tiny", data=str(bad))
-    make_config(methods="adamw", steps=5, model="t5-tiny", data=str(bad),
-                train_args="--source-column a --target-column=b")
+        _config(methods="adamw", steps=5, data=str(bad))
+    _config(methods="adamw", steps=5, data=str(bad), train_args="--source-column a --target-column=b")
     csv_file = tmp_path / "pairs.csv"
     csv_file.write_text("source,summary\nx,y\n")
     with pytest.raises(ValueError, match="no target column 'target'"):
-        make_config(methods="adamw", steps=5, model="t5-tiny", data=str(csv_file))
+        _config(methods="adamw", steps=5, data=str(csv_file))
     with pytest.raises(ValueError, match="--export-hf would have every run of the bench export to one directory"):
-        make_config(methods="adamw", steps=5, model="t5-tiny", train_args=f"--export-hf {tmp_path / 'hf'}")
+        _config(methods="adamw", steps=5, train_args=f"--export-hf {tmp_path / 'hf'}")
 
 
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
@@ -128,13 +133,12 @@ HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 
 @pytest.mark.skipif(not HAS_TORCHFT, reason="torchft not installed")
 def test_faults_plan_a_fault_free_twin_and_ft_both_plans_off_and_on():
-    cfg = make_config(methods="flexdemo:topk=1,adamw", steps=50, model="t5-tiny", nodes=3,
-                      faults="node2:kill@10,node2:start@20")
+    cfg = _config(methods="flexdemo:topk=1,adamw", steps=50, nodes=3, faults="node2:kill@10,node2:start@20")
     plans = plan_runs(cfg)
     assert [(p.label, p.ft, bool(p.faults)) for p in plans] == [
         ("FlexDeMo Top1 FT", True, False), ("FlexDeMo Top1 FT faults", True, True),
         ("AdamW FT", True, False), ("AdamW FT faults", True, True)]
-    both = plan_runs(make_config(methods="adamw", steps=50, model="t5-tiny", ft="both"))
+    both = plan_runs(_config(methods="adamw", steps=50, ft="both"))
     assert [(p.label, p.ft) for p in both] == [("AdamW", False), ("AdamW FT", True)]
     assert len({p.id for p in both}) == 2
 
@@ -148,7 +152,7 @@ def test_faults_plan_a_fault_free_twin_and_ft_both_plans_off_and_on():
 @pytest.mark.skipif(not HAS_TORCHFT, reason="torchft not installed")
 def test_bad_fault_tolerance_settings_are_named_before_anything_starts(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
-        make_config(steps=50, model="t5-tiny", **kwargs)
+        _config(steps=50, **kwargs)
 
 
 def test_frontier_preset_is_long_enough_for_local_methods_and_spans_the_bytes_axis() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 import lowband.bench.runner as runner
 import lowband.commands.bench as bench
-from lowband.bench.config import make_config
+from lowband.bench.config import BenchConfig
 from lowband.bench.data_passes import data_passes_note
 from tests.bench.fake_trainer import bench_args
 
@@ -23,16 +23,19 @@ def _pairs(path: Path, n: int) -> Path:
 def test_the_passes_of_a_bench_on_small_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOWBAND_CACHE", str(tmp_path / "cache"))
     data = _pairs(tmp_path / "pairs.jsonl", 300)  # 256 validation pairs by default: 44 to train on
-    note = data_passes_note(make_config(methods="adamw", steps=30, model="t5-tiny", data=str(data),
-                                        train_args="--batch-size 2"))
+
+    def config(steps: int, model: str, path: Path, **train):
+        return BenchConfig.from_tables({"bench": {"methods": "adamw", "steps": steps}, "model": {"name": model},
+                                        "data": {"path": str(path), **train.pop("data", {})}, **train})
+
+    note = data_passes_note(config(30, "t5-tiny", data, schedule={"batch_size": 2}))
     # 30 steps × (2 nodes × 2 ranks × 2) = 240 examples over 44: 5.45 passes.
     assert note is not None and "5.45 passes (epochs)" in note and "over 44 training examples of `pairs.jsonl`" in note
-    assert data_passes_note(make_config(methods="adamw", steps=1, model="t5-tiny", data=str(data),
-                                        train_args="--batch-size 2")) is None
+    assert data_passes_note(config(1, "t5-tiny", data, schedule={"batch_size": 2})) is None
     txt = tmp_path / "lines.txt"
     txt.write_text("".join(f"line {i} of a small plain text corpus\n" for i in range(400)))
-    packed = data_passes_note(make_config(methods="adamw", steps=50, model="gpt-tiny", data=str(txt),
-                                          train_args="--max-len 16 --vocab-size 300 --batch-size 2"))
+    packed = data_passes_note(config(50, "gpt-tiny", txt, data={"max_len": 16, "vocab_size": 300},
+                                     schedule={"batch_size": 2}))
     assert packed is not None and "blocks of 16 packed tokens" in packed
 
 

@@ -44,10 +44,11 @@ def test_a_poison_event_is_carried_out_by_the_node_itself_through_lowband_train(
 
 
 def test_a_poison_plan_is_refused_for_a_method_whose_gradients_are_all_reduced():
-    from lowband.bench.config import make_config
+    from lowband.bench.config import BenchConfig
 
     with pytest.raises(ValueError, match="adamw's gradients are all-reduced"):
-        make_config(methods=["adamw", "diloco:H=5"], nodes=3, faults="node2:poison@10", steps=40)
+        BenchConfig.from_tables({"bench": {"methods": ["adamw", "diloco:H=5"], "nodes": 3, "faults": "node2:poison@10",
+                                           "steps": 40}})
 
 
 def test_an_intruder_takes_a_live_or_a_free_slot_and_changes_no_node():
@@ -78,14 +79,16 @@ def test_an_intruder_is_checked_refused_by_its_exit_and_its_log(tmp_path):
 
 
 def test_malformed_poison_events_map_to_lowband_train_and_index_needs_indices():
-    from lowband.bench.config import make_config
+    from lowband.bench.config import BenchConfig
     from lowband.bench.faults import poison_of
 
     assert poison_of(parse_faults("node1:poison-nan@7", nodes=3)) == "node1:nan@7"
     assert poison_of(parse_faults("node1:poison-index@7", nodes=3)) == "node1:index@7"
     with pytest.raises(ValueError, match="diloco's are dense"):
-        make_config(methods=["sparseloco:H=5", "diloco:H=5"], nodes=3, faults="node2:poison-index@10", steps=40)
-    make_config(methods=["sparseloco:H=5", "flexdemo"], nodes=3, faults="node2:poison-index@10", steps=40)
+        BenchConfig.from_tables({"bench": {"methods": ["sparseloco:H=5", "diloco:H=5"], "nodes": 3,
+                                           "faults": "node2:poison-index@10", "steps": 40}})
+    BenchConfig.from_tables({"bench": {"methods": ["sparseloco:H=5", "flexdemo"], "nodes": 3,
+                                       "faults": "node2:poison-index@10", "steps": 40}})
 
 
 def test_a_node_that_ends_outside_the_plan_is_named_first_with_how_it_ended(tmp_path):

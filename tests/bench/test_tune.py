@@ -10,6 +10,7 @@ import pytest
 import lowband.bench.runner as runner
 import lowband.commands.bench as bench
 from lowband.bench import tune
+from lowband.bench.config import BenchConfig
 from lowband.bench.results import load_results
 from tests.bench.fake_trainer import bench_args, in_process_launcher, load_fake
 
@@ -164,7 +165,8 @@ def test_the_cache_key_follows_the_datas_content_not_its_path(tmp_path, cache) -
     c.write_text(rows + "\n" + json.dumps({"source": "one more", "target": "x"}))
 
     def key(path, **kw):
-        cfg = bench.make_config(methods="adamw", model="t5-tiny", data=str(path), **kw)
+        cfg = BenchConfig.from_tables({"bench": {"methods": "adamw", **kw}, "model": {"name": "t5-tiny"},
+                                       "data": {"path": str(path)}})
         (search,) = tune.plan_searches(cfg)
         return search.key
 

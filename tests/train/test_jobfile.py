@@ -130,14 +130,15 @@ def test_a_missing_file_says_what_a_job_file_is(tmp_path):
 
 @pytest.mark.parametrize("shaped", [True, False])
 def test_the_bench_builds_each_runs_config_as_its_command_line_would_and_the_users_args_win(tmp_path, shaped):
-    from lowband.bench.config import make_config
+    from lowband.bench.config import BenchConfig
     from lowband.bench.jobs import shaping_args as _shaping_args
     from lowband.bench.plan import plan_runs
     from lowband.train.args import parse_train_args
 
-    config = make_config(methods="diloco:H=5,noloco:H=2,n=2", bandwidths="100mbit,1gbit",
-                         steps=30, model="t5-tiny", latency="50ms", seeds="0,1",
-                         train_args="--batch-size 3 --sync-every 7 --warmup-steps 2")
+    config = BenchConfig.from_tables({
+        "bench": {"methods": "diloco:H=5,noloco:H=2,n=2", "bandwidths": "100mbit,1gbit", "steps": 30,
+                  "latency_s": "50ms", "seeds": "0,1", "train_args": "--batch-size 3 --sync-every 7 --warmup-steps 2"},
+        "model": {"name": "t5-tiny"}})
     mode = "shaped" if shaped else "netns"
     for plan in plan_runs(config):
         cfg = plan.train_config(config, tmp_path, shaped=shaped)
@@ -147,17 +148,19 @@ def test_the_bench_builds_each_runs_config_as_its_command_line_would_and_the_use
             3, 2, 0.05, plan.seed)
         assert cfg.link.bandwidth_bps == (plan.bandwidth_bps if shaped else None)
         assert cfg.method.hp.sync_every == 7  # the user's --train-args win over the spec
-    config = make_config(methods="adamw,flexdemo:topk=4", bandwidths="100mbit", steps=30, model="t5-tiny",
-                         train_args="--batch-size 3 --weight-decay 0.01")
+    config = BenchConfig.from_tables({
+        "bench": {"methods": "adamw,flexdemo:topk=4", "bandwidths": "100mbit", "steps": 30,
+                  "train_args": "--batch-size 3 --weight-decay 0.01"},
+        "model": {"name": "t5-tiny"}})
     for plan in plan_runs(config):
         cfg = plan.train_config(config, tmp_path, shaped=shaped)
         assert (cfg.method.hp.weight_decay, cfg.schedule.batch_size) == (0.01, 3)
 
 
 def test_a_bench_hyper_parameter_that_some_methods_lack_is_refused_with_the_fix():
-    from lowband.bench.config import make_config
+    from lowband.bench.config import BenchConfig
 
     with pytest.raises(ValueError, match=r"with method adamw: method 'adamw' has no hyper-parameter 'sync_every'.*"
                                          r"goes in their specs \(e.g. diloco:H=10\)"):
-        make_config(methods="diloco:H=5,adamw", bandwidths="100mbit", steps=30, model="t5-tiny",
-                    train_args="--sync-every 7")
+        BenchConfig.from_tables({"bench": {"methods": "diloco:H=5,adamw", "bandwidths": "100mbit", "steps": 30,
+                                           "train_args": "--sync-every 7"}, "model": {"name": "t5-tiny"}})
