@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import importlib
 import os
 import shutil
 import threading
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BoolParseError", "atomic_dir", "atomic_path", "file_digest", "format_value", "parse_bool"]
+__all__ = ["BoolParseError", "atomic_dir", "atomic_path", "file_digest", "format_value", "lazy_exports", "parse_bool"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -115,3 +116,25 @@ def _digest(path: str, size: int, mtime_ns: int) -> str:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()
+
+
+def lazy_exports(package: str, exports: dict[str, str], namespace: dict[str, Any]):
+    """A package's ``__getattr__`` and ``__dir__`` that import each exported name from its module when first used.
+
+    ``exports`` maps a name to the module that defines it; the value is kept in ``namespace`` (the package's
+    globals) once imported. A package whose names pull in heavy or optional dependencies (torch, transformers,
+    torchft, matplotlib) exports them this way, so importing the package stays cheap.
+    """
+
+    def __getattr__(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(exports))
+
+    return __getattr__, __dir__

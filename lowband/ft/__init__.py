@@ -5,8 +5,7 @@ Names are imported when first used: torchft and grpcio are optional (the ``ft`` 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lowband.util import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "FaultTolerance": "lowband.ft.node",
@@ -60,16 +59,4 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lowband.ft' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
