@@ -57,8 +57,13 @@ def replica_id(fingerprint: str, node: int, *, secret: bytes | None = None, stor
     return f"lowband_{fp}_a{addr.encode().hex()}_t{tag(secret, 'lowband-member', fp, node, addr)}_node{node}"
 
 
-_REPLICA_ID = re.compile(r"^lowband_(?:(?P<fp>[0-9A-Za-z]+)_)?(?:a(?P<store>[0-9a-f]*)_t(?P<tag>[0-9a-f]{32})_)?"
-                         r"node(?P<node>\d+)$")
+#: The longest replica id read (lowband's own: two ``HOST:PORT`` of at most 253 + 6 characters each, hex-coded, a
+#: tag, a slot and torchft's ``:uuid``, are well under it). Anything longer is no member's, and is not looked into.
+MAX_ID_CHARS = 4096
+#: The most digits of a node slot (torchft reads the slot from the id's trailing digits as an int).
+MAX_SLOT_DIGITS = 9
+_REPLICA_ID = re.compile(r"lowband_(?:(?P<fp>[0-9A-Za-z]{1,64})_)?(?:a(?P<store>(?:[0-9a-f]{2}){0,1100})_"
+                         rf"t(?P<tag>[0-9a-f]{{32}})_)?node(?P<node>[0-9]{{1,{MAX_SLOT_DIGITS}}})", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -76,9 +81,13 @@ class Claim:
         return f"{self.store},{self.manager}"
 
 
-def claim_of(rid: str) -> Claim | None:
-    """The claim in a quorum member's replica id (None for ids lowband did not make)."""
-    m = _REPLICA_ID.match(rid.split(":", 1)[0])
+def claim_of(rid: object) -> Claim | None:
+    """The claim in a quorum member's replica id; None for anything lowband did not make (another type, longer
+    than :data:`MAX_ID_CHARS`, another shape, a slot of more than :data:`MAX_SLOT_DIGITS` digits, an address
+    that is not UTF-8). Never raises: ids come from anyone who reaches the Lighthouse."""
+    if not isinstance(rid, str) or len(rid) > MAX_ID_CHARS:
+        return None
+    m = _REPLICA_ID.fullmatch(rid.partition(":")[0])
     if m is None:
         return None
     try:
@@ -114,14 +123,19 @@ def admit(replica_ids: list[str], mine: str, *, behind: bool, rounds: int, patie
     of a job and a foreign node met alone at the start, and the job's node, whose fingerprint was the
     larger, left a round later, before its job's two other nodes were up).
 
-    Returns ``"accept"`` (one job), ``"retry"`` or ``"leave"``.
+    A member whose id lowband did not make is no job: it is not counted, and only makes the quorum
+    ``"retry"``. Returns ``"accept"`` (one job), ``"retry"`` or ``"leave"``.
     """
     counts: dict[str, int] = {}
+    strangers = False
     for rid in replica_ids:
-        fp = member_of(rid)[0]
-        counts[fp] = counts.get(fp, 0) + 1
+        claim = claim_of(rid)
+        if claim is None:
+            strangers = True
+            continue
+        counts[claim.fingerprint] = counts.get(claim.fingerprint, 0) + 1
     if len(counts) <= 1:
-        return "accept"
+        return "retry" if strangers else "accept"
     top = max(counts.values())
     if counts.get(mine, 0) < top:
         return "leave"
@@ -168,14 +182,19 @@ def screen(result, *, secret: bytes | None, me: str, new: bool, behind: bool) ->
     first quorum), no other member proves its secret, and the others look like a job with a secret of
     its own (a tagged id) that is ahead of it or two or more strong; otherwise outsiders only make the
     quorum ``"retry"``: no fake member can send a job's node away. Without a secret, members whose ids
-    carry a tag (a job with a secret) refuse this node, and nothing else is checked here.
+    carry a tag (a job with a secret) refuse this node, and a member whose id lowband did not make (any
+    shape :func:`claim_of` does not read) is an outsider that makes the quorum ``"retry"``; nothing else
+    is checked here. Never raises, whatever the members' ids and the quorum's fields hold.
     """
-    ids = list(result.replica_ids)
+    ids = [r if isinstance(r, str) else repr(r) for r in result.replica_ids]
     others = [r for r in ids if r != me]
     tagged = [r for r in others if (claim_of(r) or Claim("", -1)).tag]
     if secret is None:
         if tagged and new:
             return Screening("refused", tagged, "the job's nodes prove a secret and this node has none")
+        strangers = [r for r in others if claim_of(r) is None]
+        if strangers:  # not a job at all: never counted as one (admit), never a reason to leave
+            return Screening("retry", strangers, "members whose replica ids lowband did not make")
         return Screening("accept", [])
     outsiders = [r for r in others if not proves(secret, r)]
     proven = {r.split(":", 1)[0] for r in ids if r not in outsiders}
@@ -195,15 +214,17 @@ def screen(result, *, secret: bytes | None, me: str, new: bool, behind: bool) ->
                          "a node slot is claimed twice in the quorum (a copied id, or a node started twice)",
                          len(peers))
     stores = {claim_of(r).store for r in ids if r.split(":", 1)[0] in proven}
-    store = getattr(result, "store_address", "")
+    store = str(getattr(result, "store_address", ""))
     if store and store not in stores:
-        return Screening("retry", [], f"the quorum's store {store} is no member's", len(peers))
+        return Screening("retry", [], f"the quorum's store {store[:100]} is no member's", len(peers))
     src = getattr(result, "recover_src_replica_rank", None)
     if src is not None and getattr(result, "heal", False):
+        if not (isinstance(src, int) and 0 <= src < len(ids)):
+            return Screening("retry", [], f"the quorum names no member as the state source ({src!r})", len(peers))
         claim = claim_of(ids[src])
-        addr = getattr(result, "recover_src_manager_address", "")
+        addr = str(getattr(result, "recover_src_manager_address", ""))
         if claim is None or addr.split("://", 1)[-1].rstrip("/") != claim.manager:
-            return Screening("retry", [ids[src]], f"the state source's address {addr} is not the one it claims",
+            return Screening("retry", [ids[src]], f"the state source's address {addr[:100]} is not the one it claims",
                              len(peers))
     return Screening("accept", [], "", len(peers))
 
