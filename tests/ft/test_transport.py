@@ -52,8 +52,10 @@ def _wire(state, *, step=7, fp=FP, secret=None, nonce="n" * 32):
     header, tensors = encode_state(state, step=step, fingerprint=fp)
     payload = b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
     digest = hashlib.sha256(payload).hexdigest()
-    mac = tag(secret, "lowband-state-response", nonce, hashlib.sha256(header).hexdigest(), digest) if secret else "-" * 32
-    return struct.pack(">Q", len(header)) + header + payload + (digest + mac).encode()
+    header_sha = hashlib.sha256(header).hexdigest()
+    mac = tag(secret, "lowband-state-response", nonce, header_sha, digest) if secret else "-" * 32
+    header_mac = tag(secret, "lowband-state-header", nonce, header_sha) if secret else "-" * 32
+    return struct.pack(">Q", len(header)) + header_mac.encode() + header + payload + (digest + mac).encode()
 
 
 def _read(raw: bytes, **kw):
@@ -334,10 +336,12 @@ def test_the_header_names_its_format():
     assert h["format"] == FORMAT and h["tensors"][0]["dtype"] == "float32" and h["payload_bytes"] == 8
 
 
-def test_an_advertised_address_that_is_not_this_machines_falls_back_to_every_interface_with_a_warning(caplog):
-    t = _transport(advertise="192.0.2.1")  # TEST-NET-1: never an address of this machine
+def test_the_server_listens_on_exactly_its_bind_address_or_does_not_start():
+    with pytest.raises(OSError, match=r"cannot listen on 192\.0\.2\.1.*--ft-bind"):
+        _transport(advertise="127.0.0.1", bind="192.0.2.1")  # TEST-NET-1: never an address of this machine
+    t = _transport(advertise="192.0.2.1", bind="127.0.0.1")  # a NAT's address advertised, the local one bound
     try:
-        assert "listens on every interface instead" in caplog.text
+        assert t._server.socket.getsockname()[0] == "127.0.0.1"
         assert t.metadata().startswith("http://192.0.2.1:")
     finally:
         t.shutdown(wait=False)
