@@ -210,17 +210,20 @@ def load_local_state(target: Any, source: Any, *, what: str = "state") -> Any:
 
 
 def state_transport(cfg: FaultToleranceConfig, *, advertise: str, timeout: timedelta, rank: int,
-                    state_dict: Callable[[], dict], secret: bytes | None = None):
-    """The node's state server and client (:class:`lowband.ft.transport.StateTransport`), bound to ``advertise``;
-    its healer checks what it receives against this rank's own state (``state_dict``), as torchft wraps it.
-    ``secret``: the job's secret (default: :func:`lowband.trust.secret.load_secret` from the environment)."""
+                    state_dict: Callable[[], dict], secret: bytes | None = None, bind: str | None = None, **checks):
+    """The node's state server and client (:class:`lowband.ft.transport.StateTransport`), listening on ``bind`` (the
+    checked ``--ft-bind``; default ``advertise``) and reached at ``advertise``; its healer checks what it receives
+    against this rank's own state (``state_dict``), as torchft wraps it, and with ``checks`` (``check``,
+    ``refuse_source``, ``on_poisoned``: see StateTransport). ``secret``: the job's secret (default:
+    :func:`lowband.trust.secret.load_secret` from the environment)."""
     from lowband.ft.transport import StateTransport
     from lowband.trust.secret import load_secret
 
     if secret is None:
         secret = getattr(cfg, "secret", None) or load_secret()
     return StateTransport(advertise=advertise, timeout=timeout, fingerprint=cfg.fingerprint, secret=secret,
-                          template=lambda: {"user": {"default": state_dict()}}, node=cfg.node, rank=rank)
+                          template=lambda: {"user": {"default": state_dict()}}, node=cfg.node, rank=rank,
+                          bind=bind, **checks)
 
 
 class FaultTolerance:
@@ -255,9 +258,10 @@ class FaultTolerance:
         self.quorum_max_step = 0  # the newest step in the last quorum (torchft's, see quorum_step)
         self._errored_this_step = False
         advertise = cfg.advertise or os.environ.get("LOWBAND_FT_ADVERTISE") or "127.0.0.1"
-        bind_host = cfg.bind or advertise  # the job's network: every listener of this node binds it
-        check_bind(bind_host, what=f"node {cfg.node}'s Manager, state server and gloo", flag="--ft-bind",
-                   secret=cfg.secret is not None, trusted_network=cfg.trusted_network)
+        # The job's network: every listener of this node binds this checked address (an IP literal), and none
+        # starts elsewhere (the advertised address may be another: a NAT's).
+        bind_host = check_bind(cfg.bind or advertise, what=f"node {cfg.node}'s Manager, state server and gloo",
+                               flag="--ft-bind", secret=cfg.secret is not None, trusted_network=cfg.trusted_network)
         if "GLOO_SOCKET_IFNAME" not in os.environ and gloo_interface(bind_host):
             os.environ["GLOO_SOCKET_IFNAME"] = gloo_interface(bind_host)
         timeout = timedelta(seconds=cfg.timeout_s)
@@ -265,7 +269,7 @@ class FaultTolerance:
         # Healing copies a peer's state over HTTP as tensors and plain data, never a pickle (lowband.ft.transport:
         # torchft's own transport unpickles what the peer sends); torchft checks the step, we the fingerprint.
         transport = state_transport(cfg, advertise=advertise, timeout=timeout, rank=rank, state_dict=state_dict,
-                                    secret=cfg.secret)
+                                    secret=cfg.secret, bind=bind_host)
         self.quorums = 0  # quorums this node took part in
         # Whether a quorum this node accepted ever held another member: until then the node is new to the job
         # (admission.screen), also after quorums of its own (a node that came up alone while the others had not

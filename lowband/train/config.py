@@ -166,8 +166,9 @@ class FaultToleranceJob:
         flag="--secret-file", metavar="PATH")
     bind: str | None = option(
         None, "the job's network address this node's listeners (torchft Manager, state server, gloo) bind: loopback "
-        "or a VPN address; a wildcard or public one needs --trusted-network (default: LOWBAND_FT_ADVERTISE, else "
-        "127.0.0.1)", flag="--ft-bind", metavar="ADDR")
+        "or a VPN address of this machine, in any spelling (a host name: every address it resolves to); a wildcard "
+        "or public one needs --trusted-network, and one not on this machine stops the node before it starts "
+        "(default: LOWBAND_FT_ADVERTISE, else 127.0.0.1)", flag="--ft-bind", metavar="ADDR")
     trusted_network: bool = option(False, "allow --ft-bind on a wildcard or public address: every host that can "
                                    "reach it is trusted", flag="--trusted-network")
 
