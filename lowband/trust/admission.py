@@ -356,8 +356,8 @@ def check_bind(host: str, *, what: str, flag: str, secret: bool, trusted_network
 
 
 def gloo_interface(host: str) -> str | None:
-    """The name of the network interface that holds IPv4 address ``host`` (gloo binds by interface:
-    GLOO_SOCKET_IFNAME), or None."""
+    """The name of the network interface that holds address ``host`` (gloo binds by interface:
+    GLOO_SOCKET_IFNAME), or None (IPv6 addresses are read from Linux's /proc/net/if_inet6)."""
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
@@ -365,6 +365,15 @@ def gloo_interface(host: str) -> str | None:
     if ip.is_loopback:
         return "lo"
     if ip.version != 4:
+        try:
+            lines = open("/proc/net/if_inet6").read().splitlines()  # noqa: SIM115 - a small file, read at once
+        except OSError:
+            return None
+        bare = ipaddress.ip_address(str(ip).split("%", 1)[0])
+        for line in lines:
+            parts = line.split()
+            if len(parts) == 6 and ipaddress.IPv6Address(int(parts[0], 16)) == bare:
+                return parts[5]
         return None
     import fcntl
     import struct
