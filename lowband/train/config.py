@@ -262,7 +262,7 @@ class TrainConfig:
             window_quorum=ft.quorum == "async" and spec.ft_quorum == "window",
             start_nodes=ft.max_nodes if ft.start_nodes is None else ft.start_nodes,
             fingerprint=self.fingerprint(ranks_per_node), secret=load_secret(ft.secret_file), bind=ft.bind,
-            trusted_network=ft.trusted_network,
+            trusted_network=ft.trusted_network, steps=self.schedule.steps,
         )
 
     def validate(self) -> None:

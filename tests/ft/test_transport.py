@@ -345,3 +345,59 @@ def test_the_server_listens_on_exactly_its_bind_address_or_does_not_start():
         assert t.metadata().startswith("http://192.0.2.1:")
     finally:
         t.shutdown(wait=False)
+
+
+# --------------------------------------------------------------------------- what a healing source's state holds
+def test_values_that_are_not_finite_are_refused_unless_this_nodes_own_state_holds_them_there():
+    from lowband.ft.transport import PoisonedState, check_values
+
+    own = {"w": torch.ones(3), "mask": torch.tensor([0.0, float("-inf")]), "lr": 0.1, "eps": float("inf"),
+           "i": torch.arange(2)}
+    check_values({"w": torch.full((3,), 2.0), "mask": torch.tensor([1.0, float("-inf")]), "lr": 0.2,
+                  "eps": float("inf"), "i": torch.arange(2), "new": torch.zeros(2)}, own)
+    for bad, needle in (({"w": torch.tensor([1.0, float("nan"), 1.0])}, r"state\.w holds 1 value"),
+                        ({"w": torch.tensor([1.0, float("inf"), 1.0])}, r"state\.w"),
+                        ({"mask": torch.tensor([float("-inf"), float("-inf")])}, r"state\.mask"),
+                        ({"mask": torch.tensor([0.0, float("nan")])}, r"state\.mask"),
+                        ({"lr": float("nan")}, r"state\.lr is nan"), ({"new": torch.tensor([float("inf")])}, "new"),
+                        ({"g": [{"b": (0.9, float("inf"))}]}, r"state\.g\[0\]\.b\[1\]")):
+        with pytest.raises(PoisonedState, match=needle):
+            check_values(bad, own)
+
+
+def test_a_poisoned_state_is_refused_reported_and_its_source_never_fetched_from_again(pair):
+    from lowband.ft.transport import PoisonedState
+
+    s = _state()
+    poisoned = _state()
+    poisoned["params"]["w"][1, 2] = float("nan")
+    reported, bad = [], {}
+    src, dst = pair({"secret": SECRET}, {"secret": SECRET, "template": lambda: s,
+                                         "on_poisoned": lambda rank, why: (reported.append((rank, why)),
+                                                                           bad.setdefault(rank, why)),
+                                         "refuse_source": bad.get})
+    src.send_checkpoint([1, 2], 7, poisoned, timedelta(seconds=2))
+    with pytest.raises(PoisonedState, match=r"refused, nothing loaded: state\.params\.w holds 1 value"):
+        dst.recv_checkpoint(3, src.metadata(), 7, timedelta(seconds=2))
+    assert [r for r, _ in reported] == [3] and src._served_left == 1
+    with pytest.raises(TransferError, match="not fetched: this source served a poisoned state before"):
+        dst.recv_checkpoint(3, src.metadata(), 7, timedelta(seconds=2))
+    assert src._served_left == 1 and len(reported) == 1  # nothing fetched, reported once
+
+
+def test_a_heal_whose_step_the_node_refuses_is_refused_before_anything_is_fetched():
+    from lowband.ft.transport import PoisonedState
+
+    reported = []
+
+    def check(step, state, own):
+        if step > 100:
+            raise ValueError(f"the source is at step {step}, outside the job's [0, 100]")
+
+    dst = _transport(check=check, on_poisoned=lambda rank, why: reported.append(rank))
+    try:  # port 1: nothing listens there, and nothing is asked of it
+        with pytest.raises(PoisonedState, match=r"refused before fetching: the source is at step 10\*\*12|outside"):
+            dst.recv_checkpoint(2, "http://127.0.0.1:1/state/", 10 ** 12, timedelta(seconds=1))
+    finally:
+        dst.shutdown(wait=False)
+    assert reported == [2]
