@@ -89,7 +89,7 @@ def main() -> int:
         gate.limiter.burst = gate.limiter.rate_per_s = float("inf")
     address = gate.address().split("://", 1)[1]
     print(f"lowband at {args.root}; gate at {address}; {QUORUM}, {HEARTBEAT}")
-    print(f"| kind | calls | gate CPU per call | client wall per call | RSS growth | answers |")
+    print("| kind | calls | gate CPU per call | client wall per call | RSS growth | answers |")
     print("|---|---:|---:|---:|---:|---|")
     for kind, n in (("big-fields", args.big), ("big-field", args.big), ("outsider", args.outsiders)):
         if not n:

@@ -161,7 +161,7 @@ class StateTransport:
                 super().setup()
                 # The request is read within the timeout and is at most MAX_REQUEST_LINE plus a few headers.
                 self.rfile = io.BufferedReader(_Capped(self.rfile, 4 * MAX_REQUEST_LINE))
-                self.deadline = _Deadline(self.connection, transport._timeout, 2 * transport._timeout)
+                self.deadline = _Deadline(self.connection, transport._timeout, 2 * transport._timeout, grace=0.0)
 
             def finish(self):
                 self.deadline.close()
@@ -373,6 +373,8 @@ class StateTransport:
                 deadline.arm()
                 conn.request("GET", f"/state/{int(step)}?{urllib.parse.urlencode(query)}")
                 resp = conn.getresponse()
+                if deadline.expired:  # cut off mid-headers: http.client takes the end of the stream for their end
+                    raise TimeoutError
             except (OSError, http.client.HTTPException, ValueError) as e:
                 if deadline is not None and deadline.expired or isinstance(e, TimeoutError):
                     raise TransferError(f"the source at {where} did not answer within {2 * stall + 1:g} s: "

@@ -242,8 +242,8 @@ class _Deadline:
     """One transfer's deadline: each read waits at most ``stall_s`` for a byte, and a watchdog shuts the socket
     down when the overall deadline passes, whatever the source trickles (the status line and headers too)."""
 
-    def __init__(self, sock: socket.socket | None, stall_s: float, overall_s: float) -> None:
-        self.sock, self.stall_s = sock, stall_s
+    def __init__(self, sock: socket.socket | None, stall_s: float, overall_s: float, *, grace: float = 0.25) -> None:
+        self.sock, self.stall_s, self.grace = sock, stall_s, grace
         self.end = time.monotonic() + overall_s
         self.expired = False
         self._cond = threading.Condition()
@@ -254,8 +254,9 @@ class _Deadline:
     def _watch(self) -> None:
         with self._cond:
             while not self._done:
-                # A little after the deadline: a read that times out by itself says what happened (it stalled).
-                left = self.end + 0.25 * self.stall_s - time.monotonic()
+                # A little after the deadline (``grace`` × the stall bound): a read that times out by itself says
+                # what happened (it stalled); the watchdog is for a source that trickles.
+                left = self.end + self.grace * self.stall_s - time.monotonic()
                 if left <= 0:
                     self.expired = True
                     try:

@@ -424,3 +424,54 @@ def test_a_node_whose_quorum_waits_asks_the_gate_and_leaves_at_once_when_it_was_
         rec._asked(step=1)
     assert time.monotonic() - t0 < 5.0
     assert seen == []
+
+
+# ----------------------------------------------------------------------------- what a stranger can make it do
+def test_a_request_over_the_bound_is_refused_by_grpc_and_never_reaches_the_lighthouse(gate):
+    from lowband.ft.gateway import MAX_REQUEST_BYTES
+
+    g, seen, _ = gate
+    with grpc.insecure_channel(g.address().split("://", 1)[-1],
+                               options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary(QUORUM)(string_field(1, b"x" * (MAX_REQUEST_BYTES + 1)), timeout=10)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert seen == [] and sum(g.refused.values()) == 0  # gRPC refused it: the gate's code never read a byte
+
+
+def test_refusals_are_counted_by_kind_and_a_host_over_its_budget_is_refused_unread(gate):
+    g, seen, _ = gate
+    g.limiter.burst, g.limiter.rate_per_s = 5.0, 0.0
+    for i in range(5):  # each with another id: the table of refusals does not grow with them
+        with pytest.raises(grpc.RpcError) as e:
+            _call(g.address(), HEARTBEAT, _heartbeat(f"lowband_f00d_node{i}:u{i}"))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert dict(g.refused) == {"replica id does not prove the job's secret": 5} and len(g._named) == 1
+    with pytest.raises(grpc.RpcError) as e:
+        _call(g.address(), HEARTBEAT, _heartbeat(MEMBER))  # even a member's call, from a host that was refused
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "too many refused calls" in e.value.details()
+    assert seen == []
+    # a host from which a member's call passed is never refused unread: on one machine the members share it
+    g.limiter._tokens.clear()
+    assert _call(g.address(), HEARTBEAT, _heartbeat(MEMBER)) is not None
+    for i in range(10):
+        with pytest.raises(grpc.RpcError) as e:
+            _call(g.address(), HEARTBEAT, _heartbeat(f"lowband_f00d_node{i}:v"))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert _call(g.address(), HEARTBEAT, _heartbeat(MEMBER)) is not None
+
+
+def test_the_source_limiters_tables_are_bounded_whoever_calls():
+    from lowband.trust.limits import SourceLimiter
+
+    clock = Clock()
+    lim = SourceLimiter(rate_per_s=1.0, burst=2.0, max_hosts=100, clock=clock)
+    for i in range(10_000):
+        lim.refused(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}")
+        lim.passed(f"fd00::{i:x}")
+    assert len(lim._tokens) == 100 and len(lim._members) == 100
+    lim.refused("10.9.9.9")
+    lim.refused("10.9.9.9")
+    assert lim.over("10.9.9.9")
+    clock.t += 1.0  # one refusal a second comes back
+    assert not lim.over("10.9.9.9")

@@ -401,3 +401,89 @@ def test_a_heal_whose_step_the_node_refuses_is_refused_before_anything_is_fetche
     finally:
         dst.shutdown(wait=False)
     assert reported == [2]
+
+
+# --------------------------------------------------------------------------- what a stranger can make them do
+class _Trickler:
+    """A server that accepts and sends ``text`` one byte every ``every_s`` seconds (the status line and headers of
+    an answer that never ends), in a thread."""
+
+    def __init__(self, text: bytes, every_s: float) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.stop = threading.Event()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/state/"
+
+        def serve():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                i = 0
+                while not self.stop.is_set():
+                    try:
+                        conn.sendall(text[i % len(text):i % len(text) + 1])
+                    except OSError:
+                        return
+                    i += 1
+                    time.sleep(every_s)
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.stop.set()
+        self.sock.close()
+        self.thread.join(2)
+
+
+def test_a_source_that_trickles_its_status_line_and_headers_is_abandoned_at_the_deadline():
+    liar = _Trickler(b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"a" * 10_000, every_s=0.02)
+    dst = _transport(timeout=timedelta(seconds=0.3))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="did not answer within 1.6 s"):
+            dst.recv_checkpoint(0, liar.url, 7, timedelta(seconds=0.3))
+        assert time.monotonic() - t0 < 4.0  # 2 × 0.3 s + 1 s, and the watchdog's grace
+    finally:
+        dst.shutdown(wait=False)
+        liar.close()
+
+
+def test_the_state_server_cuts_a_trickling_requester_and_caps_the_connections_of_one_host(pair):
+    src, _ = pair({"timeout": timedelta(seconds=0.3)})
+    port = src._server.server_address[1]
+    slow = socket.create_connection(("127.0.0.1", port))
+    t0 = time.monotonic()
+    try:
+        slow.settimeout(5)
+        for ch in b"GET /state/7?fp=abc":  # one byte every 50 ms: each within the 0.3 s stall bound
+            try:
+                slow.sendall(bytes([ch]))
+            except OSError:
+                break
+            time.sleep(0.05)
+        try:
+            closed = slow.recv(100) == b""
+        except ConnectionResetError:
+            closed = True
+        assert closed and time.monotonic() - t0 < 3.0  # cut off at 2 × 0.3 s of the connection
+    finally:
+        slow.close()
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]  # MAX_PER_HOST, sending nothing
+    try:
+        time.sleep(0.1)
+        extra = socket.create_connection(("127.0.0.1", port))
+        extra.settimeout(2)
+        t1 = time.monotonic()
+        try:
+            assert extra.recv(10) == b""  # closed unread, not after the others' time
+        except ConnectionResetError:
+            pass
+        assert time.monotonic() - t1 < 0.5
+        extra.close()
+    finally:
+        for s in held:
+            s.close()
