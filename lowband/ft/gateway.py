@@ -14,13 +14,17 @@ Lighthouse cannot be given a credential, so lowband puts it behind this gate:
   it claims (:func:`lowband.trust.admission.proves`: its job, slot, store and Manager addresses) and the
   addresses in the request are the ones its tag vouches for; a ``Heartbeat`` only when its id proves
   the secret. Anything else is refused at once (PERMISSION_DENIED, with :data:`REFUSED` in the
-  message), before the Lighthouse sees it: an outsider is never in a quorum, so it cannot stall one.
+  message), before the Lighthouse sees it: an outsider is never in a quorum, so it cannot make the job
+  ask for one again (what its calls still cost is gRPC's work for each, on the gate's host).
 
 The gate also keeps out a member that stalls the job, or that most of the other members report for bad
 messages (:class:`StallBreaker`; a report is the gate's own call :data:`ACCUSE`, never forwarded).
 
-The gate reads only three strings of each request (the protobuf fields it needs, by hand: the request
-bytes are forwarded as they came, never deserialised into objects) and holds no state of the job.
+The gate reads a request's protobuf fields by hand, with bounds (a request of at most :data:`MAX_REQUEST_BYTES`,
+refused by gRPC beyond it; at most :data:`MAX_FIELDS` fields a message), checks the replica id's tag before
+anything else, and uses three strings of a ``Quorum`` request, one of a ``Heartbeat``: the request bytes are
+forwarded as they came, never deserialised into objects. It holds no state of the job, and no table that grows
+with what strangers send (refusals are counted by kind; the hosts it names and limits are bounded).
 What it does not do: a member of the job (it holds the secret) passes, whatever it does later; and a
 replica id copied from a member (its logs) passes with the member's own addresses (the requests that
 torchft's Manager makes carry nothing fresh to sign).
@@ -424,16 +428,14 @@ class StallBreaker:
 # --------------------------------------------------------------------------- the gate
 #: How many refused hosts the gate names in its log (once each); past it the least recent are forgotten.
 NAMED_HOSTS = 1024
-#: The gRPC server's bounds: requests of at most :data:`MAX_REQUEST_BYTES`, headers (metadata) of at most 8 KiB, and
-#: no SO_REUSEPORT (gRPC's default on Linux, which would let another process of the same user bind the same port
-#: and take a share of the calls).
+#: The gRPC server's bounds: requests of at most :data:`MAX_REQUEST_BYTES`, headers of at most 8 KiB, no SO_REUSEPORT
+#: (gRPC's default on Linux: another process of the same user could bind the same port and take calls).
 SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES), ("grpc.max_metadata_size", 8 << 10),
                   ("grpc.so_reuseport", 0)]
 
 
 def _listen(server, bind: str, what: str) -> int:
-    """Bind ``server`` to exactly ``bind`` (``HOST:PORT``, the host a checked address): its port, or an OSError that
-    names the address (gRPC answers a failed bind with port 0, or raises)."""
+    """Bind ``server`` to exactly ``bind`` (a checked ``HOST:PORT``): its port, or an OSError naming the address."""
     try:
         port = server.add_insecure_port(bind)
     except RuntimeError as e:
