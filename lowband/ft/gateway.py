@@ -80,10 +80,9 @@ def gate_reason(message: str) -> str | None:
 #: bytes (its replica id, two addresses, a step), a ``Heartbeat`` less. gRPC refuses a larger one
 #: (RESOURCE_EXHAUSTED) from its length prefix, before the gate's code sees a byte of it.
 MAX_REQUEST_BYTES = 16 << 10
-#: The most fields :func:`parse_fields` reads in one message of a request (a QuorumMember has 8).
-MAX_FIELDS = 64
-#: ... and in the Lighthouse's own answer to a quorum request (one field per member).
-RESPONSE_FIELDS = 1 << 16
+#: The most fields :func:`parse_fields` reads in one message of a request (a QuorumMember has 8), and in the
+#: Lighthouse's own answer to a quorum request (one field per member).
+MAX_FIELDS, RESPONSE_FIELDS = 64, 1 << 16
 
 
 def _varint(buf, i: int) -> tuple[int, int]:
@@ -168,8 +167,7 @@ def accusation_request(rid: str, address: str, store: str, accused: str, why: st
             + string_field(3, why.encode()[:300]))
 
 
-#: The kinds of refusal, by the fixed text each reason starts with: what :attr:`LighthouseGateway.refused` counts
-#: (never the caller's own text: a table keyed by what a caller sends would grow with every caller).
+#: The kinds of refusal (each reason starts with one): what the gate counts, never the caller's text, which would grow.
 REFUSAL_KINDS = ("malformed request", "the request names no requester", "replica id does not prove the job's secret",
                  "its addresses are not the ones its tag vouches for", "too many refused calls from this host")
 
