@@ -494,9 +494,9 @@ class LighthouseGateway:
     def _handler(self, method: str):
         def handle(request: bytes, context) -> bytes:
             host = peer_host(context.peer())
-            if self.limiter.over(host):  # refused before anything of the request is read
+            if self.limiter.over(host):  # unread; not a member's refusal (no REFUSED): a node retries, never leaves
                 self._note(REFUSAL_KINDS[-1], host, log_it=False)
-                context.abort(self._grpc.StatusCode.RESOURCE_EXHAUSTED, f"{REFUSED}: {REFUSAL_KINDS[-1]}")
+                context.abort(self._grpc.StatusCode.RESOURCE_EXHAUSTED, f"lowband gateway: {REFUSAL_KINDS[-1]}")
             why = refusal(self._secret, request, method if method in (QUORUM, HEARTBEAT) else QUORUM)
             if why is not None:
                 self.limiter.refused(host)

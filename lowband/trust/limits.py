@@ -7,6 +7,7 @@ every table it keeps is bounded, whoever calls (docs/internet.md, "What a listen
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
 from collections import OrderedDict
@@ -14,12 +15,20 @@ from collections import OrderedDict
 __all__ = ["SourceLimiter"]
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
 class SourceLimiter:
     """Per-source budgets for refused calls: each host may be refused ``burst`` times, then ``rate_per_s`` times a
-    second. A host over its budget is refused at once, before its request is read; a host that sent a call
-    that passed in the last ``member_s`` seconds (a member's: on one machine every node shares the loopback
-    address with whoever else runs there) is never refused this way, only by the checks. At most ``max_hosts``
-    hosts are remembered, the least recently refused forgotten first: the table is bounded whoever calls."""
+    second. A host over its budget is refused at once, before its request is read. Never refused this way,
+    only by the checks: a host that sent a call that passed in the last ``member_s`` seconds (a member's), and
+    loopback (on one machine every node shares it with whoever else runs there, and a stranger there could
+    otherwise spend the members' budget). At most ``max_hosts`` hosts are remembered in each table, the least
+    recent forgotten first: the tables are bounded whoever calls."""
 
     def __init__(self, *, rate_per_s: float = 20.0, burst: float = 100.0, max_hosts: int = 4096,
                  member_s: float = 60.0, clock=time.monotonic) -> None:
@@ -31,6 +40,8 @@ class SourceLimiter:
 
     def over(self, host: str) -> bool:
         """Whether ``host`` is over its budget of refusals (and sent no call that passed lately)."""
+        if _loopback(host):
+            return False
         with self._lock:
             now = self._clock()
             seen = self._members.get(host)
