@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from lowband.ft.lighthouse import start_lighthouse
-from lowband.trust.admission import check_bind, split_bind
+from lowband.trust.admission import check_bind, check_port, join_bind, split_bind
 from lowband.trust.secret import load_secret
 from lowband.units import parse_duration
 
@@ -15,7 +15,8 @@ __all__ = ["add_arguments", "main"]
 def add_arguments(p) -> None:
     p.add_argument("--bind", default="127.0.0.1:29510",
                    help="address:port to listen on: the job's network, loopback (default 127.0.0.1:29510) or this "
-                        "host's VPN address; a wildcard or public address needs --trusted-network (without "
+                        "host's VPN address, in any spelling (a host name: every address it resolves to); a "
+                        "wildcard or public address needs --trusted-network (without "
                         "--secret-file the Lighthouse serves its members and a kill route to whoever reaches it, and "
                         "the traffic is never encrypted; docs/internet.md)")
     p.add_argument("--trusted-network", action="store_true",
@@ -49,9 +50,12 @@ def main(args) -> int:
                          f"{args.probation:g} s, {args.bench_time:g} s")
     secret = load_secret(args.secret_file)  # --secret-file, else LOWBAND_SECRET_FILE or LOWBAND_SECRET
     host, port = split_bind(args.bind)
-    check_bind(host, what="the Lighthouse", flag="--bind", port=port, secret=True,
-               trusted_network=args.trusted_network)
-    server = start_lighthouse(bind=args.bind, min_nodes=args.min_nodes, join_timeout_s=args.join_timeout,
+    check_port(port, flag="--bind")
+    # What listens binds the checked address as an IP literal, never the spelling given (``[::ffff:0.0.0.0]``
+    # is every interface's IPv4 side).
+    address = check_bind(host, what="the Lighthouse", flag="--bind", port=port, secret=True,
+                         trusted_network=args.trusted_network)
+    server = start_lighthouse(bind=join_bind(address, port), min_nodes=args.min_nodes, join_timeout_s=args.join_timeout,
                               heartbeat_timeout_s=args.heartbeat_timeout, secret=secret,
                               stall_rounds=args.stall_rounds, probation_s=args.probation, bench_s=args.bench_time)
     if secret is None:

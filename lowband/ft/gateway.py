@@ -14,13 +14,17 @@ Lighthouse cannot be given a credential, so lowband puts it behind this gate:
   it claims (:func:`lowband.trust.admission.proves`: its job, slot, store and Manager addresses) and the
   addresses in the request are the ones its tag vouches for; a ``Heartbeat`` only when its id proves
   the secret. Anything else is refused at once (PERMISSION_DENIED, with :data:`REFUSED` in the
-  message), before the Lighthouse sees it: an outsider is never in a quorum, so it cannot stall one.
+  message), before the Lighthouse sees it: an outsider is never in a quorum, so it cannot make the job
+  ask for one again (what its calls still cost is gRPC's work for each, on the gate's host).
 
 The gate also keeps out a member that stalls the job, or that most of the other members report for bad
 messages (:class:`StallBreaker`; a report is the gate's own call :data:`ACCUSE`, never forwarded).
 
-The gate reads only three strings of each request (the protobuf fields it needs, by hand: the request
-bytes are forwarded as they came, never deserialised into objects) and holds no state of the job.
+The gate reads a request's protobuf fields by hand, with bounds (a request of at most :data:`MAX_REQUEST_BYTES`,
+refused by gRPC beyond it; at most :data:`MAX_FIELDS` fields a message), checks the replica id's tag before
+anything else, and uses three strings of a ``Quorum`` request, one of a ``Heartbeat``: the request bytes are
+forwarded as they came, never deserialised into objects. It holds no state of the job, and no table that grows
+with what strangers send (refusals are counted by kind; the hosts it names and limits are bounded).
 What it does not do: a member of the job (it holds the secret) passes, whatever it does later; and a
 replica id copied from a member (its logs) passes with the member's own addresses (the requests that
 torchft's Manager makes carry nothing fresh to sign).
@@ -32,10 +36,11 @@ import ipaddress
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 from lowband.trust.admission import claim_of, proves
+from lowband.trust.limits import SourceLimiter
 
 __all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "HEARTBEAT", "KEPT_OUT", "QUORUM", "REFUSED", "GatedManager",
            "LighthouseGateway", "ManagerGate", "StallBreaker", "accusation_request", "accuse_at_gate",
@@ -71,7 +76,16 @@ def gate_reason(message: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- the request's fields
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
+#: The largest request the gate (and a node's Manager gate) takes: a node's ``Quorum`` request is a few hundred
+#: bytes (its replica id, two addresses, a step), a ``Heartbeat`` less. gRPC refuses a larger one
+#: (RESOURCE_EXHAUSTED) from its length prefix, before the gate's code sees a byte of it.
+MAX_REQUEST_BYTES = 16 << 10
+#: The most fields :func:`parse_fields` reads in one message of a request (a QuorumMember has 8), and in the
+#: Lighthouse's own answer to a quorum request (one field per member).
+MAX_FIELDS, RESPONSE_FIELDS = 64, 1 << 16
+
+
+def _varint(buf, i: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         if i >= len(buf) or shift > 63:
@@ -84,28 +98,33 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
         shift += 7
 
 
-def parse_fields(buf: bytes) -> dict[int, list[bytes | int]]:
+def parse_fields(buf: bytes | memoryview, *, max_fields: int = MAX_FIELDS) -> dict[int, list[bytes | int]]:
     """The top-level fields of a protobuf message: field number -> values (bytes for length-delimited
-    fields, ints for varints and fixed-width ones). A ValueError for anything malformed."""
+    fields, ints for varints and fixed-width ones). A ValueError for anything malformed, and for more than
+    ``max_fields`` fields (so that the work is bounded by the count, not by what the sender chose)."""
+    view = memoryview(buf)
     fields: dict[int, list[bytes | int]] = {}
-    i = 0
-    while i < len(buf):
-        key, i = _varint(buf, i)
+    i = count = 0
+    while i < len(view):
+        count += 1
+        if count > max_fields:
+            raise ValueError(f"more than {max_fields} fields")
+        key, i = _varint(view, i)
         number, wire = key >> 3, key & 7
         if number == 0:
             raise ValueError("field number 0")
         if wire == 0:
-            value, i = _varint(buf, i)
+            value, i = _varint(view, i)
         elif wire == 2:
-            n, i = _varint(buf, i)
-            if i + n > len(buf):
+            n, i = _varint(view, i)
+            if n > len(view) - i:
                 raise ValueError("a length-delimited field runs past the end")
-            value, i = buf[i:i + n], i + n
+            value, i = bytes(view[i:i + n]), i + n
         elif wire in (1, 5):
             width = 8 if wire == 1 else 4
-            if i + width > len(buf):
+            if i + width > len(view):
                 raise ValueError("a fixed-width field runs past the end")
-            value, i = int.from_bytes(buf[i:i + width], "little"), i + width
+            value, i = int.from_bytes(view[i:i + width], "little"), i + width
         else:
             raise ValueError(f"wire type {wire} is not read here")
         fields.setdefault(number, []).append(value)
@@ -148,18 +167,30 @@ def accusation_request(rid: str, address: str, store: str, accused: str, why: st
             + string_field(3, why.encode()[:300]))
 
 
+#: The kinds of refusal (each reason starts with one): what the gate counts, never the caller's text, which would grow.
+REFUSAL_KINDS = ("malformed request", "the request names no requester", "replica id does not prove the job's secret",
+                 "its addresses are not the ones its tag vouches for", "too many refused calls from this host")
+
+
+def refusal_kind(why: str) -> str:
+    """Which of :data:`REFUSAL_KINDS` a refusal's reason is (``"other"`` for none)."""
+    return next((k for k in REFUSAL_KINDS if why.startswith(k)), "other")
+
+
 def refusal(secret: bytes, request: bytes, method: str) -> str | None:
     """Why ``request`` (the raw bytes of a ``Quorum`` or ``Heartbeat`` call) is refused, or None.
 
     ``Quorum`` (LighthouseQuorumRequest: field 1, the requester, a QuorumMember whose fields 1-3 are its
     replica id, Manager address and store address) passes when the id proves the secret and the two
     addresses are those it claims; ``Heartbeat`` (LighthouseHeartbeatRequest: field 1, the replica id)
-    when the id proves the secret."""
+    when the id proves the secret. Each reason starts with one of :data:`REFUSAL_KINDS`. Never raises: the
+    fields are read with bounds (:func:`parse_fields`), then the id's tag is checked (an HMAC) before
+    anything else of the request is looked at."""
     try:
         fields = parse_fields(request)
         if method == HEARTBEAT:
             rid = _string(fields, 1)
-            return None if proves(secret, rid) else f"replica id {rid[:80]!r} does not prove the job's secret"
+            return None if proves(secret, rid) else f"replica id does not prove the job's secret ({rid[:80]!r})"
         member = fields.get(1) or [b""]
         if not isinstance(member[-1], bytes):
             return "the request names no requester"
@@ -168,11 +199,11 @@ def refusal(secret: bytes, request: bytes, method: str) -> str | None:
     except (ValueError, UnicodeDecodeError) as e:
         return f"malformed request ({e})"
     if not proves(secret, rid):
-        return f"replica id {rid[:80]!r} does not prove the job's secret"
+        return f"replica id does not prove the job's secret ({rid[:80]!r})"
     claim = claim_of(rid)
     if address.split("://", 1)[-1].rstrip("/") != claim.manager or store != claim.store:
-        return (f"its addresses (Manager {address[:60]!r}, store {store[:60]!r}) are not the ones its tag vouches "
-                f"for ({claim.manager!r}, {claim.store!r})")
+        return (f"its addresses are not the ones its tag vouches for (Manager {address[:60]!r}, store {store[:60]!r}; "
+                f"the tag's: {claim.manager!r}, {claim.store!r})")
     return None
 
 
@@ -186,11 +217,11 @@ def quorum_round(response: bytes) -> tuple[tuple[int, int], dict[int, int], dict
     """A LighthouseQuorumResponse's round: (its ``created`` timestamp, {member's slot: its quorum step}, {member's
     slot: its replica id}), or None when the bytes do not read as one (field 1: the Quorum; its field 2: the members, each with replica id 1 and
     step 4; its field 3: the timestamp, seconds 1 and nanos 2)."""
-    try:
-        (quorum,) = parse_fields(response).get(1) or [None]
+    try:  # the Lighthouse's answer lists every member: read with a bound of its own
+        (quorum,) = parse_fields(response, max_fields=RESPONSE_FIELDS).get(1) or [None]
         if not isinstance(quorum, bytes):
             return None
-        q = parse_fields(quorum)
+        q = parse_fields(quorum, max_fields=RESPONSE_FIELDS)
         ts = q.get(3) or [b""]
         t = parse_fields(ts[-1]) if isinstance(ts[-1], bytes) else {}
         created = (int((t.get(1) or [0])[-1]), int((t.get(2) or [0])[-1]))
@@ -209,7 +240,7 @@ def quorum_round(response: bytes) -> tuple[tuple[int, int], dict[int, int], dict
             step = step - (1 << 64) if step >= 1 << 63 else step  # int64 on the wire
             members[claim.node] = step  # training step × COMMITTED_SCALE + committed steps (lowband.ft.node.quorum_step)
         return created, members, ids
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, TypeError):
         return None
 
 
@@ -393,6 +424,25 @@ class StallBreaker:
 
 
 # --------------------------------------------------------------------------- the gate
+#: How many refused hosts the gate names in its log (once each); past it the least recent are forgotten.
+NAMED_HOSTS = 1024
+#: The gRPC server's bounds: requests of at most :data:`MAX_REQUEST_BYTES`, headers of at most 8 KiB, no SO_REUSEPORT
+#: (gRPC's default on Linux: another process of the same user could bind the same port and take calls).
+SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES), ("grpc.max_metadata_size", 8 << 10),
+                  ("grpc.so_reuseport", 0)]
+
+
+def _listen(server, bind: str, what: str) -> int:
+    """Bind ``server`` to exactly ``bind`` (a checked ``HOST:PORT``): its port, or an OSError naming the address."""
+    try:
+        port = server.add_insecure_port(bind)
+    except RuntimeError as e:
+        raise OSError(f"{what} cannot listen on {bind}: {e}") from None
+    if not port:
+        raise OSError(f"{what} cannot listen on {bind} (not an address of this machine, or the port is taken)")
+    return port
+
+
 def _timeout(context) -> float | None:
     """The seconds left to the caller's deadline, for the call passed on; None when it set none (gRPC then
     reports about 9.2e18 s, and a deadline that far away fails the passed-on call at once: torchft's heartbeats
@@ -404,17 +454,23 @@ def _timeout(context) -> float | None:
 class LighthouseGateway:
     """Serve ``Quorum`` and ``Heartbeat`` on ``bind`` for the job's members only, forwarded to torchft's
     Lighthouse at ``backend`` (``HOST:PORT``, on loopback). ``address()`` is what nodes pass as
-    ``--ft-lighthouse``; ``refused`` counts the refusals by reason."""
+    ``--ft-lighthouse``; ``refused`` counts the refusals by kind (:data:`REFUSAL_KINDS`).
+
+    What a caller can make it do: a request over :data:`MAX_REQUEST_BYTES` is refused by gRPC from its length
+    prefix; at most ``workers`` calls run at once (more are refused by gRPC, RESOURCE_EXHAUSTED); a host refused
+    more than its budget (:class:`SourceLimiter`) is refused before its request is read; the warning that names
+    a refused host is written once per host, for at most :data:`NAMED_HOSTS` hosts."""
 
     def __init__(self, *, bind: str, backend: str, secret: bytes, workers: int = 256,
-                 breaker: StallBreaker | None = None) -> None:
+                 breaker: StallBreaker | None = None, limiter: SourceLimiter | None = None) -> None:
         import grpc
 
         self._grpc = grpc
         self._secret = secret
         self.breaker = breaker if breaker is not None else StallBreaker()
+        self.limiter = limiter if limiter is not None else SourceLimiter()
         self.refused: Counter[str] = Counter()
-        self._named: set[str] = set()
+        self._named: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self._channel = grpc.insecure_channel(backend)
         self._forward = {m: self._channel.unary_unary(m) for m in (QUORUM, HEARTBEAT)}  # bytes in, bytes out
@@ -424,11 +480,10 @@ class LighthouseGateway:
                  "Accuse": grpc.unary_unary_rpc_method_handler(self._handler(ACCUSE))}
         self._server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowband-gateway"),
                                    handlers=[grpc.method_handlers_generic_handler(SERVICE, handlers),
-                                             grpc.method_handlers_generic_handler(GATE_SERVICE, admit)])
+                                             grpc.method_handlers_generic_handler(GATE_SERVICE, admit)],
+                                   options=SERVER_OPTIONS, maximum_concurrent_rpcs=workers)
         host = bind.rsplit(":", 1)[0]
-        self._port = self._server.add_insecure_port(bind)
-        if not self._port:
-            raise OSError(f"the Lighthouse's gate cannot listen on {bind}")
+        self._port = _listen(self._server, bind, "the Lighthouse's gate")
         self._host = host.strip("[]")
         self._server.start()
 
@@ -438,10 +493,16 @@ class LighthouseGateway:
 
     def _handler(self, method: str):
         def handle(request: bytes, context) -> bytes:
+            host = peer_host(context.peer())
+            if self.limiter.over(host):  # unread; not a member's refusal (no REFUSED): a node retries, never leaves
+                self._note(REFUSAL_KINDS[-1], host, log_it=False)
+                context.abort(self._grpc.StatusCode.RESOURCE_EXHAUSTED, f"lowband gateway: {REFUSAL_KINDS[-1]}")
             why = refusal(self._secret, request, method if method in (QUORUM, HEARTBEAT) else QUORUM)
             if why is not None:
-                self._note(why, context.peer())
+                self.limiter.refused(host)
+                self._note(why, host)
                 context.abort(self._grpc.StatusCode.PERMISSION_DENIED, f"{REFUSED}: {why}")
+            self.limiter.passed(host)
             if method == ACCUSE:
                 return self._accuse(request, context)
             slot = self._slot(request, HEARTBEAT if method == HEARTBEAT else QUORUM)
@@ -485,7 +546,7 @@ class LighthouseGateway:
             fields = parse_fields(request)
             reporter = _string(parse_fields((fields.get(1) or [b""])[-1]), 1)
             accused, what = _string(fields, 2), _string(fields, 3)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, TypeError) as e:
             context.abort(self._grpc.StatusCode.INVALID_ARGUMENT, f"malformed report ({e})")
         why = self.breaker.accuse(reporter, accused, peer_host(context.peer()), what)
         if why is not None:
@@ -504,13 +565,16 @@ class LighthouseGateway:
             return None
         return None if claim is None else claim.node
 
-    def _note(self, why: str, peer: str) -> None:
+    def _note(self, why: str, host: str, *, log_it: bool = True) -> None:
         with self._lock:
-            self.refused[why.split(" (", 1)[0]] += 1
-            first = peer not in self._named
-            self._named.add(peer)
+            self.refused[refusal_kind(why)] += 1
+            first = log_it and host not in self._named
+            if first:
+                self._named[host] = None
+                while len(self._named) > NAMED_HOSTS:
+                    self._named.popitem(last=False)
         if first:
-            log.warning("the Lighthouse's gate refused %s: %s (once per peer)", peer, why)
+            log.warning("the Lighthouse's gate refused a call from %s: %s (once per host)", host or "?", why[:300])
 
     def shutdown(self) -> None:
         self._server.stop(grace=None)
@@ -551,10 +615,9 @@ class ManagerGate:
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name, own))
                     for name, own in MANAGER_METHODS.items()}
         self._server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowband-manager-gate"),
-                                   handlers=[grpc.method_handlers_generic_handler(MANAGER_SERVICE, handlers)])
-        self.port = self._server.add_insecure_port(bind)
-        if not self.port:
-            raise OSError(f"the Manager's gate cannot listen on {bind}")
+                                   handlers=[grpc.method_handlers_generic_handler(MANAGER_SERVICE, handlers)],
+                                   options=SERVER_OPTIONS, maximum_concurrent_rpcs=4 * workers)
+        self.port = _listen(self._server, bind, "the Manager's gate")
         self._server.start()
 
     def _handler(self, name: str, own_only: bool):

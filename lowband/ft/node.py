@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from lowband.ft.gateway import GatedManager, accuse_at_gate, ask_gate
 from lowband.ft.quorum import ForeignJob, NodeSlotTaken, QuorumRecorder, gate_refusal  # noqa: F401  (callers' names)
+from lowband.ft.transport import TransferError
 from lowband.trust.admission import (  # noqa: F401  (admit, member_of, replica_id: the names tests and callers use)
     AdmissionRefused,
     admit,
@@ -67,7 +68,7 @@ log = logging.getLogger(__name__)
 #: gate, each of which costs the Lighthouse host CPU (benchmarks/README.md: protection_cost.py).
 HEARTBEAT_INTERVAL_S = 0.5
 
-__all__ = ["FaultToleranceConfig", "FaultTolerance", "local_state", "load_local_state",
+__all__ = ["FaultToleranceConfig", "FaultTolerance", "check_heal", "local_state", "load_local_state",
            "require_torchft", "quorum_step", "committed_of"]
 
 
@@ -137,6 +138,7 @@ class FaultToleranceConfig:
     secret: bytes | None = field(default=None, repr=False)  # the job's secret (lowband.trust.secret); never printed
     bind: str | None = None  # the job's network address the node's listeners bind (default: advertise)
     trusted_network: bool = False  # bind a public address all the same (every host that reaches it is trusted)
+    steps: int | None = None  # the job's steps: a healing source at a step outside [0, steps] is refused
 
     def __post_init__(self) -> None:
         if not self.lighthouse.startswith(("http://", "https://")):
@@ -209,18 +211,48 @@ def load_local_state(target: Any, source: Any, *, what: str = "state") -> Any:
     return source
 
 
+def check_heal(step: int, state: Any, *, fingerprint: str, steps: int | None) -> None:
+    """Refuse (ValueError) a heal this node must not load: the quorum's step (``step``: torchft's, a
+    :func:`quorum_step`) outside the job's (training step and committed steps in [0, ``steps``]); with ``state``
+    (what the source sent: torchft's ``{"user": {"default": ...}, "torchft": ...}``), another layout, torchft's
+    own step other than the quorum's or its committed batches not a count, or another job's fingerprint."""
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"the quorum's step {str(step)[:40]} is not a step")
+    training, committed = divmod(step, _STEP_SCALE)
+    if steps is not None and (training > steps or committed > steps):
+        raise ValueError(f"the source is at step {training} with {committed} committed, outside the job's "
+                         f"[0, {steps}] (its own report to the quorum)")
+    if state is None:
+        return
+    user = state.get("user") if isinstance(state, dict) else None
+    ours = state.get("torchft") if isinstance(state, dict) else None
+    if not (isinstance(user, dict) and isinstance(user.get("default"), dict) and isinstance(ours, dict)):
+        raise ValueError("the source's state is not laid out as torchft's (user, torchft)")
+    theirs, batches = ours.get("step"), ours.get("batches_committed")
+    if theirs != step or not isinstance(batches, int) or isinstance(batches, bool) or not 0 <= batches < 1 << 62:
+        raise ValueError(f"the source's torchft state (step {str(theirs)[:40]}, batches {str(batches)[:40]}) is not "
+                         f"the quorum's step {step} with a count of batches")
+    fp = user["default"].get("fingerprint")
+    if fp != fingerprint:
+        raise ValueError("the node this one heals from runs another job, model, method or hyper-parameters "
+                         f"(fingerprint {str(fp)[:40]!r} there, {fingerprint!r} here)")
+
+
 def state_transport(cfg: FaultToleranceConfig, *, advertise: str, timeout: timedelta, rank: int,
-                    state_dict: Callable[[], dict], secret: bytes | None = None):
-    """The node's state server and client (:class:`lowband.ft.transport.StateTransport`), bound to ``advertise``;
-    its healer checks what it receives against this rank's own state (``state_dict``), as torchft wraps it.
-    ``secret``: the job's secret (default: :func:`lowband.trust.secret.load_secret` from the environment)."""
+                    state_dict: Callable[[], dict], secret: bytes | None = None, bind: str | None = None, **checks):
+    """The node's state server and client (:class:`lowband.ft.transport.StateTransport`), listening on ``bind`` (the
+    checked ``--ft-bind``; default ``advertise``) and reached at ``advertise``; its healer checks what it receives
+    against this rank's own state (``state_dict``), as torchft wraps it, and with ``checks`` (``check``,
+    ``refuse_source``, ``on_poisoned``: see StateTransport). ``secret``: the job's secret (default:
+    :func:`lowband.trust.secret.load_secret` from the environment)."""
     from lowband.ft.transport import StateTransport
     from lowband.trust.secret import load_secret
 
     if secret is None:
         secret = getattr(cfg, "secret", None) or load_secret()
     return StateTransport(advertise=advertise, timeout=timeout, fingerprint=cfg.fingerprint, secret=secret,
-                          template=lambda: {"user": {"default": state_dict()}}, node=cfg.node, rank=rank)
+                          template=lambda: {"user": {"default": state_dict()}}, node=cfg.node, rank=rank,
+                          bind=bind, **checks)
 
 
 class FaultTolerance:
@@ -238,7 +270,8 @@ class FaultTolerance:
 
     def __init__(self, cfg: FaultToleranceConfig, *, rank: int, world_size: int,
                  state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None],
-                 store_addr: str | None = None, store_port: int | None = None) -> None:
+                 store_addr: str | None = None, store_port: int | None = None,
+                 check_state: Callable[[dict, dict], None] | None = None) -> None:
         require_torchft()
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
@@ -246,6 +279,9 @@ class FaultTolerance:
         self.cfg = cfg
         self.rank = rank
         self._load_user = load_state_dict
+        self._check_user = check_state
+        self.bad_sources: dict[str, str] = {}  # members whose state this node refused (replica id -> why)
+        self.replica_ids: list[str] = []  # the last quorum's members (torchft replica ids)
         self.healed_at: list[dict] = []  # one record per state transfer into this node
         self.quorum_s = 0.0  # time spent forming quorums (and healing), summed
         self.commit_s = 0.0
@@ -255,9 +291,10 @@ class FaultTolerance:
         self.quorum_max_step = 0  # the newest step in the last quorum (torchft's, see quorum_step)
         self._errored_this_step = False
         advertise = cfg.advertise or os.environ.get("LOWBAND_FT_ADVERTISE") or "127.0.0.1"
-        bind_host = cfg.bind or advertise  # the job's network: every listener of this node binds it
-        check_bind(bind_host, what=f"node {cfg.node}'s Manager, state server and gloo", flag="--ft-bind",
-                   secret=cfg.secret is not None, trusted_network=cfg.trusted_network)
+        # The job's network: every listener of this node binds this checked address (an IP literal), and none
+        # starts elsewhere (the advertised address may be another: a NAT's).
+        bind_host = check_bind(cfg.bind or advertise, what=f"node {cfg.node}'s Manager, state server and gloo",
+                               flag="--ft-bind", secret=cfg.secret is not None, trusted_network=cfg.trusted_network)
         if "GLOO_SOCKET_IFNAME" not in os.environ and gloo_interface(bind_host):
             os.environ["GLOO_SOCKET_IFNAME"] = gloo_interface(bind_host)
         timeout = timedelta(seconds=cfg.timeout_s)
@@ -265,13 +302,13 @@ class FaultTolerance:
         # Healing copies a peer's state over HTTP as tensors and plain data, never a pickle (lowband.ft.transport:
         # torchft's own transport unpickles what the peer sends); torchft checks the step, we the fingerprint.
         transport = state_transport(cfg, advertise=advertise, timeout=timeout, rank=rank, state_dict=state_dict,
-                                    secret=cfg.secret)
+                                    secret=cfg.secret, bind=bind_host, check=self._check_heal,
+                                    refuse_source=self._known_bad, on_poisoned=self._poisoned_source)
         self.quorums = 0  # quorums this node took part in
         # Whether a quorum this node accepted ever held another member: until then the node is new to the job
         # (admission.screen), also after quorums of its own (a node that came up alone while the others had not
         # started, or an intruder in a free slot: the first quorum with the job's nodes must still refuse it).
         self.had_peers = False
-        self.replica_ids: list[str] = []  # the last quorum's members (torchft replica ids)
         self.replica_rank: int | None = None  # this node's place among them
         self._pending: float | None = None  # perf_counter when an async quorum was started, until it is waited for
         store_host = store_addr or advertise
@@ -303,6 +340,43 @@ class FaultTolerance:
         self.removed = False  # the Lighthouse's gate removed this node from the job (lowband.ft.quorum)
         self.manager._client = QuorumRecorder(self.manager._client, self)
         watch_agent()
+
+    # ------------------------------------------------------------------ healing, checked
+    def _check_heal(self, step: int, state: Any, own: Any = None) -> None:
+        """The transport's check of a heal (:func:`check_heal`, then the trainer's ``check_state``)."""
+        check_heal(step, state, fingerprint=self.cfg.fingerprint, steps=self.cfg.steps)
+        if state is not None and self._check_user is not None:
+            mine = own["user"]["default"] if isinstance(own, dict) else None
+            if mine is not None:
+                self._check_user(state["user"]["default"], mine)
+
+    def _source(self, src_rank: int) -> str | None:
+        ids = self.replica_ids
+        return ids[src_rank] if isinstance(src_rank, int) and 0 <= src_rank < len(ids) else None
+
+    def _known_bad(self, src_rank: int) -> str | None:
+        """Why this node does not fetch from the quorum's member ``src_rank`` (it served a poisoned state before)."""
+        rid = self._source(src_rank)
+        return self.bad_sources.get(rid) if rid is not None else None
+
+    def _poisoned_source(self, src_rank: int, why: str) -> None:
+        """A healing source's state failed its checks: remember it (never fetched from again while it is this
+        process) and report it to the Lighthouse's gate like a member that sends bad messages."""
+        rid = self._source(src_rank)
+        log.warning("rank %d: the state of node %s was refused and nothing of it loaded: %s; this node does not heal "
+                    "from it again, and waits for another source", self.rank,
+                    member_of(rid)[1] if rid is not None else "?", why)
+        if rid is not None and rid != getattr(self, "replica_id", None):
+            self.bad_sources[rid] = why
+            self.report_bad({rid: why}, what="served a state that failed its checks when this node healed from it")
+
+    @property
+    def heal_refused(self) -> bool:
+        """Whether this step's heal was refused or abandoned (:class:`lowband.ft.transport.TransferError`): the
+        node's process group is configured, but its state is stale. It takes part in the step's exchange with
+        nothing that counts (:attr:`participating`) and does not commit it (torchft's error stands)."""
+        err = self.manager.errored()
+        return isinstance(getattr(err, "original_exception", err), TransferError)
 
     # ------------------------------------------------------------------ membership
     def _load(self, state: dict) -> None:
@@ -430,11 +504,12 @@ class FaultTolerance:
 
     @property
     def participating(self) -> bool:
-        """False on a node that heals during this step (async quorum): what it sends must not count."""
+        """False on a node that heals during this step (async quorum), or whose heal was refused: what it sends
+        must not count."""
         self.finish_quorum()
-        return self.manager.is_participating()
+        return self.manager.is_participating() and not self.heal_refused
 
-    def report_bad(self, evicted: dict[str, str]) -> None:
+    def report_bad(self, evicted: dict[str, str], *, what: str = "evicted from the exchange") -> None:
         """Report the members this rank evicted from the exchange ({replica id: what was wrong with its messages};
         :meth:`lowband.optim._common.BadMessageTally.evicted_members`) to the Lighthouse's gate, once each, in the
         background: with most of the others' reports the gate removes the member from the quorum
@@ -447,7 +522,7 @@ class FaultTolerance:
                 continue
             self.reported[rid] = "pending"
 
-            def report(rid: str = rid, why: str = f"{why}; evicted from the exchange") -> None:
+            def report(rid: str = rid, why: str = f"{why}; {what}") -> None:
                 self.reported[rid] = accuse_at_gate(self.cfg.lighthouse, self.replica_id, rid, why)
                 log.warning("rank %d: node %s reported to the Lighthouse's gate for %s: %s", self.rank,
                             member_of(rid)[1], why, self.reported[rid] or "counted")
@@ -460,7 +535,9 @@ class FaultTolerance:
 
     @property
     def errored(self) -> bool:
-        return self._errored_this_step or self.manager.errored() is not None
+        """An exchange of this step failed: the link sends nothing more (a heal that was refused is not such a
+        failure: the process group is sound, and the node takes part with nothing that counts)."""
+        return self._errored_this_step or (self.manager.errored() is not None and not self.heal_refused)
 
     def commit(self) -> bool:
         """The node's vote: True when every rank of the node may apply the step (call once per step).

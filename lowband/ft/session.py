@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lowband.ft.node import FaultTolerance, FaultToleranceConfig, data_slot, load_local_state, local_state
-from lowband.ft.state import load_optimizer_local_state, local_tensor, optimizer_local_state
+from lowband.ft.state import check_peer_state, load_optimizer_local_state, local_tensor, optimizer_local_state
 from lowband.trust.admission import member_of
 
 __all__ = ["FaultTolerantSession", "Solo", "membership_for"]
@@ -110,7 +110,7 @@ class FaultTolerantSession:
         """Start torchft's Manager for ``trainer``'s rank (before its link and optimizer are built)."""
         self.trainer = trainer
         self.torchft = FaultTolerance(self.config, rank=trainer.rank, world_size=trainer.world,
-                                      state_dict=self.state, load_state_dict=self.load)
+                                      state_dict=self.state, load_state_dict=self.load, check_state=self.check_state)
 
     def appends_metrics(self, trainer: Any) -> bool:
         """A node appends to its record: it may rejoin the job after an earlier life. Whether it did is kept.
@@ -280,6 +280,14 @@ class FaultTolerantSession:
             "buffers": {n: local_state(b) for n, b in t.model.named_buffers()},
             "optimizer": [optimizer_local_state(o) for o in t.optimizer.state_owners()],
         }
+
+    def check_state(self, peer: dict, own: dict) -> None:
+        """Refuse (ValueError) a peer's state that :meth:`load` must not load (:func:`lowband.ft.state.check_peer_state`:
+        a step outside the job's, a layout other than this trainer's): called on torchft's thread before anything of
+        it is loaded, with this rank's own state (``own``, from :meth:`state`)."""
+        shapes = [[tuple(local_tensor(p).shape) for g in o.param_groups for p in g["params"]]
+                  for o in self.trainer.optimizer.state_owners()]
+        check_peer_state(peer, own, steps=self.config.steps, param_shapes=shapes)
 
     def load(self, state: dict) -> int:
         """Load a live peer's state (the heal); returns the step this node goes on from."""

@@ -194,8 +194,9 @@ class FaultToleranceJob:
         flag="--secret-file", metavar="PATH")
     bind: str | None = option(
         None, "the job's network address this node's listeners (torchft Manager, state server, gloo) bind: loopback "
-        "or a VPN address; a wildcard or public one needs --trusted-network (default: LOWBAND_FT_ADVERTISE, else "
-        "127.0.0.1)", flag="--ft-bind", metavar="ADDR")
+        "or a VPN address of this machine, in any spelling (a host name: every address it resolves to); a wildcard "
+        "or public one needs --trusted-network, and one not on this machine stops the node before it starts "
+        "(default: LOWBAND_FT_ADVERTISE, else 127.0.0.1)", flag="--ft-bind", metavar="ADDR")
     trusted_network: bool = option(False, "allow --ft-bind on a wildcard or public address: every host that can "
                                    "reach it is trusted", flag="--trusted-network")
 
@@ -289,7 +290,7 @@ class TrainConfig:
             window_quorum=ft.quorum == "async" and spec.ft_quorum == "window",
             start_nodes=ft.max_nodes if ft.start_nodes is None else ft.start_nodes,
             fingerprint=self.fingerprint(ranks_per_node), secret=load_secret(ft.secret_file), bind=ft.bind,
-            trusted_network=ft.trusted_network,
+            trusted_network=ft.trusted_network, steps=self.schedule.steps,
         )
 
     def validate(self) -> None:

@@ -12,10 +12,11 @@ store and gloo ask for no credential. lowband adds two things above it:
   again (no step is dropped, no process group ever holds the outsider), and never leave because of
   outsiders. A node whose secret is not the job's is the one refused: it finds no member that
   proves its secret and leaves with :class:`AdmissionRefused` at its first quorum.
-- **listeners on the job's network** (:func:`check_bind`): loopback by default, a private address
-  (a VPN's) when given; a wildcard or public address is refused unless the user says the network is
-  trusted, because torchft's Lighthouse serves every member and a kill route, and its Manager a
-  kill RPC, to anyone who reaches them.
+- **listeners on the job's network** (:func:`job_address`, :func:`check_bind`): loopback by default, a private
+  address (a VPN's) when given, in whatever spelling; a wildcard or public address is refused unless the
+  user says the network is trusted, because torchft's Lighthouse serves every member and a kill route,
+  and its Manager a kill RPC, to anyone who reaches them. A listener binds the checked address, as an IP
+  literal.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 
 from lowband.trust.secret import tag, verify
 
-__all__ = ["AdmissionRefused", "BindRefused", "Claim", "RemovedFromJob", "admit", "check_bind", "claim_of", "is_public",
-           "member_of", "replica_id", "screen"]
+__all__ = ["Address", "AdmissionRefused", "BindRefused", "Claim", "RemovedFromJob", "admit", "check_bind", "check_port",
+           "claim_of", "is_public", "job_address", "join_bind", "member_of", "replica_id", "screen"]
 
 
 class AdmissionRefused(ValueError):
@@ -57,8 +58,13 @@ def replica_id(fingerprint: str, node: int, *, secret: bytes | None = None, stor
     return f"lowband_{fp}_a{addr.encode().hex()}_t{tag(secret, 'lowband-member', fp, node, addr)}_node{node}"
 
 
-_REPLICA_ID = re.compile(r"^lowband_(?:(?P<fp>[0-9A-Za-z]+)_)?(?:a(?P<store>[0-9a-f]*)_t(?P<tag>[0-9a-f]{32})_)?"
-                         r"node(?P<node>\d+)$")
+#: The longest replica id read (lowband's own: two ``HOST:PORT`` of at most 253 + 6 characters each, hex-coded, a
+#: tag, a slot and torchft's ``:uuid``, are well under it). Anything longer is no member's, and is not looked into.
+MAX_ID_CHARS = 4096
+#: The most digits of a node slot (torchft reads the slot from the id's trailing digits as an int).
+MAX_SLOT_DIGITS = 9
+_REPLICA_ID = re.compile(r"lowband_(?:(?P<fp>[0-9A-Za-z]{1,64})_)?(?:a(?P<store>(?:[0-9a-f]{2}){0,1100})_"
+                         rf"t(?P<tag>[0-9a-f]{{32}})_)?node(?P<node>[0-9]{{1,{MAX_SLOT_DIGITS}}})", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -76,9 +82,13 @@ class Claim:
         return f"{self.store},{self.manager}"
 
 
-def claim_of(rid: str) -> Claim | None:
-    """The claim in a quorum member's replica id (None for ids lowband did not make)."""
-    m = _REPLICA_ID.match(rid.split(":", 1)[0])
+def claim_of(rid: object) -> Claim | None:
+    """The claim in a quorum member's replica id; None for anything lowband did not make (another type, longer
+    than :data:`MAX_ID_CHARS`, another shape, a slot of more than :data:`MAX_SLOT_DIGITS` digits, an address
+    that is not UTF-8). Never raises: ids come from anyone who reaches the Lighthouse."""
+    if not isinstance(rid, str) or len(rid) > MAX_ID_CHARS:
+        return None
+    m = _REPLICA_ID.fullmatch(rid.partition(":")[0])
     if m is None:
         return None
     try:
@@ -114,14 +124,19 @@ def admit(replica_ids: list[str], mine: str, *, behind: bool, rounds: int, patie
     of a job and a foreign node met alone at the start, and the job's node, whose fingerprint was the
     larger, left a round later, before its job's two other nodes were up).
 
-    Returns ``"accept"`` (one job), ``"retry"`` or ``"leave"``.
+    A member whose id lowband did not make is no job: it is not counted, and only makes the quorum
+    ``"retry"``. Returns ``"accept"`` (one job), ``"retry"`` or ``"leave"``.
     """
     counts: dict[str, int] = {}
+    strangers = False
     for rid in replica_ids:
-        fp = member_of(rid)[0]
-        counts[fp] = counts.get(fp, 0) + 1
+        claim = claim_of(rid)
+        if claim is None:
+            strangers = True
+            continue
+        counts[claim.fingerprint] = counts.get(claim.fingerprint, 0) + 1
     if len(counts) <= 1:
-        return "accept"
+        return "retry" if strangers else "accept"
     top = max(counts.values())
     if counts.get(mine, 0) < top:
         return "leave"
@@ -168,14 +183,19 @@ def screen(result, *, secret: bytes | None, me: str, new: bool, behind: bool) ->
     first quorum), no other member proves its secret, and the others look like a job with a secret of
     its own (a tagged id) that is ahead of it or two or more strong; otherwise outsiders only make the
     quorum ``"retry"``: no fake member can send a job's node away. Without a secret, members whose ids
-    carry a tag (a job with a secret) refuse this node, and nothing else is checked here.
+    carry a tag (a job with a secret) refuse this node, and a member whose id lowband did not make (any
+    shape :func:`claim_of` does not read) is an outsider that makes the quorum ``"retry"``; nothing else
+    is checked here. Never raises, whatever the members' ids and the quorum's fields hold.
     """
-    ids = list(result.replica_ids)
+    ids = [r if isinstance(r, str) else repr(r) for r in result.replica_ids]
     others = [r for r in ids if r != me]
     tagged = [r for r in others if (claim_of(r) or Claim("", -1)).tag]
     if secret is None:
         if tagged and new:
             return Screening("refused", tagged, "the job's nodes prove a secret and this node has none")
+        strangers = [r for r in others if claim_of(r) is None]
+        if strangers:  # not a job at all: never counted as one (admit), never a reason to leave
+            return Screening("retry", strangers, "members whose replica ids lowband did not make")
         return Screening("accept", [])
     outsiders = [r for r in others if not proves(secret, r)]
     proven = {r.split(":", 1)[0] for r in ids if r not in outsiders}
@@ -195,15 +215,17 @@ def screen(result, *, secret: bytes | None, me: str, new: bool, behind: bool) ->
                          "a node slot is claimed twice in the quorum (a copied id, or a node started twice)",
                          len(peers))
     stores = {claim_of(r).store for r in ids if r.split(":", 1)[0] in proven}
-    store = getattr(result, "store_address", "")
+    store = str(getattr(result, "store_address", ""))
     if store and store not in stores:
-        return Screening("retry", [], f"the quorum's store {store} is no member's", len(peers))
+        return Screening("retry", [], f"the quorum's store {store[:100]} is no member's", len(peers))
     src = getattr(result, "recover_src_replica_rank", None)
     if src is not None and getattr(result, "heal", False):
+        if not (isinstance(src, int) and 0 <= src < len(ids)):
+            return Screening("retry", [], f"the quorum names no member as the state source ({src!r})", len(peers))
         claim = claim_of(ids[src])
-        addr = getattr(result, "recover_src_manager_address", "")
+        addr = str(getattr(result, "recover_src_manager_address", ""))
         if claim is None or addr.split("://", 1)[-1].rstrip("/") != claim.manager:
-            return Screening("retry", [ids[src]], f"the state source's address {addr} is not the one it claims",
+            return Screening("retry", [ids[src]], f"the state source's address {addr[:100]} is not the one it claims",
                              len(peers))
     return Screening("accept", [], "", len(peers))
 
@@ -212,21 +234,79 @@ def screen(result, *, secret: bytes | None, me: str, new: bool, behind: bool) ->
 LOOPBACK = "127.0.0.1"
 
 
-def is_public(host: str) -> bool:
-    """Whether binding ``host`` exposes a listener beyond the job's network: a wildcard (every
-    interface) or a global address. Loopback, link-local and private addresses (a VPN's, e.g.
-    WireGuard's 10.0.0.x) are the job's network; a host name counts as the addresses it resolves to."""
-    h = host.strip("[]")
-    if h in ("", "*", "0.0.0.0", "::"):
-        return True
+#: The job's network: loopback, the private ranges of RFC 1918 and RFC 4193 (a VPN's, e.g. WireGuard's 10.0.0.x) and
+#: link-local addresses. Every other address is public, whatever Python's ``is_private`` says of it (it counts
+#: Teredo's and documentation ranges as private, and an IPv4-mapped ``::ffff:0.0.0.0`` too).
+JOB_NETWORKS = tuple(ipaddress.ip_network(n) for n in (
+    "127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16",
+    "::1/128", "fc00::/7", "fe80::/10"))
+_HOST_CHARS = re.compile(r"[0-9A-Za-z._%:-]{1,253}", re.ASCII)
+
+
+@dataclass(frozen=True)
+class Address:
+    """What :func:`job_address` decided of a host: the address to bind (an IP literal, or None when there is
+    none), whether it is the job's network, and why not."""
+
+    host: str
+    address: str | None
+    job: bool
+    why: str = ""
+
+
+def _judge(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> tuple[ipaddress._BaseAddress, str]:
+    """(the address as it is bound, why it is not the job's network or "")."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:  # ::ffff:a.b.c.d reaches the IPv4 address a.b.c.d, and is bound as it
+            ip = ip.ipv4_mapped
+        elif ip.scope_id is None and int(ip) >> 32 == 0 and int(ip) > 1:
+            return ip, "an IPv4-compatible IPv6 address (::a.b.c.d, deprecated): write the IPv4 address itself"
+    if ip.is_unspecified or (ip.version == 4 and int(ip) >> 24 == 0):
+        return ip, "a wildcard: every interface of this machine"
+    bare = ipaddress.ip_address(str(ip).split("%", 1)[0])
+    if not any(bare in n for n in JOB_NETWORKS if n.version == bare.version):
+        return ip, "a public address (not loopback, private or link-local)"
+    return ip, ""
+
+
+def job_address(host: str) -> Address:
+    """Decide whether binding ``host`` keeps a listener on the job's network, for every spelling of an address:
+    IPv4 (dotted, and the short, hex, octal and integer forms the resolver takes: ``127.1``, ``0x7f000001``,
+    ``0177.0.0.1``, ``0``), IPv6 (``::``, IPv4-mapped ``::ffff:a.b.c.d``, IPv4-compatible ``::a.b.c.d``, with a
+    scope), in brackets or not, and host names (every address the name resolves to must be the job's; it is
+    bound at the first). The address to bind is returned as an IP literal: a listener binds that, never the
+    name or spelling again (so what is bound is what was checked). Never raises."""
+    h = host[1:-1] if isinstance(host, str) and host.startswith("[") and host.endswith("]") else host
+    if not isinstance(h, str) or h in ("", "*"):
+        return Address(str(host), None, False, "a wildcard: every interface of this machine")
+    if not _HOST_CHARS.fullmatch(h):
+        return Address(host, None, False, "not an address or host name (characters outside [0-9A-Za-z._%:-])")
     try:
         ips = [ipaddress.ip_address(h)]
     except ValueError:
-        try:
-            ips = [ipaddress.ip_address(i[4][0].split("%")[0]) for i in socket.getaddrinfo(h, None)]
-        except OSError:
-            return True  # cannot tell where it listens: treat it as public
-    return any(ip.is_unspecified or not (ip.is_loopback or ip.is_private or ip.is_link_local) for ip in ips)
+        try:  # the resolver's own IPv4 forms (``127.1``, ``0x7f000001``, ``0177.0.0.1``, ``0``)
+            ips = [ipaddress.ip_address(socket.inet_ntoa(socket.inet_aton(h)))]
+        except (OSError, ValueError):
+            try:
+                infos = socket.getaddrinfo(h, None, type=socket.SOCK_STREAM)
+                ips = [ipaddress.ip_address(i[4][0]) for i in infos]
+            except (OSError, ValueError, UnicodeError):
+                return Address(host, None, False, "a host name that does not resolve here")
+            if not ips:
+                return Address(host, None, False, "a host name that does not resolve here")
+    judged = [_judge(ip) for ip in ips]
+    bad = [(ip, why) for ip, why in judged if why]
+    if bad:
+        ip, why = bad[0]
+        named = f"{ip}, " if str(ip) != h else ""
+        return Address(host, str(ip), False, f"{named}{why}")
+    return Address(host, str(judged[0][0]), True)
+
+
+def is_public(host: str) -> bool:
+    """Whether binding ``host`` exposes a listener beyond the job's network (:func:`job_address`): a wildcard (every
+    interface), a public address, or a name that resolves to one (or not at all)."""
+    return not job_address(host).job
 
 
 def split_bind(bind: str) -> tuple[str, str]:
@@ -238,25 +318,46 @@ def split_bind(bind: str) -> tuple[str, str]:
     return host, port
 
 
-def check_bind(host: str, *, what: str, flag: str, secret: bool, trusted_network: bool, port: str = "") -> None:
-    """Refuse to bind a wildcard or public address unless ``trusted_network`` (the user says every host
-    that reaches it is trusted). A secret does not make it safe: torchft's Lighthouse lists the
-    members and kills a node on request, and its Manager does too, for anyone who reaches them."""
-    if trusted_network or not is_public(host):
-        return
+def join_bind(host: str, port: int | str) -> str:
+    """(host, port) -> ``HOST:PORT``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_port(port: str, *, flag: str) -> int:
+    """A listener's port: decimal digits, 0 (any free port) to 65535; a ValueError that names ``flag`` otherwise."""
+    if not re.fullmatch(r"[0-9]{1,5}", port or "", re.ASCII) or int(port) > 65535:
+        raise ValueError(f"{flag}: the port must be a number from 0 to 65535 (HOST:PORT, [IPv6]:PORT), got {port!r}")
+    return int(port)
+
+
+def check_bind(host: str, *, what: str, flag: str, secret: bool, trusted_network: bool, port: str = "") -> str:
+    """The address a listener binds for ``host`` (an IP literal: :func:`job_address`), or :class:`BindRefused` when
+    it is not the job's network and not ``trusted_network`` (the user says every host that reaches it is
+    trusted). A secret does not make it safe: torchft's Lighthouse lists the members and kills a node on
+    request, and its Manager does too, for anyone who reaches them. With ``trusted_network``, a wildcard is
+    bound as ``0.0.0.0`` (or ``::``) and a name that resolves at its first address."""
+    decided = job_address(host)
+    if decided.job:
+        return decided.address
+    if trusted_network:
+        if decided.address is not None:
+            return decided.address
+        if host in ("", "*"):
+            return "0.0.0.0"
+        raise BindRefused(f"{what}: {flag} {host!r} is {decided.why}; give an address of this machine")
     why = ("and this job has no secret: anyone who reaches it can join the job" if not secret else
            "where anyone who reaches it can stop a node (torchft's Lighthouse and Manager ask for no credential; "
            "the job's secret guards who joins, not these ports)")
     raise BindRefused(
-        f"{what} would listen on {host or 'every interface'}, a public interface, {why}. Bind the job's network "
-        f"instead: {flag} 127.0.0.1{':' + port if port else ''} (one machine) or this host's VPN address (e.g. "
-        "WireGuard's 10.0.0.x, see "
-        "docs/internet.md); or, if every host that can reach it is trusted, pass --trusted-network")
+        f"{what} would listen on {host or 'every interface'}, a public interface ({decided.why}), {why}. Bind the "
+        f"job's network instead: {flag} 127.0.0.1{':' + port if port else ''} (one machine) or this host's VPN "
+        "address (e.g. WireGuard's 10.0.0.x, see docs/internet.md); or, if every host that can reach it is trusted, "
+        "pass --trusted-network")
 
 
 def gloo_interface(host: str) -> str | None:
-    """The name of the network interface that holds IPv4 address ``host`` (gloo binds by interface:
-    GLOO_SOCKET_IFNAME), or None."""
+    """The name of the network interface that holds address ``host`` (gloo binds by interface:
+    GLOO_SOCKET_IFNAME), or None (IPv6 addresses are read from Linux's /proc/net/if_inet6)."""
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
@@ -264,6 +365,15 @@ def gloo_interface(host: str) -> str | None:
     if ip.is_loopback:
         return "lo"
     if ip.version != 4:
+        try:
+            lines = open("/proc/net/if_inet6").read().splitlines()  # noqa: SIM115 - a small file, read at once
+        except OSError:
+            return None
+        bare = ipaddress.ip_address(str(ip).split("%", 1)[0])
+        for line in lines:
+            parts = line.split()
+            if len(parts) == 6 and ipaddress.IPv6Address(int(parts[0], 16)) == bare:
+                return parts[5]
         return None
     import fcntl
     import struct

@@ -85,5 +85,7 @@ def tag(secret: bytes, *claims: object) -> str:
 
 
 def verify(secret: bytes, mac: str, *claims: object) -> bool:
-    """Whether ``mac`` is :func:`tag` of ``claims`` under ``secret`` (constant-time comparison)."""
-    return hmac.compare_digest(tag(secret, *claims), str(mac))
+    """Whether ``mac`` is :func:`tag` of ``claims`` under ``secret`` (constant-time comparison). Anything else than
+    the tag (another type, non-ASCII text: what a stranger sends) is False, never an error."""
+    given = mac if isinstance(mac, bytes) else str(mac).encode("utf-8", "surrogatepass")
+    return hmac.compare_digest(tag(secret, *claims).encode("ascii"), given)

@@ -9,6 +9,9 @@ heals node 1 from node 0 through :class:`lowband.ft.transport.StateTransport`. W
   its state, as the step's first collective would make it);
 - a source that stalls mid-state: node 1 abandons it within its timeout, its step is dropped (the commit
   vote says no), nothing hangs. (A pickle, in torchft's own format, is refused in tests/ft/test_transport.py.)
+- a source that serves a poisoned state (a NaN in its weights: issue 44 item 3): node 1 refuses it and loads
+  nothing, remembers the source as bad, drops its own step and takes part in it with nothing that counts (its
+  link is not errored: the others' exchange does not wait for it); node 0 commits.
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ if mode == "stall":
         _, header, tensors = staged
         payload = sum(t.numel() * t.element_size() for t in tensors)
         h.send_response(200)
-        h.send_header("Content-Length", str(8 + len(header) + payload + ftt.TRAILER))
+        h.send_header("Content-Length", str(8 + ftt.HEADER_TAG + len(header) + payload + ftt.TRAILER))
         h.end_headers()
-        h.wfile.write(len(header).to_bytes(8, "big") + header)
+        h.wfile.write(len(header).to_bytes(8, "big") + b"-" * ftt.HEADER_TAG + header)
         h.wfile.flush()
         time.sleep(4 * TIMEOUT)  # then nothing: the healer must not wait for it
     ftt.StateTransport._send = _send
@@ -60,13 +63,16 @@ def node(i, step):
     w = torch.full((4, 3), float(i + 1))
     trainer = {"step": step, "lr": [0.1 * (i + 1)], "betas": (0.9, 0.95)}
     def state():
-        return {"fingerprint": "fp", "trainer": dict(trainer), "w": w.clone()}
+        sent = w.clone()
+        if mode == "poison" and i == 0:
+            sent[1, 2] = float("nan")
+        return {"fingerprint": "fp", "trainer": dict(trainer), "w": sent}
     def load(s):
         w.copy_(s["w"])
         trainer.update(s["trainer"])
         return s["trainer"]["step"]
     cfg = FaultToleranceConfig(lighthouse=addr, node=i, max_nodes=2, timeout_s=TIMEOUT, quorum_timeout_s=30,
-                               fingerprint="fp")
+                               fingerprint="fp", steps=10)
     ft = FaultTolerance(cfg, rank=0, world_size=1, state_dict=state, load_state_dict=load,
                         store_addr="127.0.0.1", store_port=store.port)
     t0 = time.monotonic()
@@ -76,10 +82,12 @@ def node(i, step):
     else:
         healed.wait(30)
     err = ft.manager.errored()
+    taking_part = {"participating": ft.participating, "errored": ft.errored, "heal_refused": ft.heal_refused}
     ok = ft.commit()
     out[i] = {"healed": ft.healed_at, "commit": ok, "s": time.monotonic() - t0, "w": w.tolist(),
               "error": str(getattr(err, "original_exception", err) or ""),
-              "trainer": trainer, "betas_type": type(trainer["betas"]).__name__}
+              "trainer": trainer, "betas_type": type(trainer["betas"]).__name__,
+              "bad_sources": {k.split(":")[0]: v for k, v in ft.bad_sources.items()}, **taking_part}
     ft.shutdown()
 
 threads = [threading.Thread(target=node, args=(i, s)) for i, s in ((0, 5), (1, 0))]
@@ -123,3 +131,13 @@ def test_a_source_that_stalls_mid_state_is_abandoned_in_time_and_the_step_droppe
     assert out[1]["w"] == [[2.0] * 3] * 4
     assert out[0]["commit"]
     assert out[1]["s"] < 20, out[1]["s"]
+
+
+def test_a_source_that_serves_a_poisoned_state_is_refused_remembered_and_the_healer_takes_part_uncounted(tmp_path):
+    out, _ = _run(tmp_path, "poison")
+    assert "NaN or infinite" in out[1]["error"] and "nothing loaded" in out[1]["error"], out[1]["error"]
+    assert out[1]["healed"] == [] and out[1]["w"] == [[2.0] * 3] * 4  # nothing of it loaded
+    assert list(out[1]["bad_sources"]) == ["lowband_fp_node0"]
+    assert out[1]["heal_refused"] and not out[1]["participating"] and not out[1]["errored"]
+    assert out[1]["commit"] is False and out[0]["commit"]  # the healer drops its step, the source does not
+    assert out[0]["participating"] and not out[0]["errored"]

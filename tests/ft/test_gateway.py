@@ -424,3 +424,57 @@ def test_a_node_whose_quorum_waits_asks_the_gate_and_leaves_at_once_when_it_was_
         rec._asked(step=1)
     assert time.monotonic() - t0 < 5.0
     assert seen == []
+
+
+# ----------------------------------------------------------------------------- what a stranger can make it do
+def test_a_request_over_the_bound_is_refused_by_grpc_and_never_reaches_the_lighthouse(gate):
+    from lowband.ft.gateway import MAX_REQUEST_BYTES
+
+    g, seen, _ = gate
+    with grpc.insecure_channel(g.address().split("://", 1)[-1],
+                               options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary(QUORUM)(string_field(1, b"x" * (MAX_REQUEST_BYTES + 1)), timeout=10)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert seen == [] and sum(g.refused.values()) == 0  # gRPC refused it: the gate's code never read a byte
+
+
+def test_refusals_are_counted_by_kind_and_a_host_over_its_budget_is_refused_unread_but_never_removed(gate):
+    from lowband.ft.gateway import gate_reason
+
+    g, seen, _ = gate
+    for i in range(5):  # each with another id: the table of refusals does not grow with them
+        with pytest.raises(grpc.RpcError) as e:
+            _call(g.address(), HEARTBEAT, _heartbeat(f"lowband_f00d_node{i}:u{i}"))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert dict(g.refused) == {"replica id does not prove the job's secret": 5} and len(g._named) == 1
+    assert not g.limiter.over("127.0.0.1")  # loopback: the members' own address on one machine
+    g.limiter.over = lambda host: True  # a host over its budget (one of the job's network: the limiter's test below)
+    with pytest.raises(grpc.RpcError) as e:
+        _call(g.address(), QUORUM, admission_request(MEMBER, f"http://{MANAGER}", STORE))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "too many refused calls" in e.value.details()
+    assert gate_reason(e.value.details()) is None  # not a refusal of the member: its node asks again, never leaves
+    assert seen == [] and g.refused["too many refused calls from this host"] == 1
+
+
+def test_the_source_limiters_tables_are_bounded_whoever_calls():
+    from lowband.trust.limits import SourceLimiter
+
+    clock = Clock()
+    lim = SourceLimiter(rate_per_s=1.0, burst=2.0, max_hosts=100, clock=clock)
+    for i in range(10_000):
+        lim.refused(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}")
+        lim.passed(f"fd00::{i:x}")
+    assert len(lim._tokens) == 100 and len(lim._members) == 100
+    lim.refused("10.9.9.9")
+    lim.refused("10.9.9.9")
+    assert lim.over("10.9.9.9")
+    clock.t += 1.0  # one refusal a second comes back
+    assert not lim.over("10.9.9.9")
+    lim.refused("10.9.9.9")
+    lim.passed("10.9.9.9")  # a member's call from that host passed: it is checked, never refused unread
+    assert not lim.over("10.9.9.9")
+    for host in ("127.0.0.1", "::1", "127.3.4.5"):  # loopback: shared by every process of the machine
+        for _ in range(10):
+            lim.refused(host)
+        assert not lim.over(host)

@@ -232,3 +232,61 @@ def test_a_quorum_with_a_node_of_another_job_forms_again_without_it_or_this_node
     with pytest.raises(ForeignJob, match="did not leave within the quorum timeout"):
         rec._quorum(step=0)
     assert len(asked) == 4
+
+
+# ----------------------------------------------------------------------------- what a healing node loads
+def test_a_heal_is_refused_when_its_step_layout_or_job_is_not_this_nodes():
+    from lowband.ft.node import check_heal, quorum_step
+
+    good = quorum_step(40, 38)
+    state = {"user": {"default": {"fingerprint": "fp"}}, "torchft": {"step": good, "batches_committed": 76}}
+    check_heal(good, None, fingerprint="fp", steps=100)
+    check_heal(good, state, fingerprint="fp", steps=100)
+    for step, st, needle in (
+            (quorum_step(10 ** 6, 0), None, r"step 1000000 with 0 committed, outside the job's \[0, 100\]"),
+            (quorum_step(40, 101), None, "outside the job's"), (-1, None, "not a step"),
+            (good, {"user": {}}, "not laid out as torchft's"),
+            (good, {**state, "torchft": {"step": good + 1, "batches_committed": 0}}, "not the quorum's step"),
+            (good, {**state, "torchft": {"step": good, "batches_committed": -5}}, "count of batches"),
+            (good, {**state, "user": {"default": {"fingerprint": "other"}}}, "another job")):
+        with pytest.raises(ValueError, match=needle):
+            check_heal(step, st, fingerprint="fp", steps=100)
+
+
+def _trainer_state(step=5):
+    return {"fingerprint": "fp", "trainer": {"step": step, "train_time_s": 1.5, "tokens": 640},
+            "scheduler": {"last_epoch": step, "base_lrs": [0.1], "_last_lr": [0.1], "_step_count": step + 1},
+            "params": {"a.weight": torch.zeros(2, 3), "b": torch.zeros(3)}, "buffers": {"mask": torch.zeros(2)},
+            "optimizer": [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2, 3)},
+                                     1: {"delta": torch.zeros(1, 3)}},
+                           "groups": [{"lr": 0.1, "betas": (0.9, 0.95), "foreach": None}]}]}
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda s: s["trainer"].update(step=101), r"step 101 is outside the job's \[0, 100\]"),
+    (lambda s: s["trainer"].update(step=-1), "outside the job's"),
+    (lambda s: s["trainer"].update(train_time_s=float("nan")), "train_time_s = nan is not a finite"),
+    (lambda s: s["trainer"].update(tokens="many"), "tokens"),
+    (lambda s: s["params"].pop("b"), r"params differ from this node's in \['b'\]"),
+    (lambda s: s["params"].update(c=torch.zeros(1)), r"params differ .*'c'"),
+    (lambda s: s["buffers"].update(mask=[0.0, 1.0]), "buffers.mask is not a tensor"),
+    (lambda s: s["optimizer"].append(s["optimizer"][0]), "2 optimizers"),
+    (lambda s: s["optimizer"][0]["groups"].append({}), "2 parameter groups"),
+    (lambda s: s["optimizer"][0]["groups"][0].update(lr="0.1"), "group 0 has other settings"),
+    (lambda s: s["optimizer"][0]["groups"][0].pop("betas"), "group 0 has other settings"),
+    (lambda s: s["optimizer"][0]["state"].update({7: {}}), "parameter 7, which this node does not have"),
+    (lambda s: s["optimizer"][0]["state"][0].update(exp_avg=torch.zeros(5)), r"shape \(5,\), neither"),
+    (lambda s: s["scheduler"].update(last_epoch=10 ** 9), "schedule is at step"),
+    (lambda s: s["scheduler"].pop("base_lrs"), "schedule has other settings"),
+    (lambda s: s.update(optimizer={}), "no optimizer of the kind"),
+])
+def test_a_peer_state_the_trainer_must_not_load_is_refused_before_anything_loads(change, needle):
+    from lowband.ft.state import check_peer_state
+
+    own, peer = _trainer_state(0), _trainer_state(5)
+    own["optimizer"][0]["state"] = {}  # a node that has not stepped has no optimizer state yet
+    shapes = [[(2, 3), (3,)]]
+    check_peer_state(peer, own, steps=100, param_shapes=shapes)
+    change(peer)
+    with pytest.raises(ValueError, match=needle):
+        check_peer_state(peer, own, steps=100, param_shapes=shapes)

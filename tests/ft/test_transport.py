@@ -52,8 +52,10 @@ def _wire(state, *, step=7, fp=FP, secret=None, nonce="n" * 32):
     header, tensors = encode_state(state, step=step, fingerprint=fp)
     payload = b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
     digest = hashlib.sha256(payload).hexdigest()
-    mac = tag(secret, "lowband-state-response", nonce, hashlib.sha256(header).hexdigest(), digest) if secret else "-" * 32
-    return struct.pack(">Q", len(header)) + header + payload + (digest + mac).encode()
+    header_sha = hashlib.sha256(header).hexdigest()
+    mac = tag(secret, "lowband-state-response", nonce, header_sha, digest) if secret else "-" * 32
+    header_mac = tag(secret, "lowband-state-header", nonce, header_sha) if secret else "-" * 32
+    return struct.pack(">Q", len(header)) + header_mac.encode() + header + payload + (digest + mac).encode()
 
 
 def _read(raw: bytes, **kw):
@@ -334,10 +336,154 @@ def test_the_header_names_its_format():
     assert h["format"] == FORMAT and h["tensors"][0]["dtype"] == "float32" and h["payload_bytes"] == 8
 
 
-def test_an_advertised_address_that_is_not_this_machines_falls_back_to_every_interface_with_a_warning(caplog):
-    t = _transport(advertise="192.0.2.1")  # TEST-NET-1: never an address of this machine
+def test_the_server_listens_on_exactly_its_bind_address_or_does_not_start():
+    with pytest.raises(OSError, match=r"cannot listen on 192\.0\.2\.1.*--ft-bind"):
+        _transport(advertise="127.0.0.1", bind="192.0.2.1")  # TEST-NET-1: never an address of this machine
+    t = _transport(advertise="192.0.2.1", bind="127.0.0.1")  # a NAT's address advertised, the local one bound
     try:
-        assert "listens on every interface instead" in caplog.text
+        assert t._server.socket.getsockname()[0] == "127.0.0.1"
         assert t.metadata().startswith("http://192.0.2.1:")
     finally:
         t.shutdown(wait=False)
+
+
+# --------------------------------------------------------------------------- what a healing source's state holds
+def test_values_that_are_not_finite_are_refused_unless_this_nodes_own_state_holds_them_there():
+    from lowband.ft.transport import PoisonedState, check_values
+
+    own = {"w": torch.ones(3), "mask": torch.tensor([0.0, float("-inf")]), "lr": 0.1, "eps": float("inf"),
+           "i": torch.arange(2)}
+    check_values({"w": torch.full((3,), 2.0), "mask": torch.tensor([1.0, float("-inf")]), "lr": 0.2,
+                  "eps": float("inf"), "i": torch.arange(2), "new": torch.zeros(2)}, own)
+    for bad, needle in (({"w": torch.tensor([1.0, float("nan"), 1.0])}, r"state\.w holds 1 value"),
+                        ({"w": torch.tensor([1.0, float("inf"), 1.0])}, r"state\.w"),
+                        ({"mask": torch.tensor([float("-inf"), float("-inf")])}, r"state\.mask"),
+                        ({"mask": torch.tensor([0.0, float("nan")])}, r"state\.mask"),
+                        ({"lr": float("nan")}, r"state\.lr is nan"), ({"new": torch.tensor([float("inf")])}, "new"),
+                        ({"g": [{"b": (0.9, float("inf"))}]}, r"state\.g\[0\]\.b\[1\]")):
+        with pytest.raises(PoisonedState, match=needle):
+            check_values(bad, own)
+
+
+def test_a_poisoned_state_is_refused_reported_and_its_source_never_fetched_from_again(pair):
+    from lowband.ft.transport import PoisonedState
+
+    s = _state()
+    poisoned = _state()
+    poisoned["params"]["w"][1, 2] = float("nan")
+    reported, bad = [], {}
+    src, dst = pair({"secret": SECRET}, {"secret": SECRET, "template": lambda: s,
+                                         "on_poisoned": lambda rank, why: (reported.append((rank, why)),
+                                                                           bad.setdefault(rank, why)),
+                                         "refuse_source": bad.get})
+    src.send_checkpoint([1, 2], 7, poisoned, timedelta(seconds=2))
+    with pytest.raises(PoisonedState, match=r"refused, nothing loaded: state\.params\.w holds 1 value"):
+        dst.recv_checkpoint(3, src.metadata(), 7, timedelta(seconds=2))
+    assert [r for r, _ in reported] == [3] and src._served_left == 1
+    with pytest.raises(TransferError, match="not fetched: this source served a poisoned state before"):
+        dst.recv_checkpoint(3, src.metadata(), 7, timedelta(seconds=2))
+    assert src._served_left == 1 and len(reported) == 1  # nothing fetched, reported once
+
+
+def test_a_heal_whose_step_the_node_refuses_is_refused_before_anything_is_fetched():
+    from lowband.ft.transport import PoisonedState
+
+    reported = []
+
+    def check(step, state, own):
+        if step > 100:
+            raise ValueError(f"the source is at step {step}, outside the job's [0, 100]")
+
+    dst = _transport(check=check, on_poisoned=lambda rank, why: reported.append(rank))
+    try:  # port 1: nothing listens there, and nothing is asked of it
+        with pytest.raises(PoisonedState, match=r"refused before fetching: the source is at step 10\*\*12|outside"):
+            dst.recv_checkpoint(2, "http://127.0.0.1:1/state/", 10 ** 12, timedelta(seconds=1))
+    finally:
+        dst.shutdown(wait=False)
+    assert reported == [2]
+
+
+# --------------------------------------------------------------------------- what a stranger can make them do
+class _Trickler:
+    """A server that accepts and sends ``text`` one byte every ``every_s`` seconds (the status line and headers of
+    an answer that never ends), in a thread."""
+
+    def __init__(self, text: bytes, every_s: float) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.stop = threading.Event()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/state/"
+
+        def serve():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                i = 0
+                while not self.stop.is_set():
+                    try:
+                        conn.sendall(text[i % len(text):i % len(text) + 1])
+                    except OSError:
+                        return
+                    i += 1
+                    time.sleep(every_s)
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.stop.set()
+        self.sock.close()
+        self.thread.join(2)
+
+
+def test_a_source_that_trickles_its_status_line_and_headers_is_abandoned_at_the_deadline():
+    liar = _Trickler(b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"a" * 10_000, every_s=0.02)
+    dst = _transport(timeout=timedelta(seconds=0.3))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="did not answer within 1.6 s"):
+            dst.recv_checkpoint(0, liar.url, 7, timedelta(seconds=0.3))
+        assert time.monotonic() - t0 < 4.0  # 2 × 0.3 s + 1 s, and the watchdog's grace
+    finally:
+        dst.shutdown(wait=False)
+        liar.close()
+
+
+def test_the_state_server_cuts_a_trickling_requester_and_caps_the_connections_of_one_host(pair):
+    src, _ = pair({"timeout": timedelta(seconds=0.3)})
+    port = src._server.server_address[1]
+    slow = socket.create_connection(("127.0.0.1", port))
+    t0 = time.monotonic()
+    try:
+        slow.settimeout(5)
+        for ch in b"GET /state/7?fp=abc":  # one byte every 50 ms: each within the 0.3 s stall bound
+            try:
+                slow.sendall(bytes([ch]))
+            except OSError:
+                break
+            time.sleep(0.05)
+        try:
+            closed = slow.recv(100) == b""
+        except ConnectionResetError:
+            closed = True
+        assert closed and time.monotonic() - t0 < 3.0  # cut off at 2 × 0.3 s of the connection
+    finally:
+        slow.close()
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]  # MAX_PER_HOST, sending nothing
+    try:
+        time.sleep(0.1)
+        extra = socket.create_connection(("127.0.0.1", port))
+        extra.settimeout(2)
+        t1 = time.monotonic()
+        try:
+            assert extra.recv(10) == b""  # closed unread, not after the others' time
+        except ConnectionResetError:
+            pass
+        assert time.monotonic() - t1 < 0.5
+        extra.close()
+    finally:
+        for s in held:
+            s.close()

@@ -9,7 +9,8 @@ live peer) hands its state (:meth:`FaultTolerantSession.state_now`), the state c
 the template, as a healer does) and a freshly built trainer (the restarted node) loads it
 (:meth:`FaultTolerantSession.load`). Then both train on from step K on the same batches.
 
-What must hold: the healer goes on from the peer's step, and from there on the two are the same
+What must hold: the checks a healer makes before it loads anything (finite values, the step, the trainer's
+layout) pass an honest peer's state; the healer goes on from the peer's step, and from there on the two are the same
 replica, bit for bit, on each rank's shard: parameters, every optimizer state tensor, lr, after steps
 that cross DiLoCo's, NoLoCo's and SparseLoCo's outer steps. Anything of the state that does not travel,
 lands on the wrong shard or is loaded wrongly shows as a difference. The peer applies the method's
@@ -43,7 +44,8 @@ def _wire(state: dict) -> dict:
 
     header, tensors = encode_state(state, step=TRAINED, fingerprint="heal-test")
     payload = b"".join(t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes() for t in tensors)
-    raw = struct.pack(">Q", len(header)) + header + payload + (hashlib.sha256(payload).hexdigest() + "-" * 32).encode()
+    raw = (struct.pack(">Q", len(header)) + b"-" * 32 + header + payload
+           + (hashlib.sha256(payload).hexdigest() + "-" * 32).encode())
     template = template_of(state)
     return read_state(io.BufferedReader(io.BytesIO(raw)), step=TRAINED, fingerprint="heal-test",
                       limit=receive_limit(template), template=template, stall_s=5.0)
@@ -91,6 +93,7 @@ def _heal_all(rank: int, out: str, cache: str) -> dict:
 
     os.environ["LOWBAND_CACHE"] = cache
     from lowband.ft.session import FaultTolerantSession
+    from lowband.ft.transport import check_values
     from lowband.train.config import TrainConfig
     from lowband.train.loop import Trainer
 
@@ -105,7 +108,8 @@ def _heal_all(rank: int, out: str, cache: str) -> dict:
         # What a fault-tolerant run's config gives these two (the job's fingerprint; no window quorum: NoLoCo's
         # window heal, which also skips to the window's end, is checked by its fault-tolerance job).
         # The session alone, without torchft: its state and load are what a heal runs.
-        t.session = FaultTolerantSession(SimpleNamespace(fingerprint="heal-test", window_quorum=False, secret=None))
+        t.session = FaultTolerantSession(SimpleNamespace(fingerprint="heal-test", window_quorum=False, secret=None,
+                                                         steps=TRAINED + AFTER))
         t.session.trainer = t
         return t
 
@@ -116,7 +120,12 @@ def _heal_all(rank: int, out: str, cache: str) -> dict:
             peer.train_step(step)
         peer.session.next_step = TRAINED  # the step boundary the loop stands at when torchft asks for the state
         healer = trainer(method, hp, "healer")  # a restarted node: built afresh, never stepped
-        went_on_from = healer.session.load(_wire(peer.session.state_now()))
+        wired = _wire(peer.session.state_now())
+        # What a healer checks before it loads anything (issue 44 item 3) passes an honest peer's state
+        own = healer.session.state_now()
+        check_values(wired, own)
+        healer.session.check_state(wired, own)
+        went_on_from = healer.session.load(wired)
         peer.optimizer.reset_replica_state()
         diffs = {"heal": _differences(_local(peer.session.state_now()), _local(healer.session.state_now()))}
         for step in range(TRAINED, TRAINED + AFTER):

@@ -15,6 +15,7 @@ from lowband.trust.admission import (
     check_bind,
     claim_of,
     is_public,
+    job_address,
     member_of,
     proves,
     replica_id,
@@ -158,6 +159,64 @@ def test_the_job_network_is_loopback_or_private(host, public):
     assert is_public(host) is public
 
 
+# Every spelling of an address the resolver or the kernel takes, and what a listener binds for it (issue 44 item 4:
+# ``[::ffff:0.0.0.0]`` passed the check and listened on every interface).
+@pytest.mark.parametrize("host, bound", [
+    ("127.0.0.1", "127.0.0.1"), ("[127.0.0.1]", "127.0.0.1"), ("127.1", "127.0.0.1"), ("0x7f000001", "127.0.0.1"),
+    ("0x7f.1", "127.0.0.1"), ("0177.0.0.1", "127.0.0.1"), ("2130706433", "127.0.0.1"), ("::1", "::1"),
+    ("[::1]", "::1"), ("0:0:0:0:0:0:0:1", "::1"), ("::ffff:127.0.0.1", "127.0.0.1"),
+    ("[::ffff:10.0.0.2]", "10.0.0.2"), ("::ffff:a00:2", "10.0.0.2"), ("10.0.0.2", "10.0.0.2"),
+    ("172.31.255.1", "172.31.255.1"), ("192.168.1.4", "192.168.1.4"), ("169.254.3.4", "169.254.3.4"),
+    ("fd00::2", "fd00::2"), ("fe80::1%lo", "fe80::1%lo"), ("localhost", "127.0.0.1"),
+])
+def test_every_spelling_of_a_job_address_is_bound_as_the_address_it_is(host, bound):
+    a = job_address(host)
+    assert a.job and a.address == bound, a
+    assert check_bind(host, what="x", flag="--ft-bind", secret=True, trusted_network=False) == bound
+
+
+@pytest.mark.parametrize("host, why", [
+    ("", "wildcard"), ("*", "wildcard"), ("0.0.0.0", "wildcard"), ("0", "wildcard"), ("0.0", "wildcard"),
+    ("0x0", "wildcard"), ("00", "wildcard"), ("0.1.2.3", "wildcard"), ("::", "wildcard"), ("[::]", "wildcard"),
+    ("0:0:0:0:0:0:0:0", "wildcard"), ("::ffff:0.0.0.0", "wildcard"), ("[::ffff:0.0.0.0]", "wildcard"),
+    ("::ffff:0:0", "wildcard"), ("::0.0.0.0", "wildcard"),
+    ("::127.0.0.1", "IPv4-compatible"), ("::8.8.8.8", "IPv4-compatible"), ("::ffff:8.8.8.8", "public"),
+    ("8.8.8.8", "public"), ("0x08080808", "public"), ("134744072", "public"), ("010.010.010.010", "public"),
+    ("172.32.0.1", "public"), ("100.64.0.1", "public"), ("224.0.0.1", "public"), ("255.255.255.255", "public"),
+    ("192.0.2.1", "public"), ("2001:4860::8888", "public"), ("2002:808:808::1", "public"),
+    ("2001:0:4136:e378::1", "public"), ("64:ff9b::808:808", "public"), ("fec0::1", "public"),
+    ("127.0.0.1 ", "not an address"), ("127.0.0.1\x00", "not an address"), ("127.0.0.1\n", "not an address"),
+    ("a" * 300, "not an address"), ("[127.0.0.1", "not an address"), ("nonexistent.invalid", "does not resolve"),
+])
+def test_every_spelling_of_a_wildcard_or_public_address_is_refused(host, why):
+    a = job_address(host)
+    assert not a.job and why in a.why, a
+    assert is_public(host)
+    with pytest.raises(BindRefused, match=r"--ft-bind 127\.0\.0\.1.*--trusted-network"):
+        check_bind(host, what="x", flag="--ft-bind", secret=True, trusted_network=False)
+
+
+def test_a_host_name_is_the_job_network_only_when_every_address_it_resolves_to_is(monkeypatch):
+    import socket
+
+    table = {"vpn.example": ["10.0.0.7"], "evil.example": ["10.0.0.7", "0.0.0.0"], "pub.example": ["8.8.8.8"],
+             "mapped.example": ["::ffff:0.0.0.0"]}
+
+    def resolve(name, port, *args, **kwargs):
+        if name not in table:
+            raise socket.gaierror("no such name")
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in table[name]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    assert job_address("vpn.example").address == "10.0.0.7"
+    for name, why in (("evil.example", "0.0.0.0, a wildcard"), ("pub.example", "8.8.8.8, a public"),
+                      ("mapped.example", "0.0.0.0, a wildcard"), ("nowhere.example", "does not resolve")):
+        assert why in job_address(name).why
+    # with --trusted-network a resolved name is bound at its address, never the name again
+    assert check_bind("pub.example", what="x", flag="--bind", secret=False, trusted_network=True) == "8.8.8.8"
+    assert check_bind("", what="x", flag="--bind", secret=False, trusted_network=True) == "0.0.0.0"
+
+
 def test_a_public_bind_is_refused_unless_the_network_is_trusted():
     check_bind("127.0.0.1", what="x", flag="--ft-bind", secret=False, trusted_network=False)
     for secret in (False, True):
@@ -176,18 +235,23 @@ def test_lowband_lighthouse_binds_loopback_by_default_and_refuses_a_public_bind(
     assert p.parse_args([]).bind.startswith("127.0.0.1:")
     with pytest.raises(BindRefused, match="stop a node.*--trusted-network"):
         lighthouse_main(p.parse_args(["--bind", "0.0.0.0:29510"]))
-    with pytest.raises(BindRefused):
-        lighthouse_main(p.parse_args(["--bind", "[::]:0"]))
+    for bind in ("[::]:0", "[::ffff:0.0.0.0]:29510", "0:29510", "0x0:29510", "[::0.0.0.0]:29510"):
+        with pytest.raises(BindRefused):
+            lighthouse_main(p.parse_args(["--bind", bind]))
+    for bind in ("127.0.0.1:x", "127.0.0.1:70000", "127.0.0.1:", "127.0.0.1:+1"):
+        with pytest.raises(ValueError, match="--bind: the port must be a number"):
+            lighthouse_main(p.parse_args(["--bind", bind]))
     from lowband.trust.secret import SecretError
 
     with pytest.raises(SecretError, match="no such file .*lowband secret"):  # before anything listens
         lighthouse_main(p.parse_args(["--secret-file", "/nonexistent/job.secret"]))
 
 
-def test_a_node_refuses_to_listen_on_a_public_address_before_starting_anything():
+@pytest.mark.parametrize("bind", ["0.0.0.0", "::ffff:0.0.0.0", "[::ffff:0.0.0.0]", "0", "8.8.8.8"])
+def test_a_node_refuses_to_listen_on_a_public_address_before_starting_anything(bind):
     from lowband.ft.node import FaultTolerance
 
-    cfg = FaultToleranceConfig(lighthouse="http://10.0.0.1:1", node=0, max_nodes=2, bind="0.0.0.0", secret=S)
+    cfg = FaultToleranceConfig(lighthouse="http://10.0.0.1:1", node=0, max_nodes=2, bind=bind, secret=S)
     with pytest.raises(BindRefused, match="--ft-bind"):
         FaultTolerance(cfg, rank=0, world_size=1, state_dict=dict, load_state_dict=lambda s: None)
 
