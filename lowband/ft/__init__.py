@@ -59,8 +59,6 @@ _EXPORTS: dict[str, str] = {
     "refusal": "lowband.ft.gateway",
     "string_field": "lowband.ft.gateway",
     "GatedLighthouse": "lowband.ft.lighthouse",
-    "add_lighthouse_arguments": "lowband.ft.lighthouse",
-    "lighthouse_main": "lowband.ft.lighthouse",
     "start_lighthouse": "lowband.ft.lighthouse",
 }
 
