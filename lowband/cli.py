@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from lowband.trust.admission import RemovedFromJob
+
 __all__ = ["main", "build_parser"]
 
 # command -> (module, its add-arguments function, its main function, help); imported only when used.
@@ -56,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(getattr(importlib.import_module(module), main_fn)(args) or 0)
     except ValueError as e:
-        from lowband.trust.admission import RemovedFromJob
-
         print(f"lowband {args.command}: error: {e}", file=sys.stderr)
         if isinstance(e, RemovedFromJob):
             # torchft's Manager server would hold the process until its last quorum request times out (2 min): it

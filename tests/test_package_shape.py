@@ -263,3 +263,20 @@ def test_every_package_exports_names_that_exist():
         pkg = importlib.import_module(name)
         missing += [f"{name}.{n}" for n in getattr(pkg, "__all__", ()) if not hasattr(pkg, n)]
     assert not missing, f"exported but not defined: {missing}"
+
+
+def test_imports_are_at_the_top_unless_a_reason_is_written_beside_them():
+    """An import inside a function hides what a module depends on: it is allowed with its reason (an optional
+    dependency, a heavy import a command must not pay for) on its line or the line above."""
+    hidden = []
+    for path in sorted(ROOT.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Import | ast.ImportFrom):
+                    here, above = lines[sub.lineno - 1], lines[sub.lineno - 2].strip()
+                    if "#" not in here and not above.startswith("#"):
+                        hidden.append(f"{path.relative_to(ROOT.parent)}:{sub.lineno}: {here.strip()}")
+    assert not hidden, "imports inside functions without a reason beside them:\n" + "\n".join(sorted(set(hidden)))

@@ -12,6 +12,8 @@ job again, which the run directory keeps as ``bench.toml`` (:mod:`lowband.bench.
 
 from __future__ import annotations
 
+import csv
+import json
 import logging
 import math
 import shlex
@@ -31,9 +33,13 @@ from lowband.bench.timebudget import (
     parse_time_budget,
     reference_first,
 )
+from lowband.distributed.topology import Topology
+from lowband.ft.node import require_torchft
 from lowband.optim.outer.schedule import unmerged_tail_note
 from lowband.train.args import train_overrides
 from lowband.train.config import TrainConfig
+from lowband.train.data import check_data_file
+from lowband.train.models import MODEL_SIZES, resolve_model
 from lowband.units import parse_bandwidth, parse_duration, parse_int_list, split_list
 
 __all__ = ["FT_MODES", "INDEXED", "PRESETS", "BenchConfig"]
@@ -176,7 +182,6 @@ def _bandwidth_text(bps: float) -> str | float:
 
 
 def _check_model(model: str) -> None:
-    from lowband.train.models import resolve_model
 
     try:
         resolve_model(model)  # a named size, a local model directory, or a hub id in the local cache
@@ -185,8 +190,6 @@ def _check_model(model: str) -> None:
 
 
 def _check_data(data: str, model: str) -> None:
-    from lowband.train.data import check_data_file
-    from lowband.train.models import MODEL_SIZES
 
     try:
         ext = check_data_file(data).suffix.lower()
@@ -218,10 +221,7 @@ def _check_group_sizes(specs: Sequence[BenchMethod], *, nodes: int, ranks_per_no
 
 def _check_data_columns(data: str, model: str, cfg) -> None:
     """A seq2seq model's .jsonl/.csv/.tsv must have the source and target columns, checked on its first row."""
-    import csv
-    import json
 
-    from lowband.train.models import MODEL_SIZES
 
     size = MODEL_SIZES.get(model)
     path = Path(data)
@@ -281,7 +281,6 @@ def _build(bench: BenchTable, tables: Mapping[str, Mapping[str, Any]]) -> BenchC
     Raises:
         ValueError: naming the bad value and listing what is accepted.
     """
-    from lowband.distributed.topology import Topology
 
     model = tables["model"]["name"]
     data = tables.get("data", {}).get("path")
@@ -402,7 +401,6 @@ def _check_fault_tolerance(specs: Sequence[BenchMethod], *, ft: str, faults: str
     events = parse_faults(faults, nodes=nodes, steps=steps) if faults is not None else ()
     if ft == "off" and not events:
         return ()
-    from lowband.ft.node import require_torchft
 
     require_torchft()
     if entry != DEFAULT_ENTRY:

@@ -14,6 +14,8 @@ from lowband.bench.config import BenchConfig
 from lowband.bench.defaults import DEFAULT_ENTRY
 from lowband.bench.plan import plan_runs
 from lowband.bench.presets import data_name
+from lowband.train.data import load_data, passes_note, training_examples
+from lowband.train.pretrained import data_config_for
 
 __all__ = ["data_passes_note"]
 
@@ -26,8 +28,6 @@ def data_passes_note(config: BenchConfig) -> str | None:
     Raises:
         ValueError: the data cannot be loaded (the runs could not either).
     """
-    from lowband.train.data import load_data, passes_note, training_examples
-    from lowband.train.pretrained import data_config_for
 
     plans = plan_runs(config)
     if config.entry != DEFAULT_ENTRY or not plans:

@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 import tomllib
 
 from lowband.bench.job import check_tables
@@ -59,8 +60,6 @@ def load(path: str | Path) -> dict[str, dict[str, Any]]:
 def dumps(config) -> str:
     """``config`` (a :class:`~lowband.bench.config.BenchConfig`) as a job file: its complete tables
     (:meth:`~lowband.bench.config.BenchConfig.tables`)."""
-    import tomli_w
-
     head = ("# lowband bench --config THIS_FILE --out DIR: this bench again (flags given beside --config win).\n"
             "# Written by the bench: every [bench] key, and lowband train's tables its runs got on top of "
             "lowband train's defaults.\n")

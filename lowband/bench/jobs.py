@@ -12,12 +12,17 @@ not import the plan's.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from lowband.bench.config import BenchConfig
 from lowband.bench.defaults import DEFAULT_ENTRY
 from lowband.bench.methods import train_hp_args
+from lowband.train import jobfile
+from lowband.train.args import train_overrides
+from lowband.train.config import RunMethod, TrainConfig
+from lowband.train.methods import canonical_names
 
 __all__ = ["run_command", "shaping_args", "train_args", "train_config"]
 
@@ -26,11 +31,7 @@ def train_config(plan, config: BenchConfig, out_dir: Path, *, shaped: bool):
     """The run's TrainConfig: the bench's settings and this run's, then the job's train tables
     (``config.train``), then ``config.extra_train_args`` (which win), then the link (bandwidth when
     shaped in-process, latency always)."""
-    import dataclasses
 
-    from lowband.train.args import train_overrides
-    from lowband.train.config import RunMethod, TrainConfig
-    from lowband.train.methods import canonical_names
 
     tables: dict[str, dict[str, Any]] = {
         "model": {"name": config.model, "shards": plan.shards},
@@ -74,7 +75,6 @@ def run_command(plan, config: BenchConfig, run_dir: Path, mode: str) -> list[str
     """``train --config RUN_DIR/config.toml --out RUN_DIR``: the run's complete configuration
     (:func:`train_config`) goes to its ranks in the file, which also re-runs the row. Another
     entry than lowband's own gets ``lowband train`` arguments (it may take flags of its own)."""
-    from lowband.train import jobfile
 
     if config.entry != DEFAULT_ENTRY:
         return train_args(plan, config, run_dir.resolve()) + shaping_args(plan, mode)

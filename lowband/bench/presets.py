@@ -18,7 +18,8 @@ from typing import Any
 
 from lowband.bench.defaults import DEFAULT_TRAIN
 from lowband.bench.job import BenchTable, check_tables, merge, run_tables, train_flags
-from lowband.train.args import train_overrides
+from lowband.train.args import parse_train_args, train_overrides
+from lowband.train.models import MODEL_SIZES
 from lowband.units import format_bandwidth, parse_bandwidth
 
 __all__ = [
@@ -149,8 +150,6 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (QUALITY_PRESET, FRONTIER_PRESE
 
 def sequence_lengths(model: str, train_args: Sequence[str]) -> str:
     """The tokens per example a run of ``model`` with these ``lowband train`` arguments uses, in words."""
-    from lowband.train.args import parse_train_args
-    from lowband.train.models import MODEL_SIZES
 
     data = parse_train_args(train_args, known_only=True).data
     causal = f"{data.max_len} tokens per text" if data.packing == "lines" else f"blocks of {data.max_len} packed tokens"

@@ -402,7 +402,7 @@ def modelled_step_s(run: Run, compute_s: Any, comm_s: float) -> Any:
 
     ``compute_s`` may be a number or a numpy array (a curve over compute times).
     """
-    import numpy as np
+    import numpy as np  # heavy: a command that does not train must not pay for it
 
     return np.maximum(compute_s, comm_s) if overlaps(run) else compute_s + comm_s
 

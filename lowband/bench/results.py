@@ -117,7 +117,7 @@ def _lowband_version() -> str:
 
 def host_info() -> dict[str, Any]:
     """Where the bench ran: host name, platform, Python, torch and lowband versions, CPU count."""
-    import torch
+    import torch  # heavy: a command that does not train must not pay for it
 
     return {
         "hostname": socket.gethostname(),

@@ -58,6 +58,8 @@ from lowband.cluster import (
     measure_throughput,
     netns_available,
 )
+from lowband.cluster.ftjob import FaultTolerantJob
+from lowband.train.summary import RunSummary
 from lowband.trust.secret import write_secret
 from lowband.units import format_bandwidth
 
@@ -286,8 +288,6 @@ def _run_ft(plan: RunPlan, config: BenchConfig, record: RunRecord, *, out_dir: P
     (node by node, as if they were the job's only nodes) plus a ``fault_tolerance`` entry: the plan,
     what was done when, each node's membership changes, dropped steps and heals.
     """
-    from lowband.cluster.ftjob import FaultTolerantJob
-    from lowband.train.summary import RunSummary
 
     run_dir = out_dir / "runs" / plan.id
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -487,7 +487,7 @@ def run_bench(
     write_results(out_dir, results)
     bar = None
     if progress:
-        from tqdm import tqdm
+        from tqdm import tqdm  # only when a progress bar is shown
 
         # Steps of every run, so the estimate of the time left covers the whole bench.
         bar = tqdm(total=len(plans) * config.steps, unit="step", desc="bench", dynamic_ncols=True)

@@ -47,13 +47,17 @@ import logging
 import math
 import re
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lowband.bench.config import BenchConfig
-from lowband.bench.methods import BenchMethod
-from lowband.bench.presets import PRESETS
+from lowband.bench.methods import BenchMethod, parse_method_spec
+from lowband.bench.presets import PRESETS, lrs_tuned_here
+from lowband.train.data.sources import default_corpus_path
+from lowband.train.tokenizer import cache_root
+from lowband.util import file_digest
 
 __all__ = [
     "GRID",
@@ -129,7 +133,6 @@ def _tuned_source(s: LrSearch) -> str:
 
 
 def _parse(text: str) -> BenchMethod:
-    from lowband.bench.methods import parse_method_spec
 
     return parse_method_spec(text)
 
@@ -141,12 +144,9 @@ def _spec_at(spec: BenchMethod, lr: float) -> BenchMethod:
 
 def _data_digest(data: str | None) -> str:
     if data is None:
-        from lowband.train.data.sources import default_corpus_path
-
         path = default_corpus_path()
     else:
         path = Path(data)
-    from lowband.util import file_digest
 
     return file_digest(path)
 
@@ -162,7 +162,6 @@ def _key(spec: BenchMethod, config: BenchConfig, digest: str) -> str:
 
 
 def _cache_dir() -> Path:
-    from lowband.train.tokenizer import cache_root
 
     return cache_root() / "tune"
 
@@ -247,7 +246,6 @@ def main_runs_line(config: BenchConfig, plans: Sequence[Any]) -> str:
 
 def preset_lr_warning(config: BenchConfig) -> str | None:
     """Before a preset runs on a model or data its lrs were not tuned on, without --tune: a line that says so."""
-    from lowband.bench.presets import lrs_tuned_here
 
     preset = PRESETS.get(config.preset or "")
     if preset is None or not preset.lrs_tuned_on or lrs_tuned_here(preset, config.as_dict()):
@@ -282,7 +280,6 @@ def _run_round(config: BenchConfig, spec: BenchMethod, lrs: Sequence[float], ste
 def run_searches(config: BenchConfig, searches: Sequence[LrSearch], out_dir: Path,
                  run: Callable[..., dict[str, Any]]) -> list[LrSearch]:  # fmt: skip
     """Run the searches not in the cache (``run(config, out_dir)``: the runner), cache them; returns them all."""
-    import time
 
     steps = _round_steps(config)
     done = []

@@ -24,6 +24,10 @@ import sys
 import time
 from pathlib import Path
 
+from lowband.cluster._procs import descendants, kill_trees
+from lowband.ft.node import require_torchft
+from lowband.trust.secret import ENV_SECRET, ENV_SECRET_FILE
+
 #: How long :meth:`FaultTolerantJob.run_plan` waits, once the job has ended, for an intruder still running.
 INTRUDER_GRACE_S = 60.0
 
@@ -56,7 +60,6 @@ class FaultTolerantJob:
                  min_nodes: int = 1, start_nodes: int | None = None,
                  net=None, node_dirs: Path | None = None, log_dir: Path | None = None,
                  secret_file: str | Path | None = None, lighthouse_args: list[str] | None = None) -> None:
-        from lowband.ft.node import require_torchft
 
         require_torchft()
         if net is not None and net.num_nodes != nodes:
@@ -83,7 +86,6 @@ class FaultTolerantJob:
                 "--min-nodes", str(min_nodes), *(lighthouse_args or [])]
         if net is not None:
             argv = net.exec_argv(0, argv)
-        from lowband.trust.secret import ENV_SECRET, ENV_SECRET_FILE
 
         env = {k: v for k, v in os.environ.items() if k not in (ENV_SECRET, ENV_SECRET_FILE)}
         env["RUST_LOG"] = os.environ.get("RUST_LOG", "error")
@@ -158,7 +160,6 @@ class FaultTolerantJob:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    RUST_LOG=os.environ.get("RUST_LOG", "error"))
         secret = self.secret_file if secret_file is None else secret_file
-        from lowband.trust.secret import ENV_SECRET, ENV_SECRET_FILE
 
         for name in (ENV_SECRET, ENV_SECRET_FILE):  # only what this job gives the node, never this shell's
             env.pop(name, None)
@@ -188,7 +189,6 @@ class FaultTolerantJob:
         torchrun starts each rank in a session of its own, so the agent's process group is not enough:
         every descendant is found first, then all are killed together. With ``"all"`` the call returns
         once the agent is reaped; otherwise the agent (or the orphans) may still be winding down."""
-        from lowband.cluster._procs import descendants
 
         if what not in ("all", "ranks", "rank", "agent"):
             raise ValueError(f"kill what={what!r}: one of all, ranks, rank, agent")
@@ -210,7 +210,6 @@ class FaultTolerantJob:
 
     def _ranks(self, node: int) -> list[int]:
         """PIDs of the node's ranks: the agent's descendants that run ``lowband.cli train``."""
-        from lowband.cluster._procs import descendants
 
         out = []
         for pid in descendants([self.procs[node].pid]):
@@ -226,7 +225,6 @@ class FaultTolerantJob:
     def freeze(self, node: int, seconds: float) -> None:
         """SIGSTOP every process of ``node`` for ``seconds``, then SIGCONT: a node that hangs, or whose
         link drops for a while, and then comes back with stale state."""
-        from lowband.cluster._procs import descendants
 
         p = self.procs[node]
         pids = [p.pid, *descendants([p.pid])]
@@ -335,7 +333,6 @@ class FaultTolerantJob:
 
     def close(self) -> None:
         """Kill whatever still runs and stop the Lighthouse."""
-        from lowband.cluster._procs import kill_trees
 
         kill_trees([p.pid for p in self.procs.values() if p.poll() is None]
                    + [pid for pids in self.orphans.values() for pid in pids], grace_s=2.0)

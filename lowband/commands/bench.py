@@ -14,9 +14,20 @@ import argparse
 import logging
 import sys
 
+from lowband.bench import jobfile, tune
 from lowband.bench.args import add_arguments, config_from_args
+from lowband.bench.data_passes import data_passes_note
 from lowband.bench.plan import plan_runs
+from lowband.bench.results import RESULTS_FILE, load_results
+from lowband.bench.runner import (
+    check_out_dir,
+    choose_emulation,
+    default_out_dir,
+    prepare_out_dir,
+    run_bench,
+)
 from lowband.cluster import signals_as_exit
+from lowband.report.render import console_summary, write_report
 
 __all__ = ["add_arguments", "config_from_args", "main"]
 
@@ -29,17 +40,6 @@ def main(args: argparse.Namespace) -> int:
     Returns 0 when every run succeeded, 1 when some failed, 2 on bad input (nothing was
     started), 130 when interrupted (what was done is written).
     """
-    from lowband.bench import jobfile
-    from lowband.bench.data_passes import data_passes_note
-    from lowband.bench.results import RESULTS_FILE, load_results
-    from lowband.bench.runner import (
-        check_out_dir,
-        choose_emulation,
-        default_out_dir,
-        prepare_out_dir,
-        run_bench,
-    )
-    from lowband.report.render import console_summary, write_report
 
     try:
         config = config_from_args(args)
@@ -51,7 +51,6 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if passes:
         print(f"lowband bench: warning: {passes}", file=sys.stderr, flush=True)
-    from lowband.bench import tune
 
     searches = tune.plan_searches(config) if config.tune else []
     plans = plan_runs(config)

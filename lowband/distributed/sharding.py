@@ -44,7 +44,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from lowband.distributed.tied_embedding import shard_tied_embedding
 from lowband.distributed.topology import Topology
 
 __all__ = ["PRECISIONS", "mixed_precision_policy", "set_gradient_sync", "shard_model"]
@@ -62,7 +65,6 @@ def mixed_precision_policy(precision: str):
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision == "fp32":
         return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -73,7 +75,6 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     Off for the first N − 1 micro-batches of an accumulation: their unsharded gradients are summed
     locally (in the reduce dtype) and reduce-scattered once, on the last micro-batch.
     """
-    from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
@@ -112,8 +113,6 @@ def shard_model(
     if activation_checkpointing:
         if not blocks:
             raise ValueError("activation checkpointing is per transformer block, but no blocks were given")
-        from torch.distributed._composable import checkpoint
-
         for block in blocks:
             checkpoint(block)
     one_rank = topology.shards == 1 or topology.world_size == 1
@@ -124,7 +123,6 @@ def shard_model(
         raise ValueError(f"{what} needs torch.distributed to be initialised (torchrun; a single process "
                          "can use a one-rank group: dist.init_process_group('gloo', store=dist.HashStore(), "
                          "rank=0, world_size=1))")
-    from torch.distributed.fsdp import fully_shard
 
     mesh = topology.mesh()["shard"]
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
@@ -134,8 +132,6 @@ def shard_model(
     can_ignore = "ignored_params" in inspect.signature(fully_shard).parameters
     tied = _tied_embeddings(model) if tied_embedding_memory and not one_rank and can_ignore else None
     if tied is not None:
-        from lowband.distributed.tied_embedding import shard_tied_embedding
-
         param = shard_tied_embedding(model, *tied, mesh, policy.param_dtype if policy is not None else None)
         if param is not None:
             kwargs["ignored_params"] = {param}
@@ -160,7 +156,6 @@ def _no_backward_prefetch(model: nn.Module) -> None:
     backward (about 11 MiB off t5-small's peak, 2 x 2). A unit listed as its own prefetch target turns the
     default prefetch off (its own unshard is then a no-op).
     """
-    from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 __all__ = ["Topology"]
 
@@ -137,7 +138,6 @@ class Topology:
         """The 2-D DeviceMesh ("replicate", "shard"), built once and cached."""
         if self._mesh is not None:
             return self._mesh
-        from torch.distributed.device_mesh import init_device_mesh
 
         self.check_launch()
         if device_type is None:

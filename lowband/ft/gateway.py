@@ -463,7 +463,7 @@ class LighthouseGateway:
 
     def __init__(self, *, bind: str, backend: str, secret: bytes, workers: int = 256,
                  breaker: StallBreaker | None = None, limiter: SourceLimiter | None = None) -> None:
-        import grpc
+        import grpc  # optional dependency (the ft extra)
 
         self._grpc = grpc
         self._secret = secret
@@ -606,7 +606,7 @@ class ManagerGate:
     process on the node's own host."""
 
     def __init__(self, *, bind: str, backend: str, own_hosts: set[str], workers: int = 16) -> None:
-        import grpc
+        import grpc  # optional dependency (the ft extra)
 
         self._grpc = grpc
         self._own = set(own_hosts)
@@ -666,7 +666,7 @@ def accuse_at_gate(lighthouse: str, rid: str, accused: str, why: str, *, timeout
     """Report to the gate at ``lighthouse`` that the member with replica id ``accused`` sent this member (replica id
     ``rid``) bad messages (``why``): None when the gate counted it, else why not (no gate: torchft's own
     Lighthouse, which cannot remove a member; or the report was refused)."""
-    import grpc
+    import grpc  # optional dependency (the ft extra)
 
     claim = claim_of(rid)
     if claim is None:
@@ -685,7 +685,7 @@ def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: 
     """Ask the gate at ``lighthouse`` (``http://HOST:PORT``) whether a member with replica id ``rid``, Manager
     ``address`` and ``store`` may pass: the gate's reason for refusing it, or None (it passes; or the Lighthouse
     has no gate, or cannot be reached yet: torchft's Manager then finds out by itself)."""
-    import grpc
+    import grpc  # optional dependency (the ft extra)
 
     target = lighthouse.split("://", 1)[-1].rstrip("/")
     with grpc.insecure_channel(target) as channel:

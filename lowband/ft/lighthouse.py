@@ -7,6 +7,8 @@ the job's address in front of it: only the job's members reach it (docs/internet
 
 from __future__ import annotations
 
+from lowband.ft.gateway import LighthouseGateway, StallBreaker
+
 __all__ = ["GatedLighthouse", "start_lighthouse"]
 
 
@@ -31,10 +33,11 @@ def start_lighthouse(*, bind: str = "127.0.0.1:0", min_nodes: int = 1, join_time
             job, and how long it keeps out one that most members reported for bad messages
             (:class:`~lowband.ft.gateway.StallBreaker`).
     """
+    # Here: ft.node imports torch, which the Lighthouse's host need not pay for.
     from lowband.ft.node import require_torchft
 
     require_torchft()
-    from torchft._torchft import LighthouseServer
+    from torchft._torchft import LighthouseServer  # optional dependency (the ft extra)
 
     def lighthouse(at: str):
         return LighthouseServer(bind=at, min_replicas=min_nodes, join_timeout_ms=int(join_timeout_s * 1000),
@@ -43,7 +46,6 @@ def start_lighthouse(*, bind: str = "127.0.0.1:0", min_nodes: int = 1, join_time
 
     if secret is None:
         return lighthouse(bind)
-    from lowband.ft.gateway import StallBreaker
 
     breaker = StallBreaker(stall_rounds=stall_rounds, probation_s=probation_s, bench_s=bench_s)
     return GatedLighthouse(lighthouse("127.0.0.1:0"), bind=bind, secret=secret, breaker=breaker)
@@ -55,7 +57,6 @@ class GatedLighthouse:
     (its status page and kill route: this host only)."""
 
     def __init__(self, server, *, bind: str, secret: bytes, breaker=None) -> None:
-        from lowband.ft.gateway import LighthouseGateway
 
         self._server = server
         self._backend = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"

@@ -36,11 +36,13 @@ import ipaddress
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import torch
@@ -48,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from lowband.ft.gateway import GatedManager, accuse_at_gate, ask_gate
 from lowband.ft.quorum import ForeignJob, NodeSlotTaken, QuorumRecorder, gate_refusal  # noqa: F401  (callers' names)
-from lowband.ft.transport import TransferError
+from lowband.ft.transport import StateTransport, TransferError
 from lowband.trust.admission import (  # noqa: F401  (admit, member_of, replica_id: the names tests and callers use)
     AdmissionRefused,
     admit,
@@ -60,6 +62,7 @@ from lowband.trust.admission import (  # noqa: F401  (admit, member_of, replica_
     screen,
     split_bind,
 )
+from lowband.trust.secret import load_secret
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +84,7 @@ def require_torchft():
             "fault tolerance (--ft-lighthouse, --faults, lowband lighthouse) needs torchft: "
             "pip install 'lowband[ft]' (or pip install torchft==0.2.0)"
         ) from e
-    import torchft
+    import torchft  # optional dependency (the ft extra)
 
     return torchft
 
@@ -245,8 +248,6 @@ def state_transport(cfg: FaultToleranceConfig, *, advertise: str, timeout: timed
     against this rank's own state (``state_dict``), as torchft wraps it, and with ``checks`` (``check``,
     ``refuse_source``, ``on_poisoned``: see StateTransport). ``secret``: the job's secret (default:
     :func:`lowband.trust.secret.load_secret` from the environment)."""
-    from lowband.ft.transport import StateTransport
-    from lowband.trust.secret import load_secret
 
     if secret is None:
         secret = getattr(cfg, "secret", None) or load_secret()
@@ -273,8 +274,8 @@ class FaultTolerance:
                  store_addr: str | None = None, store_port: int | None = None,
                  check_state: Callable[[dict, dict], None] | None = None) -> None:
         require_torchft()
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
+        from torchft.manager import Manager  # optional dependency (the ft extra)
+        from torchft.process_group import ProcessGroupGloo  # optional dependency (the ft extra)
 
         self.cfg = cfg
         self.rank = rank
@@ -575,11 +576,9 @@ class FaultTolerance:
 def _listening_on(host: str):
     """While torchft's Manager is built: its gRPC server and its HTTP state server bind ``host`` (torchft
     0.2 binds both on every interface, ``[::]``), so that only the job's network reaches them."""
-    import socket
-    from http.server import ThreadingHTTPServer
 
-    import torchft.checkpointing.http_transport as http_transport
-    import torchft.manager as manager
+    import torchft.checkpointing.http_transport as http_transport  # optional dependency (the ft extra)
+    import torchft.manager as manager  # optional dependency (the ft extra)
 
     ipv6 = ":" in host
     family = socket.AF_INET6 if ipv6 else socket.AF_INET
@@ -615,7 +614,6 @@ def watch_agent(poll_s: float = 1.0) -> None:
     """
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    import threading
 
     parent = os.getppid()
 

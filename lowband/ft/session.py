@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from lowband.ft.node import FaultTolerance, FaultToleranceConfig, data_slot, load_local_state, local_state
 from lowband.ft.state import check_peer_state, load_optimizer_local_state, local_tensor, optimizer_local_state
@@ -329,7 +330,6 @@ class FaultTolerantSession:
 
 def _reshard(model: torch.nn.Module) -> None:
     """Put every FSDP2 unit in its sharded state (after a forward pass the root may hold full parameters)."""
-    from torch.distributed.fsdp import FSDPModule
 
     for m in model.modules():
         if isinstance(m, FSDPModule):

@@ -11,22 +11,23 @@ import math
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lowband.distributed.topology import Topology
+from lowband.ft.node import load_local_state, local_state
+from lowband.optim._common import replica_state_like, state_view
 
 __all__ = ["check_peer_state", "load_optimizer_local_state", "local_tensor", "optimizer_local_state"]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard; any other tensor as it is."""
-    from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def optimizer_local_state(opt) -> dict:
     """``opt``'s state and parameter groups as this rank holds them (local tensors), for a joining peer."""
-    from lowband.ft.node import local_state
 
     params = [p for g in opt.param_groups for p in g["params"]]
     return {"state": {i: local_state(dict(opt.state[p])) for i, p in enumerate(params) if opt.state.get(p)},
@@ -35,10 +36,7 @@ def optimizer_local_state(opt) -> dict:
 
 def load_optimizer_local_state(opt, peer: dict, topology: Topology) -> None:
     """Load a peer's optimizer state (local tensors) into ``opt``, creating state this replica has not made yet."""
-    from torch.distributed.tensor import DTensor
 
-    from lowband.ft.node import load_local_state
-    from lowband.optim._common import replica_state_like, state_view
 
     params = [p for g in opt.param_groups for p in g["params"]]
     if len(peer["groups"]) != len(opt.param_groups):

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 from lowband.bench.quality import variants
 from lowband.bench.record import RunRecord
 from lowband.report.tables import markdown_table
+from lowband.units import format_bandwidth
 
 __all__ = ["ft_section", "fault_plot", "FAULT_PLOT_FILE"]
 
@@ -136,7 +138,6 @@ def cost_rows(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     headers = ["variant", "seed", "link", "s/step off", "s/step on", "on/off", "MB/step/node off", "MB/step/node on",
                "on/off"]
     rows = []
-    from lowband.units import format_bandwidth
 
     for r in runs:
         if not _is_ft(r) or _ft(r).get("faults") or not r.label.endswith(" FT"):
@@ -241,7 +242,7 @@ def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
     faulted = [r for r in runs if _ft(r).get("faults") and r.status == "ok"]
     if not faulted:
         return None
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy: only the plots need it
 
     n = min(len(faulted), 6)
     vs = {(v.label, v.bandwidth_bps): v for v in variants(runs)}
@@ -284,7 +285,6 @@ def fault_plot(results: Mapping[str, Any], path: Path) -> Path | None:
         axn.set_ylim(0, int(r.nodes or 3) + 0.5)
         axn.set_ylabel("live nodes")
         axn.set_xlabel("step")
-    import textwrap
 
     fig.suptitle(textwrap.fill("Faults: validation loss beside the fault-free twin (kills red, starts green, "
                                "intruders brown, poison purple); the difference to the twin at each validation "

@@ -52,6 +52,7 @@ from lowband.bench.quality import (
     variants,
 )
 from lowband.bench.record import RunRecord
+from lowband.report.faults import FAULT_PLOT_FILE, fault_plot
 from lowband.train.methods import display_name
 from lowband.units import format_bandwidth
 
@@ -69,7 +70,7 @@ _ZOOM_FROM = 0.2
 
 
 def _colours(labels: Sequence[str]) -> dict[str, Any]:
-    import matplotlib
+    import matplotlib  # heavy: only the plots need it
 
     names = list(dict.fromkeys(labels))
     cmap = matplotlib.colormaps["tab10" if len(names) <= 10 else "tab20"]
@@ -86,7 +87,7 @@ def _legend(ax: Any, entries: int, *, outside: bool = False) -> None:
 
 def _figure(entries: int = 0, *, wide: bool = False) -> tuple[Any, Any]:
     """A figure on the Agg canvas, outside pyplot: no global backend switch, nothing to close."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy: only the plots need it
 
     fig = Figure(figsize=(9.5 if wide or entries > 8 else 7.5, 4.8))
     return fig, fig.add_subplot()
@@ -200,7 +201,7 @@ def _loss_plot(
 
 def _modelled_canvas(vs: Sequence[Variant]) -> tuple[dict[str, Any], Any, Any, Any]:
     """Colours by method group, the figure, its axes and the compute times (s/step) the curves are drawn at."""
-    import numpy as np
+    import numpy as np  # heavy: a command that does not train must not pay for it
 
     fig, ax = _figure(len(vs))
     return _colours([v.group for v in vs]), fig, ax, np.logspace(-3, 1, 60)
@@ -260,7 +261,7 @@ def _modelled_plot(vs: Sequence[Variant], target: float | None, path: Path) -> N
 
 
 def _equal_loss_plot(vs: Sequence[Variant], runs: Sequence[RunRecord], path: Path) -> None:
-    import numpy as np
+    import numpy as np  # heavy: a command that does not train must not pay for it
 
     refs = reference_runs(runs)
     colours, fig, ax, compute = _modelled_canvas(vs)
@@ -421,7 +422,6 @@ def write_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
     _modelled_plot(vs, target, paths[2])
     _equal_loss_plot(vs, runs, paths[3])
     _step_time_plot(runs, paths[4])
-    from lowband.report.faults import FAULT_PLOT_FILE, fault_plot
 
     if has_frontier(runs):
         _frontier_plot(runs, out_dir / FRONTIER_PLOT_FILE)

@@ -22,10 +22,10 @@ def write_tune_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
     searches = results.get("tuning") or []
     if not searches:
         return []
-    import matplotlib
+    import matplotlib  # heavy: only the plots need it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: only the plots need it
 
     paths = []
     for i, s in enumerate(searches):

@@ -26,10 +26,12 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lowband.cluster import EmulatedNetwork, launch_nodes, measure_throughput, netns_available
 from lowband.simulate.model import SyncModel, closed_form
 
 __all__ = ["MeasureSpec", "choose_mode", "compare", "goodput_bps", "measure", "summarize"]
@@ -92,7 +94,6 @@ class MeasureSpec:
 
 def choose_mode() -> tuple[str, str]:
     """("netns", "") where emulated nodes can be built, else ("shaped", why not)."""
-    from lowband.cluster import netns_available
 
     ok, reason = netns_available(NAMESPACE_PREFIX)
     return ("netns", "") if ok else ("shaped", reason)
@@ -103,9 +104,7 @@ def _repo_root() -> Path:
 
 
 def _measure_one(num_nodes: int, spec: MeasureSpec, *, mode: str, work_dir: Path) -> dict[str, Any]:
-    from contextlib import nullcontext
 
-    from lowband.cluster import EmulatedNetwork, launch_nodes, measure_throughput
 
     out_json = work_dir / f"worker-N{num_nodes}.json"
     out_json.unlink(missing_ok=True)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lowband.simulate.model import SyncModel, SyncTimes, default_replica_counts, sweep
+from lowband.simulate.model import SyncModel, SyncTimes, closed_form, default_replica_counts, sweep
 
 __all__ = ["format_comparison", "format_model_table", "format_seconds", "sensitivity", "write_plot"]
 
@@ -82,8 +82,8 @@ def write_plot(
         measured: per N, a dict with "num_nodes", "ratio_link", "ratio_receive_first".
         measured_model: the σ = 0 model at the measurement's link, drawn as a line on the right.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy: only the plots need it
+    from matplotlib.figure import Figure  # heavy: only the plots need it
 
     panels = 2 if measured else 1
     fig = Figure(figsize=(7.5 * panels, 5.2))
@@ -122,8 +122,6 @@ def write_plot(
         bx = fig.add_subplot(1, 2, 2)
         top = max(16, max(m["num_nodes"] for m in measured) * 2)
         if measured_model is not None:
-            from lowband.simulate.model import closed_form
-
             mn = default_replica_counts(top)
             bx.plot(mn, [closed_form(n, measured_model).ring_ratio for n in mn], "-", color="C1",
                     label="MODELLED ring / exchange (σ = 0)")  # fmt: skip
@@ -148,7 +146,7 @@ def write_plot(
 
 def _plain_ticks(ax: Any, ns: Sequence[int], *, log_y: bool = True) -> None:
     """Replica counts and ratios as plain numbers (2, 4, ..., 1024; 0.5, 1, 2, 5, 10) on log axes."""
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter  # heavy: only the plots need it
 
     powers = [n for n in ns if n & (n - 1) == 0]
     ax.xaxis.set_major_locator(FixedLocator(powers))

@@ -53,8 +53,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lowband.simulate import measure as ms
 from lowband.simulate.measure import MeasureSpec
 from lowband.simulate.model import SyncModel, closed_form, sweep
+from lowband.simulate.report import (
+    format_comparison,
+    format_model_table,
+    format_seconds,
+    sensitivity,
+    write_plot,
+)
 from lowband.units import (
     format_bytes,
     format_count,
@@ -82,7 +90,6 @@ class SimulateConfig:
 
 
 def _model_section(cfg: SimulateConfig) -> tuple[str, dict[str, Any], list, list]:
-    from lowband.simulate.report import format_model_table, format_seconds, sensitivity
 
     m = cfg.model
     rows = sweep(cfg.replica_counts, m)
@@ -131,8 +138,6 @@ def _model_section(cfg: SimulateConfig) -> tuple[str, dict[str, Any], list, list
 
 
 def _measure_section(cfg: SimulateConfig) -> tuple[str, dict[str, Any], list[dict[str, Any]], SyncModel | None, str]:
-    from lowband.simulate import measure as ms
-    from lowband.simulate.report import format_comparison
 
     spec = cfg.measure
     assert spec is not None
@@ -210,7 +215,6 @@ def _measure_section(cfg: SimulateConfig) -> tuple[str, dict[str, Any], list[dic
 
 def run(cfg: SimulateConfig, *, command: list[str] | None = None) -> dict[str, Any]:
     """Model, optionally measure, print, and write simulate.json and simulate.png; return the JSON."""
-    from lowband.simulate.report import write_plot
 
     t0 = time.perf_counter()
     text, model_data, rows, deterministic = _model_section(cfg)

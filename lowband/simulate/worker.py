@@ -38,6 +38,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from lowband.comm.link import Link
+from lowband.distributed.topology import Topology
+from lowband.optim.outer.groups import noloco_groups
 from lowband.util import atomic_path
 
 __all__ = ["main", "measure"]
@@ -50,12 +53,9 @@ ELEMENT_BYTES = 4  # float32
 def measure(*, size_bytes: int, reps: int, group_size: int, seed: int, probes: int,
             bandwidth_bps: float | None = None, latency_s: float = 0.0) -> dict[str, Any]:
     """Time the operations on this rank (process group already initialised); return its record."""
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: a command that does not train must not pay for it
+    import torch.distributed as dist  # heavy: a command that does not train must not pay for it
 
-    from lowband.comm.link import Link
-    from lowband.distributed.topology import Topology
-    from lowband.optim.outer.groups import noloco_groups
 
     world, rank = dist.get_world_size(), dist.get_rank()
     topo = Topology(num_nodes=world, ranks_per_node=1)
@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 1 or args.probes < 1:
         raise ValueError(f"--reps and --probes must be >= 1, got {args.reps} and {args.probes}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank" + os.environ.get("RANK", "?") + " %(message)s")
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: a command that does not train must not pay for it
+    import torch.distributed as dist  # heavy: a command that does not train must not pay for it
 
     torch.set_num_threads(1)
     imported_at = time.time()

@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import shutil
 import signal
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
+
+from lowband.comm.link import Link
+from lowband.distributed.sharding import shard_model
+from lowband.distributed.topology import Topology
+from lowband.train.methods import build_optimizer, method_shards
+from lowband.train.models import build_model, compute_loss, transformer_blocks
+from lowband.train.tokenizer import EOS_ID
 
 __all__ = [
     "LoopbackLink", "default_sigint", "free_port", "full_params", "reverse_task_batch", "run_ranks", "tiny_batch", "tiny_loss", "tiny_model",
@@ -46,8 +56,8 @@ def _worker(rank: int, world: int, local_world: int, store_path: str, fn, args, 
         GROUP_RANK=str(rank // local_world),
     )
     os.environ.update(extra_env)
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: a command that does not train must not pay for it
+    import torch.distributed as dist  # heavy: a command that does not train must not pay for it
 
     torch.set_num_threads(1)
     try:
@@ -95,8 +105,6 @@ def run_ranks(
     for p in procs:
         p.start()
     results: dict[int, tuple[str, Any]] = {}
-    import queue as queue_mod
-    import time
 
     deadline = time.monotonic() + timeout_s
     try:
@@ -147,7 +155,6 @@ class LoopbackLink:
     participating = True
 
     def __init__(self) -> None:
-        from types import SimpleNamespace
 
         self.topology = SimpleNamespace(shards=1, world_size=2, replicas=2)
         self.messages: list = []
@@ -156,7 +163,7 @@ class LoopbackLink:
         return True
 
     def all_gather(self, tensor, *, async_op=False):
-        import torch
+        import torch  # heavy: a command that does not train must not pay for it
 
         assert not async_op
         self.messages.append(tensor.clone())
@@ -166,8 +173,8 @@ class LoopbackLink:
 def tiny_model(seed: int = 0):
     """Linear+tanh blocks of odd sizes (13 → 37 → 29 → 3): FSDP2 shards are uneven and not
     multiples of any chunk size. ``model[0]`` and ``model[1]`` are the blocks to shard."""
-    import torch
-    from torch import nn
+    import torch  # heavy: a command that does not train must not pay for it
+    from torch import nn  # heavy: a command that does not train must not pay for it
 
     class Block(nn.Module):
         def __init__(self, d_in: int, d_out: int) -> None:
@@ -183,7 +190,6 @@ def tiny_model(seed: int = 0):
 
 def tiny_sharded(topology, seed: int = 0):
     """:func:`tiny_model` sharded with FSDP2 over the node's ranks (its two blocks, then the root)."""
-    from lowband.distributed.sharding import shard_model
 
     model = tiny_model(seed)
     return shard_model(model, topology, blocks=[model[0], model[1]])
@@ -191,7 +197,7 @@ def tiny_sharded(topology, seed: int = 0):
 
 def tiny_batch(rank: int, step: int):
     """Rank ``rank``'s (inputs, targets) at ``step`` for :func:`tiny_model`: a pure function."""
-    import torch
+    import torch  # heavy: a command that does not train must not pay for it
 
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(8, 13, generator=g), torch.randn(8, 3, generator=g)
@@ -238,9 +244,8 @@ def reverse_task_batch(*, rank: int, step: int, world_size: int, batch_size: int
     at EOS (the symbols are independent and uniform): ``length / (length + 1) * ln 16`` per target
     token. A loss far below that means the model reads its input.
     """
-    import torch
+    import torch  # heavy: a command that does not train must not pay for it
 
-    from lowband.train.tokenizer import EOS_ID
 
     g = torch.Generator().manual_seed((seed * 1_000_003 + step) * world_size + rank)
     src = torch.randint(_FIRST_SYMBOL, REVERSE_VOCAB, (batch_size, length), generator=g)
@@ -260,14 +265,9 @@ def train_reverse_task(rank: int, *, method: str, hp: dict, steps: int, batch_si
     Call it on every rank of a running process group (e.g. from :func:`run_ranks`); several calls
     in one launch are independent (each builds its own topology and groups).
     """
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: a command that does not train must not pay for it
+    import torch.distributed as dist  # heavy: a command that does not train must not pay for it
 
-    from lowband.comm.link import Link
-    from lowband.distributed.sharding import shard_model
-    from lowband.distributed.topology import Topology
-    from lowband.train.methods import build_optimizer, method_shards
-    from lowband.train.models import build_model, compute_loss, transformer_blocks
 
     topology = Topology.from_env(shards=method_shards(method, Topology.from_env().ranks_per_node, None))
     world = topology.world_size

@@ -30,16 +30,24 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowband.distributed.sharding import PRECISIONS
+from lowband.ft.node import FaultToleranceConfig, fingerprint, require_torchft
 from lowband.train.data.config import DataConfig
+from lowband.train.export import check_out
 from lowband.train.fields import job_fields, option
 from lowband.train.methods import METHODS, MethodConfig, method_config
+from lowband.train.models import resolve_model
+from lowband.train.trackers import check_trackers
+from lowband.trust.secret import load_secret
 from lowband.units import parse_bandwidth, parse_duration, split_list
+from lowband.util import file_digest
 
 __all__ = ["CheckpointConfig", "DataConfig", "FaultToleranceJob", "LinkConfig", "ModelConfig", "RunConfig",
            "RunMethod", "ScheduleConfig", "TrainConfig", "sections"]
@@ -254,13 +262,9 @@ class TrainConfig:
         of each file, not its path), how it is cut and tokenised (columns, split, lengths, packing, the
         tokenizer by content or the trained one's kind and size), the schedule, the seed and the job's
         layout. Two nodes with the same files under other paths agree; another job's node does not."""
-        from lowband.ft.node import fingerprint
-        from lowband.util import file_digest
 
         s, d, ft = self.schedule, self.data, self.fault_tolerance
         if ranks_per_node is None:
-            import os
-
             ranks_per_node = int(os.environ.get("WORLD_SIZE", "1"))
 
         def content(path):  # a missing file is named by validate(), after this
@@ -280,8 +284,6 @@ class TrainConfig:
         ft = self.fault_tolerance
         if ft.lighthouse is None:
             return None
-        from lowband.ft.node import FaultToleranceConfig
-        from lowband.trust.secret import load_secret
 
         spec = METHODS[self.method.name]
         return FaultToleranceConfig(
@@ -307,10 +309,8 @@ class TrainConfig:
                             (s.warmup_steps, "--warmup-steps"), (r.log_every, "--log-every")):
             if value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
-        from lowband.train.trackers import check_trackers
 
         check_trackers(r.trackers())  # a tracker not installed is named now, not after the model is built
-        from lowband.distributed.sharding import PRECISIONS
 
         if self.model.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.model.precision!r}")
@@ -328,16 +328,12 @@ class TrainConfig:
         if not 0.0 <= s.min_lr_ratio <= 1.0:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {s.min_lr_ratio}")
         if self.fault_tolerance.lighthouse is not None:
-            from lowband.ft.node import require_torchft
-
             if self.fault_tolerance.quorum not in ("async", "sync"):
                 raise ValueError(f"--ft-quorum must be 'async' or 'sync', got {self.fault_tolerance.quorum!r}")
             self.ft_config()
             method.check_fault_tolerance()
             require_torchft()
         if r.export_hf is not None:
-            from lowband.train.export import check_out
-
             check_out(r.export_hf, force=False, keep=(Path(r.out),))  # refused now, not after the run
         for flag, path in (("--data", self.data.path), ("--val-data", self.data.val_path),
                            ("--tokenizer", self.data.tokenizer)):
@@ -345,7 +341,6 @@ class TrainConfig:
                 raise FileNotFoundError(f"{flag} {path!r} does not exist; pass a local file (data: .jsonl, .csv, "
                                         ".tsv, .txt; tokenizer: tokenizer.json or its directory), or leave "
                                         f"{flag} out for the default")
-        from lowband.train.models import resolve_model
 
         resolve_model(self.model.name)  # a named size, a local directory, or a hub id in the local cache
 

@@ -317,7 +317,7 @@ def _read_rows(reader, batch: dict[str, tuple[torch.Tensor, torch.Tensor]], repl
 
 def _save_generation_config(model: torch.nn.Module, directory: Path, *, pad: int, eos: int, seq2seq: bool) -> None:
     """``generation_config.json`` with the tokenizer's ids: what ``generate`` pads with and stops at."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # heavy: only when a model is built
 
     gen = GenerationConfig(pad_token_id=pad, eos_token_id=eos)
     if seq2seq:

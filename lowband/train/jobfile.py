@@ -32,10 +32,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 import tomllib
 
 from lowband.train.config import sections
 from lowband.train.fields import field_types, job_fields, option
+from lowband.train.methods import canonical_names, hp_fields, method_config, parse_hp_value
 
 # job_fields, option (lowband.train.fields) and sections (lowband.train.config) are re-exported: the job
 # file's tables are those of TrainConfig, and its keys the fields declared with option.
@@ -97,8 +99,6 @@ def loads(text: str, *, where: str = "") -> dict[str, dict[str, Any]]:
     method = out.get("method", {})
     hp = {k: v for k, v in method.items() if k != "name"}
     if hp:
-        from lowband.train.methods import canonical_names, method_config, parse_hp_value
-
         name = method.get("name")
         if name is None:
             raise ValueError(f"{where}[method] gives hyper-parameters ({', '.join(hp)}) but no name = \"...\"")
@@ -124,9 +124,6 @@ def load(path: str | Path) -> dict[str, dict[str, Any]]:
 def dumps(cfg) -> str:
     """``cfg`` (a TrainConfig) as a job file: every key but ``out``, ``resume`` and ``export_hf`` that is not None, and
     every hyper-parameter of the method, defaults included."""
-    import tomli_w
-
-    from lowband.train.methods import hp_fields
 
     doc = cfg.tables()
     fields = hp_fields(cfg.method.name)

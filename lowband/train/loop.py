@@ -46,20 +46,37 @@ import torch
 import torch.distributed as dist
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from lowband.checkpoint.dcp import latest_checkpoint, load_checkpoint, save_checkpoint, topology_record
 from lowband.comm.link import Link
 from lowband.comm.traffic import OpTally, merge_tallies
+from lowband.distributed.sharding import shard_model
 from lowband.distributed.topology import Topology
 from lowband.ft.session import membership_for
+from lowband.train import jobfile
 from lowband.train.budget import StopFile, TimeBudget
 from lowband.train.config import ScheduleConfig, TrainConfig
+from lowband.train.data import (
+    epoch_of,
+    load_data,
+    passes_note,
+    real_tokens,
+    steps_per_epoch,
+    train_batch,
+    val_batches,
+)
+from lowband.train.export import export_checkpoint
 from lowband.train.memory import PhaseMemory
 from lowband.train.methods import METHODS, method_shards
 from lowband.train.metrics import MetricsFile
-from lowband.train.models import resolve_model
+from lowband.train.models import build_model, compute_loss, resolve_model, transformer_blocks
 from lowband.train.pretrained import data_config_for
 from lowband.train.progress import ProgressLog, show_progress_bar
 from lowband.train.schedule import warmup_cosine_factor
+from lowband.train.step import split_batch, train_step
 from lowband.train.summary import RunSummary
+from lowband.train.tokenizer import save_for_transformers
+from lowband.train.trackers import open_trackers
+from lowband.trust.secret import load_secret
 
 __all__ = ["Trainer", "run_training", "WARMUP_STEPS_EXCLUDED"]
 
@@ -96,8 +113,6 @@ def lr_lambda(s: ScheduleConfig):
 @torch.no_grad()
 def evaluate(model, data, *, batch_size: int, max_batches: int, device) -> float:
     """Token-weighted mean validation loss of this rank's model copy (all shard ranks call it)."""
-    from lowband.train.data import val_batches
-    from lowband.train.models import compute_loss
 
     was_training = model.training
     model.eval()
@@ -214,9 +229,6 @@ class Trainer:
         self.t_start = time.perf_counter()
 
     def _build_model(self) -> None:
-        from lowband.distributed.sharding import shard_model
-        from lowband.train.data import load_data
-        from lowband.train.models import build_model, transformer_blocks
 
         cfg = self.cfg
         # The split is the data's own (not the run's seed); a model built here takes the tokenizer's special ids.
@@ -247,7 +259,6 @@ class Trainer:
     def _resume(self) -> None:
         cfg, out, model, optimizer, scheduler, link = (self.cfg, self.out, self.model, self.optimizer,
                                                        self.scheduler, self.link)
-        from lowband.checkpoint.dcp import latest_checkpoint, load_checkpoint
 
         resume = cfg.checkpoint.resume
         path = latest_checkpoint(out / "checkpoints") if resume in ("auto", "if-any") else Path(resume)
@@ -270,7 +281,6 @@ class Trainer:
         self.clock = {"train_time_s": float(resumed.get("train_time_s", 0.0)), "tokens": int(resumed.get("tokens", 0))}
 
     def _open_outputs(self) -> None:
-        from lowband.train.data import passes_note, steps_per_epoch
 
         cfg = self.cfg
         self.step_batch = cfg.schedule.batch_size * cfg.schedule.grad_accum  # examples per rank per optimizer step
@@ -279,9 +289,6 @@ class Trainer:
         append = self.membership.appends_metrics(self)
         trackers = []
         if self.rank == 0:  # the complete job: `lowband train --config OUT/config.toml` runs it again
-            from lowband.train import jobfile
-            from lowband.train.tokenizer import save_for_transformers
-
             self.out.mkdir(parents=True, exist_ok=True)
             job = jobfile.dumps(cfg)
             (self.out / "config.toml").write_text(job)
@@ -297,7 +304,7 @@ class Trainer:
             log.warning("%s", note)
         self.bar = None
         if show_progress_bar(enabled=cfg.run.progress, rank=self.rank):  # a terminal: not a cluster's log file
-            from tqdm import tqdm
+            from tqdm import tqdm  # only on a terminal
 
             self.bar = tqdm(total=cfg.schedule.steps, initial=self.start_step, desc=cfg.method.name, file=sys.stderr,
                             dynamic_ncols=True, mininterval=1.0)
@@ -311,7 +318,6 @@ class Trainer:
 
     def _open_trackers(self, job: dict) -> list:
         """Rank 0's ``--report-to`` trackers; ``job``: the tables of the config.toml just written."""
-        from lowband.train.trackers import open_trackers
 
         cfg = self.cfg
         name = cfg.run.run_name or self.out.resolve().name
@@ -324,8 +330,6 @@ class Trainer:
     # ------------------------------------------------------------------ phases
     def train_step(self, step: int) -> float:
         """Optimizer step ``step`` (0-based) on this rank; record it; return its training loss."""
-        from lowband.train.data import epoch_of, real_tokens, train_batch
-        from lowband.train.step import split_batch, train_step
 
         cfg, kind, t = self.cfg, self.spec.kind, self.tally
         t_batch = time.perf_counter()
@@ -386,7 +390,6 @@ class Trainer:
 
     def evaluate(self, step: int) -> float:
         """Validation loss after ``step`` steps, recorded in the history and ``metrics.jsonl``."""
-        from lowband.train.data import epoch_of
 
         cfg = self.cfg
         v = evaluate(self.model, self.data, batch_size=cfg.schedule.batch_size, max_batches=cfg.run.val_batches,
@@ -403,7 +406,6 @@ class Trainer:
 
     def checkpoint(self, step: int) -> None:
         """A DCP checkpoint after ``step`` steps (model, optimizer, schedule, training clock)."""
-        from lowband.checkpoint.dcp import save_checkpoint, topology_record
 
         cfg, topo = self.cfg, self.topology
         save_checkpoint(self.out / "checkpoints" / f"step_{step:06d}", model=self.model, optimizer=self.optimizer,
@@ -416,7 +418,6 @@ class Trainer:
     def _secret(self) -> bytes | None:
         """The job's secret (--secret-file, else the environment: :func:`lowband.trust.secret.load_secret`), which signs
         its checkpoints."""
-        from lowband.trust.secret import load_secret
 
         if self.membership.secret is not None:
             return self.membership.secret
@@ -489,7 +490,6 @@ class Trainer:
         Read back from the checkpoint, in this process without a process group, rather than gathered from
         the live shards: the same code as ``lowband export``, so both give the same files.
         """
-        from lowband.train.export import export_checkpoint
 
         path = self.out / "checkpoints" / f"step_{self.steps_done:06d}"  # written at the end of run()
         export_checkpoint(path, directory, tokenizer=self.out / "tokenizer", secret=self._secret())
@@ -540,7 +540,6 @@ def run_training(cfg: TrainConfig) -> RunSummary:
 
 def _log_topology_change(extra: dict, topology: Topology, *, cfg: TrainConfig) -> None:
     """Say what a resume on another topology changes: the replicas' state, the data position."""
-    from lowband.checkpoint.dcp import topology_record
 
     old, new = extra.get("topology"), topology_record(topology)
     if old is None or (old["replicas"], old["shards"]) == (new["replicas"], new["shards"]):

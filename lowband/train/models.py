@@ -228,8 +228,11 @@ def _hub_snapshot(name: str) -> Path | None:
     Raises:
         FileNotFoundError: a hub id with no snapshot in the cache, or one cached without weights.
     """
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub import constants, snapshot_download  # heavy: only when a hub id is resolved
+    from huggingface_hub.errors import (  # heavy: only when a hub id is resolved
+        HFValidationError,
+        LocalEntryNotFoundError,
+    )
 
     try:
         snapshot = Path(snapshot_download(name, local_files_only=True))
@@ -282,18 +285,18 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> ModelSource:
 def _config_for(size: ModelSize, vocab_size: int, special: SpecialIds) -> Any:
     bos = special.bos if special.bos is not None else special.eos
     if size.family == "t5":
-        from transformers import T5Config
+        from transformers import T5Config  # heavy: imported when a model is built
 
         # T5's decoder starts from its pad id.
         return T5Config(vocab_size=vocab_size, decoder_start_token_id=special.pad, pad_token_id=special.pad,
                         eos_token_id=special.eos, **size.config)
     if size.family == "gpt2":
-        from transformers import GPT2Config
+        from transformers import GPT2Config  # heavy: imported when a model is built
 
         return GPT2Config(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=special.eos,
                           pad_token_id=special.pad, **size.config)
     if size.family == "llama":
-        from transformers import LlamaConfig
+        from transformers import LlamaConfig  # heavy: imported when a model is built
 
         # Llama's embedding freezes its pad row (padding_idx): a tokenizer that pads with its eos has no pad
         # row, and the eos must train.
@@ -308,7 +311,7 @@ def _kind_of(config: Any) -> str:
 
 
 def _model_class(kind: str) -> Any:
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM  # heavy: only when a model is built
 
     return AutoModelForSeq2SeqLM if kind == "seq2seq" else AutoModelForCausalLM
 
@@ -336,7 +339,7 @@ def read_config(source: ModelSource) -> Any:
     Raises:
         ValueError: transformers cannot read it (the message keeps the cause).
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy: only when a model is built
 
     assert source.path is not None, "a named size has no directory"
     try:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from lowband.distributed.sharding import set_gradient_sync
+from lowband.train.models import compute_loss
 
 __all__ = ["split_batch", "loss_tokens", "train_step"]
 
@@ -86,7 +87,7 @@ def train_step(model, optimizer, micro: list[Mapping[str, torch.Tensor]], *, kin
         The mean loss over all loss tokens of the batch (a float).
     """
     if loss_fn is None:
-        from lowband.train.models import compute_loss as loss_fn
+        loss_fn = compute_loss
     phase = profile.phase if profile is not None else (lambda name: contextlib.nullcontext())
     counts = [loss_tokens(b, kind=kind) for b in micro]
     total = max(sum(counts), 1)

@@ -21,9 +21,11 @@ store and gloo ask for no credential. lowband adds two things above it:
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import re
 import socket
+import struct
 from dataclasses import dataclass
 
 from lowband.trust.secret import tag, verify
@@ -375,8 +377,6 @@ def gloo_interface(host: str) -> str | None:
             if len(parts) == 6 and ipaddress.IPv6Address(int(parts[0], 16)) == bare:
                 return parts[5]
         return None
-    import fcntl
-    import struct
 
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:

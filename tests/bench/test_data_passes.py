@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-import lowband.bench.runner as runner
 import lowband.commands.bench as bench
 from lowband.bench.config import BenchConfig
 from lowband.bench.data_passes import data_passes_note
@@ -48,7 +47,7 @@ def test_bench_prints_the_passes_before_its_first_run(tmp_path: Path, monkeypatc
         started.append(capsys.readouterr().err)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner, "run_bench", stop)
+    monkeypatch.setattr(bench, "run_bench", stop)  # the name lowband bench calls
     data = _pairs(tmp_path / "pairs.jsonl", 300)
     argv = ["--methods", "adamw", "--steps", "30", "--model", "t5-tiny", "--data", str(data), "--emulation", "shaped",
             "--out", str(tmp_path / "bench"), "--no-progress", "--train-args=--batch-size 2"]

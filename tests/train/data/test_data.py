@@ -268,6 +268,7 @@ def test_user_file_errors_say_what_to_do(tmp_path: Path, fresh_cache: Path) -> N
 def test_every_seed_of_a_run_is_validated_on_the_same_split(monkeypatch):
     """The run's seed draws the init, the data order and dropout, not the validation documents: a bench's
     seed spread is the training's noise (a spread over validation sets once hid a method's gap)."""
+    import lowband.train.loop as loop_mod
     from lowband.train.config import TrainConfig
     from lowband.train.loop import Trainer
 
@@ -280,7 +281,7 @@ def test_every_seed_of_a_run_is_validated_on_the_same_split(monkeypatch):
         seen.append(cfg)
         raise Loaded
 
-    monkeypatch.setattr(data_mod, "load_data", load)
+    monkeypatch.setattr(loop_mod, "load_data", load)  # the name the trainer calls
     for seed in (0, 3):
         t = Trainer.__new__(Trainer)
         t.cfg = TrainConfig.from_tables({"run": {"seed": seed}, "model": {"name": "t5-tiny"}})
