@@ -272,7 +272,8 @@ def test_a_trained_tokenizer_learns_from_a_bounded_sample(tmp_path: Path, fresh_
     assert load_data(_cfg(path, tokenizer_sample_bytes="1MB")).tokenizer.to_str() == get_tokenizer(docs, 300).to_str()
 
 
-def test_the_split_and_the_sampler_stay_pure_functions(tmp_path: Path, tok_path: Path) -> None:
+def test_the_split_and_the_sampler_stay_pure_functions(tmp_path: Path, tok_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "c.txt"
     path.write_text("\n".join(_docs()) + "\n", encoding="utf-8")
     d = load_data(_cfg(path, tokenizer=str(tok_path), packing="lines"))
@@ -294,6 +295,18 @@ def test_the_split_and_the_sampler_stay_pure_functions(tmp_path: Path, tok_path:
         assert all(torch.equal(a[k], b[k]) for k in a)
         rows = [tuple(t[: int(m.sum())].tolist()) for t, m in zip(a["input_ids"], a["attention_mask"], strict=True)]
         assert rows == [tuple(d.train.input_ids[i].tolist()) for i in idx[r]]
+    # An epoch's order: the same permutation as numpy's (the goldens' batches), or past TABLE_PERMUTATION_MAX
+    # examples one computed per position, not stored: a bijection all the same.
+    from lowband.train.data import batching
+
+    assert batching._epoch_permutation(1000, 7, 2).tolist() == np.random.default_rng([7, 2]).permutation(1000).tolist()
+    monkeypatch.setattr(batching, "TABLE_PERMUTATION_MAX", 50)
+    monkeypatch.setattr(batching, "_PERM_CACHE", {})
+    seen = [i for s in range(6) for r in range(2) for i in batch_indices(97, step=s, rank=r, world_size=2,
+                                                                          batch_size=8, seed=3)]
+    assert len(seen) == len(set(seen)) == 96 and max(seen) < 97
+    assert seen[:8] == batch_indices(97, step=0, rank=0, world_size=2, batch_size=8, seed=3)
+    assert seen[:8] != batch_indices(97, step=6, rank=0, world_size=2, batch_size=8, seed=3)  # the next epoch
     val_file = tmp_path / "val.txt"
     val_file.write_text("alpha beta\ngamma delta epsilon\n", encoding="utf-8")
     sep = load_data(_cfg(path, tokenizer=str(tok_path), packing="lines", val_path=str(val_file)))
