@@ -10,8 +10,9 @@ For each corpus size (``--sizes``, default ``100MB,1GB``):
    the tokenizer's training time, the encoding time and its throughput (MB of text per second), the
    whole time, the process's peak RSS.
 3. **Warm starts**, one rank: ``lowband train`` (gpt-tiny, ``--steps`` steps) on the store and,
-   with the same flags, on the embedded corpus (its caches warm too): the time from launch to the
-   first step's record in ``metrics.jsonl``, and the peak RSS (``summary_rank0.json``).
+   with the same flags, on the embedded corpus (its caches warm too), alternating, ``--repeats``
+   times each: the time from launch to the first step's record in ``metrics.jsonl``, and the peak
+   RSS (``summary_rank0.json``).
 4. **2 nodes x 2 ranks** (``--mesh``, default on): the same two runs under
    ``torchrun --nproc-per-node 4`` with ``--shards 2``: launch to first step, peak RSS of every rank.
 
@@ -145,41 +146,53 @@ def main() -> int:
     p.add_argument("--tokenizer-sample", default="32MB")
     p.add_argument("--no-mesh", dest="mesh", action="store_false", help="skip the 2 nodes x 2 ranks runs")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each warm start (store and embedded alternate)")
+    p.add_argument("--keep-store", action="store_true",
+                   help="reuse a store already in --out (and its tokenisation figures in results.json)")
     args = p.parse_args()
     sample = parse_size(args.tokenizer_sample)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LOWBAND_CACHE": str(args.out / "cache"), "OMP_NUM_THREADS": "1"}
+    before_path = args.out / "results.json"
+    before = json.loads(before_path.read_text())["sizes"] if before_path.is_file() else {}
     results: dict = {"machine": {"cpus": os.cpu_count()}, "sizes": {}}
-    embedded: dict = {}
-    for ranks in [1, 4] if args.mesh else [1]:
+    mesh = [1, 4] if args.mesh else [1]
+    for ranks in mesh:  # the embedded corpus's caches, warm as the store will be
         train_run(args.out / "warmup", data=None, store_dir=args.out / "none", ranks=ranks, steps=1, env=env,
-                  timeout_s=args.timeout)  # the embedded corpus's caches, warm as the store will be
-        embedded[ranks] = train_run(args.out / f"embedded-{ranks}", data=None, store_dir=args.out / "none",
-                                    ranks=ranks, steps=args.steps, env=env, timeout_s=args.timeout)
-        print(f"embedded corpus, {ranks} rank(s): {embedded[ranks]}", flush=True)
-    results["embedded"] = embedded
+                  timeout_s=args.timeout)
     for size_text in args.sizes.split(","):
         size = parse_size(size_text)
         corpus = make_corpus(args.corpus_dir / f"corpus-{size_text}-seed{args.seed}.txt", size, args.seed)
         store_dir = args.out / f"stores-{size_text}"
         row: dict = {"corpus": str(corpus), "corpus_bytes": corpus.stat().st_size}
-        row["tokenize"] = tokenize(corpus, store_dir, sample, env)
+        if args.keep_store and store_dir.is_dir() and size_text in before:
+            row["tokenize"] = before[size_text]["tokenize"]
+        else:
+            row["tokenize"] = tokenize(corpus, store_dir, sample, env)
         print(f"{size_text}: tokenised {row['tokenize']}", flush=True)
-        for ranks in [1, 4] if args.mesh else [1]:
-            row[f"store-{ranks}"] = train_run(args.out / f"store-{size_text}-{ranks}", data=corpus, store_dir=store_dir,
-                                              ranks=ranks, steps=args.steps, env=env, timeout_s=args.timeout)
-            print(f"{size_text}, {ranks} rank(s): {row[f'store-{ranks}']}", flush=True)
+        # Store and embedded runs alternate, so that both see the same load of this shared machine.
+        for ranks in mesh:
+            for rep in range(args.repeats):
+                for name, data in (("store", corpus), ("embedded", None)):
+                    run = train_run(args.out / f"{name}-{size_text}-{ranks}", data=data, store_dir=store_dir,
+                                    ranks=ranks, steps=args.steps, env=env, timeout_s=args.timeout)
+                    row.setdefault(f"{name}-{ranks}", []).append(run)
+                    print(f"{size_text}, {name}, {ranks} rank(s), repeat {rep}: {run}", flush=True)
         results["sizes"][size_text] = row
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    print("\n| corpus | tokenizer s | encode s | encode MB/s | ranks | first step s (store / embedded) | "
-          "peak RSS MB per rank (store / embedded) |")
+    print("\n| corpus | tokenizer s | encode s | encode MB/s | ranks | first step s, store / embedded (median) | "
+          "peak RSS MB of the largest rank, store / embedded (median) |")
     print("|---|---:|---:|---:|---:|---|---|")
     for row in results["sizes"].values():
         tok = row["tokenize"]
-        for ranks in [1, 4] if args.mesh else [1]:
-            s, e = row[f"store-{ranks}"], embedded[ranks]
+        for ranks in mesh:
+            s, e = row[f"store-{ranks}"], row[f"embedded-{ranks}"]
+
+            def med(runs, key):
+                return float(np.median([r[key] if key == "first_step_s" else max(r[key]) for r in runs]))
+
             print(f"| {format_bytes(row['corpus_bytes'])} | {tok['tokenizer_s']:.0f} | {tok['encode_s']:.0f} | "
-                  f"{tok['encode_mb_s']:.2f} | {ranks} | {s['first_step_s']:.1f} / {e['first_step_s']:.1f} | "
-                  f"{max(s['peak_rss_mb']):.0f} / {max(e['peak_rss_mb']):.0f} |")
+                  f"{tok['encode_mb_s']:.2f} | {ranks} | {med(s, 'first_step_s'):.1f} / {med(e, 'first_step_s'):.1f} "
+                  f"| {med(s, 'peak_rss_mb'):.0f} / {med(e, 'peak_rss_mb'):.0f} |")
     print(f"\nresults: {args.out / 'results.json'}")
     return 0
 
