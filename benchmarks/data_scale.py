@@ -8,7 +8,8 @@ For each corpus size (``--sizes``, default ``100MB,1GB``):
 2. **The one-time tokenisation**, in a fresh process, into an empty store folder: the tokenizer
    trained on the first ``--tokenizer-sample`` of documents, then every document encoded. Reported:
    the tokenizer's training time, the encoding time and its throughput (MB of text per second), the
-   whole time, the process's peak RSS.
+   whole time, the process's CPU time (MB per CPU-second: what a machine shared with others does not
+   change), its peak RSS.
 3. **Warm starts**, one rank: ``lowband train`` (gpt-tiny, ``--steps`` steps) on the store and,
    with the same flags, on the embedded corpus (its caches warm too), alternating, ``--repeats``
    times each: the time from launch to the first step's record in ``metrics.jsonl``, and the peak
@@ -81,6 +82,8 @@ store, _ = open_stores(DataConfig(path=sys.argv[1], kind="causal", store_dir=sys
 index = store.index
 print(json.dumps({"wall_s": time.perf_counter() - t0, "store": str(store.path),
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "cpu_s": resource.getrusage(resource.RUSAGE_SELF).ru_utime
+                  + resource.getrusage(resource.RUSAGE_SELF).ru_stime,
                   "tokenizer_s": index["tokenizer_s"], "encode_s": index["encode_s"], "documents": index["documents"],
                   "tokens": index["tokens"]["text"], "input_bytes": index["input_bytes"],
                   "store_bytes": sum(f.stat().st_size for f in store.path.iterdir())}))
@@ -99,6 +102,8 @@ def tokenize(corpus: Path, store_dir: Path, sample_bytes: int, env: dict[str, st
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["encode_mb_s"] = out["input_bytes"] / 1e6 / max(out["encode_s"], 1e-9)
     out["total_mb_s"] = out["input_bytes"] / 1e6 / max(out["wall_s"], 1e-9)
+    # Throughput per CPU-second does not depend on what else runs on a shared machine.
+    out["mb_per_cpu_s"] = out["input_bytes"] / 1e6 / max(out["cpu_s"], 1e-9)
     return out
 
 

@@ -164,6 +164,8 @@ def _text_pieces(path: Path) -> Iterator[tuple[str, int]]:
     """A UTF-8 file in pieces of whole lines: (text, bytes it covers)."""
     with path.open("rb") as f:
         rest, pos = b"", 0
+        if f.read(3) != b"\xef\xbb\xbf":  # a byte-order mark is not text
+            f.seek(0)
         while True:
             raw = f.read(_CHUNK_BYTES)
             data = rest + raw
@@ -238,7 +240,7 @@ def _rows_csv(path: Path, columns: Sequence[tuple[str, str]]) -> Iterator[tuple[
 
     names = [c for _, c in columns]
     delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
-    with path.open(encoding="utf-8", newline="") as f:
+    with path.open(encoding="utf-8-sig", newline="") as f:
         header = next(csv.reader(f, delimiter=delimiter), [])
     if not all(c in header for c in names):
         raise _missing(str(path), columns, header)

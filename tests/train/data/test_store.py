@@ -66,14 +66,15 @@ def _write_inputs(root: Path, docs: list[str]) -> dict[str, Path]:
     half = len(docs) // 2
     out = {}
     out["txt"] = root / "c.txt"
-    out["txt"].write_text("\n".join(docs[:10]) + "\n\n" + "\n".join(docs[10:]) + "\n", encoding="utf-8")
+    # (a byte-order mark on the .txt and the .csv: not text)
+    out["txt"].write_text("\n".join(docs[:10]) + "\n\n" + "\n".join(docs[10:]) + "\n", encoding="utf-8-sig")
     out["jsonl"] = root / "c.jsonl"
     write_jsonl(out["jsonl"], [{"body": d, "n": i} for i, d in enumerate(docs)])
     out["json"] = root / "array.json"
     out["json"].write_text(json.dumps([{"body": d} for d in docs]), encoding="utf-8")
     for name, sep in (("csv", ","), ("tsv", "\t")):
         out[name] = root / f"c.{name}"
-        with out[name].open("w", newline="", encoding="utf-8") as f:
+        with out[name].open("w", newline="", encoding="utf-8-sig" if name == "csv" else "utf-8") as f:
             w = csv.writer(f, delimiter=sep)
             w.writerow(["id", "body"])
             w.writerows([i, d] for i, d in enumerate(docs))
