@@ -35,8 +35,9 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ INDEX, TOKENIZER = "index.json", "tokenizer.json"
 _OFFSET = np.dtype("<i8")
 _LOG_EVERY_S = 30.0
 _LOCK_POLL_S = 60.0
+_OPEN_FILES_MAX = 64
 
 # How many stores this process has written (tests use it to see that a store is reused, not rebuilt).
 build_count = 0
@@ -143,7 +145,8 @@ class TokenStore:
         self.index = index
         self.shard_docs = np.concatenate([[0], np.cumsum(docs)]).astype(np.int64)
         self.shard_tokens = tokens
-        self._fds: dict[Path, int] = {}
+        self._fds: OrderedDict[Path, int] = OrderedDict()
+        self._lock = threading.Lock()
         for k in range(len(shards)):
             for f in self.fields:
                 self._check_file(self._tokens_file(f, k), tokens[k][f] * self.dtype.itemsize)
@@ -174,20 +177,26 @@ class TokenStore:
             raise _bad(self.path, f"{file.name} has {size:,} bytes, the index says {expected:,}")
 
     def _pread(self, file: Path, dtype: np.dtype, start: int, count: int) -> np.ndarray:
-        fd = self._fds.get(file)
-        if fd is None:
-            fd = self._fds[file] = os.open(file, os.O_RDONLY)
         nbytes = count * dtype.itemsize
-        raw = os.pread(fd, nbytes, start * dtype.itemsize)
+        with self._lock:  # another thread must not close the descriptor between lookup and read
+            fd = self._fds.get(file)
+            if fd is None:
+                if len(self._fds) >= _OPEN_FILES_MAX:  # a corpus of many shards: keep the recently read ones open
+                    os.close(self._fds.popitem(last=False)[1])
+                fd = self._fds[file] = os.open(file, os.O_RDONLY)
+            else:
+                self._fds.move_to_end(file)
+            raw = os.pread(fd, nbytes, start * dtype.itemsize)
         if len(raw) != nbytes:
             raise _bad(self.path, f"{file.name} ends before {start + count} items: it shrank after it was opened")
         return np.frombuffer(raw, dtype=dtype)
 
     def close(self) -> None:
         """Close the open files (reads reopen them)."""
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     def __del__(self) -> None:
         try:

@@ -238,6 +238,7 @@ def test_shards_are_invisible_and_ranks_of_a_host_tokenise_once(tmp_path: Path, 
     path.write_text("\n".join(_docs()) + "\n", encoding="utf-8")
     one = load_data(_cfg(path, tokenizer=str(tok_path), store_dir=str(tmp_path / "one")))
     monkeypatch.setattr(store_mod, "SHARD_TOKENS", 50)
+    monkeypatch.setattr(store_mod, "_OPEN_FILES_MAX", 3)  # fewer open files than shards: reopened as read
     monkeypatch.setattr(inputs_mod, "_CHUNK_BYTES", 200)  # many small batches: many shards
     before = store_mod.build_count
     results: list = []
