@@ -192,11 +192,11 @@ def _check_model(model: str) -> None:
 def _check_data(data: str, model: str) -> None:
 
     try:
-        ext = check_data_file(data).suffix.lower()
+        extensions = check_data_file(data).extensions
     except FileNotFoundError as e:
         raise ValueError(str(e)) from e
     size = MODEL_SIZES.get(model)
-    if ext == ".txt" and size is not None and size.kind == "seq2seq":
+    if ".txt" in extensions and size is not None and size.kind == "seq2seq":
         raise ValueError(
             f"{data} is plain text (one text per line) and suits a causal model, but {model} is seq2seq; "
             f"use a causal model ({', '.join(n for n, s in MODEL_SIZES.items() if s.kind == 'causal')}) "
@@ -226,7 +226,7 @@ def _check_data_columns(data: str, model: str, cfg) -> None:
     size = MODEL_SIZES.get(model)
     path = Path(data)
     ext = path.suffix.lower()
-    if size is None or ext not in (".jsonl", ".csv", ".tsv"):
+    if size is None or ext not in (".jsonl", ".csv", ".tsv") or not path.is_file():  # globs: the run checks
         return
     if size.kind == "seq2seq":
         wanted = {"source": cfg.data.source_column, "target": cfg.data.target_column}

@@ -39,11 +39,13 @@ from typing import Any
 
 from lowband.distributed.sharding import PRECISIONS
 from lowband.ft.node import FaultToleranceConfig, fingerprint, require_torchft
+from lowband.train.data import check_data_file, data_digest
 from lowband.train.data.config import DataConfig
 from lowband.train.export import check_out
 from lowband.train.fields import job_fields, option
 from lowband.train.methods import METHODS, MethodConfig, method_config
 from lowband.train.models import resolve_model
+from lowband.train.pretrained import data_config_for
 from lowband.train.trackers import check_trackers
 from lowband.trust.secret import load_secret
 from lowband.units import parse_bandwidth, parse_duration, split_list
@@ -258,24 +260,27 @@ class TrainConfig:
 
     def fingerprint(self, ranks_per_node: int | None = None) -> str:
         """What must be equal on every node for them to train one model: the method and its
-        hyper-parameters, the model, its precision and shards per node, the data by content (a digest
-        of each file, not its path), how it is cut and tokenised (columns, split, lengths, packing, the
-        tokenizer by content or the trained one's kind and size), the schedule, the seed and the job's
-        layout. Two nodes with the same files under other paths agree; another job's node does not."""
+        hyper-parameters, the model, its precision and shards per node, the data by content (its token
+        store's digest, computed when the store was written: the text is not read again), how it is cut
+        and tokenised (columns, split, lengths, packing, the tokenizer by content or the trained one's
+        kind, size and sample), the schedule, the seed and the job's layout. Two nodes with the same
+        files under other paths agree; another job's node does not. A user's data not yet tokenised on
+        this host is tokenised here (once: the run then opens the store)."""
 
         s, d, ft = self.schedule, self.data, self.fault_tolerance
         if ranks_per_node is None:
             ranks_per_node = int(os.environ.get("WORLD_SIZE", "1"))
 
-        def content(path):  # a missing file is named by validate(), after this
+        def content(path):  # a missing tokenizer is named by validate()
             return None if path is None else file_digest(path) if Path(path).exists() else f"missing {path}"
 
         return fingerprint(
             self.method.name, sorted(self.method.hp.as_dict().items()), self.model.name, self.model.precision,
             self.model.shards or ranks_per_node, self.model.activation_checkpointing,
-            content(d.path), content(d.val_path), d.source_column, d.target_column, d.text_column, d.val_size,
-            d.max_source_len, d.max_target_len, d.max_len, d.packing, d.max_examples,
-            content(d.tokenizer), None if d.tokenizer else (d.tokenizer_kind, d.vocab_size),
+            data_digest(data_config_for(self.model.name, d)), d.source_column, d.target_column,
+            d.text_column, d.val_size, d.max_source_len, d.max_target_len, d.max_len, d.packing, d.max_examples,
+            content(d.tokenizer),
+            None if d.tokenizer else (d.tokenizer_kind, d.vocab_size, d.tokenizer_sample_bytes if d.path else None),
             s.steps, s.batch_size, s.grad_accum, s.lr_schedule, s.warmup_steps, s.min_lr_ratio,
             self.run.seed, ft.max_nodes, ft.quorum)
 
@@ -327,6 +332,15 @@ class TrainConfig:
                              "die and join cannot agree on one training clock; give --steps instead")
         if not 0.0 <= s.min_lr_ratio <= 1.0:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {s.min_lr_ratio}")
+        for flag, path in (("--data", self.data.path), ("--val-data", self.data.val_path)):
+            if path is not None:
+                try:
+                    check_data_file(path)  # lists the files (a glob, a directory): reads none
+                except (FileNotFoundError, ValueError) as e:
+                    raise type(e)(f"{flag}: {e}") from None
+        if self.data.tokenizer is not None and not Path(self.data.tokenizer).exists():
+            raise FileNotFoundError(f"--tokenizer {self.data.tokenizer!r} does not exist; pass a tokenizer.json or "
+                                    "its directory, or leave --tokenizer out to train one on the data")
         if self.fault_tolerance.lighthouse is not None:
             if self.fault_tolerance.quorum not in ("async", "sync"):
                 raise ValueError(f"--ft-quorum must be 'async' or 'sync', got {self.fault_tolerance.quorum!r}")
@@ -335,12 +349,6 @@ class TrainConfig:
             require_torchft()
         if r.export_hf is not None:
             check_out(r.export_hf, force=False, keep=(Path(r.out),))  # refused now, not after the run
-        for flag, path in (("--data", self.data.path), ("--val-data", self.data.val_path),
-                           ("--tokenizer", self.data.tokenizer)):
-            if path is not None and not Path(path).exists():
-                raise FileNotFoundError(f"{flag} {path!r} does not exist; pass a local file (data: .jsonl, .csv, "
-                                        ".tsv, .txt; tokenizer: tokenizer.json or its directory), or leave "
-                                        f"{flag} out for the default")
 
         resolve_model(self.model.name)  # a named size, a local directory, or a hub id in the local cache
 

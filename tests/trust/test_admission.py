@@ -323,6 +323,7 @@ def test_the_fingerprint_is_the_data_content_not_its_path(tmp_path, monkeypatch)
     (tmp_path / "copy").mkdir()
     (tmp_path / "copy" / "d.jsonl").write_text('{"source": "a", "target": "b"}\n')
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOWBAND_CACHE", str(tmp_path / "cache"))  # the data's token store and tokenizer
     base = _fp(tmp_path, "d.jsonl")
     assert base == _fp(tmp_path, tmp_path / "d.jsonl") == _fp(tmp_path, tmp_path / "copy" / "d.jsonl")
     (tmp_path / "copy" / "d.jsonl").write_text('{"source": "a", "target": "c"}\n')
@@ -337,13 +338,18 @@ def test_the_fingerprint_is_the_data_content_not_its_path(tmp_path, monkeypatch)
 def test_the_fingerprint_covers_what_must_match_to_train_one_model(tmp_path, monkeypatch, extra):
     (tmp_path / "d.jsonl").write_text('{"source": "a", "target": "b"}\n')
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOWBAND_CACHE", str(tmp_path / "cache"))  # the data's token store and tokenizer
     assert _fp(tmp_path, "d.jsonl", *extra) != _fp(tmp_path, "d.jsonl")
 
 
 def test_the_fingerprint_covers_a_given_tokenizer_by_content(tmp_path, monkeypatch):
     (tmp_path / "d.jsonl").write_text('{"source": "a", "target": "b"}\n')
-    (tmp_path / "t1.json").write_text("{}")
-    (tmp_path / "t2.json").write_text('{"x": 1}')
+    from lowband.train.tokenizer import train_tokenizer
+
+    # Real tokenizers: the data is tokenised with the one given (into its token store) for its digest.
+    train_tokenizer(["a b"], 300).save(str(tmp_path / "t1.json"))
+    train_tokenizer(["a b", "c d"], 300).save(str(tmp_path / "t2.json"))
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOWBAND_CACHE", str(tmp_path / "cache"))  # the data's token store and tokenizer
     assert _fp(tmp_path, "d.jsonl", "--tokenizer", "t1.json") != _fp(tmp_path, "d.jsonl", "--tokenizer", "t2.json")
     assert _fp(tmp_path, "d.jsonl", "--shards", "2") == _fp(tmp_path, "d.jsonl", ranks=2)  # shards per node

@@ -9,6 +9,7 @@ step. Validation batches come in order.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -167,19 +168,68 @@ def batch_indices(
     return [int(i) for i in perm[start : start + batch_size]]
 
 
-_PERM_CACHE: dict[tuple[int, int, int], np.ndarray] = {}
+_PERM_CACHE: dict[tuple[int, int, int], Any] = {}
+#: Above this many training examples an epoch's order is computed per index (:class:`_IndexPermutation`)
+#: instead of held as a table of 4 bytes per example, so a rank's memory stays flat at any corpus size.
+TABLE_PERMUTATION_MAX = 1 << 23
 
 
-def _epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+def _epoch_permutation(n: int, seed: int, epoch: int) -> Any:
     key = (n, seed, epoch)
     perm = _PERM_CACHE.get(key)
     if perm is None:
-        if len(_PERM_CACHE) > 8:
+        if len(_PERM_CACHE) >= 2:  # the epoch a run is in (and the one before): older ones are not read again
             _PERM_CACHE.clear()
-        perm = np.random.default_rng([seed, epoch]).permutation(n)
-        perm.setflags(write=False)
+        if n > TABLE_PERMUTATION_MAX:
+            perm = _IndexPermutation(n, seed, epoch)
+        else:
+            # Generator.permutation(n) shuffles arange(n); shuffling an int32 arange draws the same swaps, so
+            # the order is the same, in half the memory.
+            perm = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+            np.random.default_rng([seed, epoch]).shuffle(perm)
+            perm.setflags(write=False)
         _PERM_CACHE[key] = perm
     return perm
+
+
+class _IndexPermutation:
+    """A seeded bijection of ``[0, n)``, computed for the positions asked (``perm[a:b]``), not stored.
+
+    A 4-round Feistel network on the smallest even number of bits that covers ``n``, with cycle-walking
+    (a value ``>= n`` is permuted again until it falls inside), as format-preserving encryption does:
+    each position maps to a distinct example, and the map depends only on (n, seed, epoch).
+    """
+
+    _MUL1, _MUL2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9)
+
+    def __init__(self, n: int, seed: int, epoch: int) -> None:
+        self.n = n
+        bits = max(2, (n - 1).bit_length())
+        self.half = np.uint64((bits + 1) // 2)
+        self.mask = np.uint64((1 << int(self.half)) - 1)
+        self.keys = np.random.default_rng([seed, epoch, 0xFE157E1]).integers(0, 2**63, size=4, dtype=np.uint64)
+
+    def _rounds(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for k in self.keys:
+            h = (right ^ k) * self._MUL1  # wraps modulo 2**64, as meant
+            h ^= h >> np.uint64(31)
+            h *= self._MUL2
+            h ^= h >> np.uint64(29)
+            left, right = right, left ^ (h & self.mask)
+        return (left << self.half) | right
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, positions: slice) -> np.ndarray:
+        start, stop, step = positions.indices(self.n)
+        out = self._rounds(np.arange(start, stop, step, dtype=np.uint64))
+        outside = out >= self.n
+        while outside.any():
+            out[outside] = self._rounds(out[outside])
+            outside = out >= self.n
+        return out.astype(np.int64)
 
 
 def _pad(seqs: Sequence[np.ndarray], value: int) -> torch.Tensor:

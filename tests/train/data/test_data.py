@@ -227,7 +227,7 @@ def test_user_jsonl_csv_tsv_and_text(tmp_path: Path, fresh_cache: Path) -> None:
     tv = tmp_path / "t.jsonl"
     write_jsonl(tv, [{"source": s, "target": s.split()[0]} for s in texts])
     sep = load_data(DataConfig(path=str(tv), val_path=str(vpath), vocab_size=300))
-    assert len(sep.train) == 40 and sep.val.source_text == ["a b c", "d e"]
+    assert len(sep.train) == 40 and list(sep.val.source_text) == ["a b c", "d e"]
 
 
 def test_user_file_errors_say_what_to_do(tmp_path: Path, fresh_cache: Path) -> None:
@@ -246,11 +246,15 @@ def test_user_file_errors_say_what_to_do(tmp_path: Path, fresh_cache: Path) -> N
     with pytest.raises(ValueError, match="text column 'text'"):
         load_data(DataConfig(path=str(jl), kind="causal"))
 
-    bad = tmp_path / "d.parquet"
+    bad = tmp_path / "d.xlsx"
     bad.write_bytes(b"x")
     with pytest.raises(ValueError) as err:
         load_data(DataConfig(path=str(bad)))
-    assert ".parquet" in str(err.value) and ".jsonl" in str(err.value) and ".csv" in str(err.value)
+    assert ".xlsx" in str(err.value) and ".jsonl" in str(err.value) and ".parquet" in str(err.value)
+    broken = tmp_path / "d.parquet"
+    broken.write_bytes(b"x")
+    with pytest.raises(ValueError, match="could not read .*d.parquet as Parquet"):
+        load_data(DataConfig(path=str(broken)))
 
     txt = tmp_path / "d.txt"
     txt.write_text("one line\n", encoding="utf-8")

@@ -56,7 +56,8 @@ def test_packed_text_is_full_blocks_split_before_packing(tmp_path: Path, fresh_c
     by_line = load_data(lines)
     assert not by_line.packed and len(by_line.train) == 50 and len(by_line.val) == 10  # line mode as before
     # The same documents on each side (split first), packed each on its own: no block straddles.
-    assert packed.train.source_text == by_line.train.source_text and packed.val.source_text == by_line.val.source_text
+    assert list(packed.train.source_text) == list(by_line.train.source_text)
+    assert list(packed.val.source_text) == list(by_line.val.source_text)
     for split, line_split in ((packed.train, by_line.train), (packed.val, by_line.val)):
         assert len(split) >= 1 and all(len(b) == MAX_LEN for b in split.input_ids)
         stream = np.concatenate(split.input_ids)
@@ -125,8 +126,10 @@ def test_real_tokens_exclude_padding(tmp_path: Path, fresh_cache: Path) -> None:
     path = _txt(tmp_path)
     by_line = load_data(DataConfig(path=str(path), kind="causal", val_size=10, max_len=MAX_LEN, vocab_size=300,
                                    packing="lines"))
-    b = collate(by_line, by_line.train, [0, 1, 2, 3])
-    real = sum(len(by_line.train.input_ids[i]) for i in range(4))
+    lengths = [len(x) for x in by_line.train.input_ids]
+    batch = [int(np.argmin(lengths)), int(np.argmax(lengths)), 0, 1]  # the shortest beside the longest: padded
+    b = collate(by_line, by_line.train, batch)
+    real = sum(lengths[i] for i in batch)
     assert b["input_ids"].numel() > real  # this batch is padded ...
     assert real_tokens(b, kind="causal") == real  # ... and padding is not counted
     packed = load_data(DataConfig(path=str(path), kind="causal", val_size=10, max_len=MAX_LEN, vocab_size=300))
