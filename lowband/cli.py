@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from lowband.ft.completion import JobComplete
 from lowband.trust.admission import RemovedFromJob
 
 __all__ = ["main", "build_parser"]
@@ -57,15 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     module, _, main_fn, _ = COMMANDS[args.command]
     try:
         return int(getattr(importlib.import_module(module), main_fn)(args) or 0)
+    except JobComplete as e:
+        print(f"lowband {args.command}: {e}")
+        # Not an error: the job this node would join has ended. torchft's Manager server (if it started) would
+        # hold the process until its last quorum request, refused at the gate, times out: leave now.
+        _leave_now(0)
     except ValueError as e:
         print(f"lowband {args.command}: error: {e}", file=sys.stderr)
         if isinstance(e, RemovedFromJob):
             # torchft's Manager server would hold the process until its last quorum request times out (2 min): it
             # retries a request the Lighthouse's gate refuses. The node has nothing left to save; leave now.
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(2)
+            _leave_now(2)
         return 2
     except FileNotFoundError as e:
         print(f"lowband {args.command}: error: {e}", file=sys.stderr)
@@ -84,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"lowband {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _leave_now(code: int) -> int:
+    """Exit with ``code`` at once, output flushed, without waiting for threads that torchft left waiting."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

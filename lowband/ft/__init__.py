@@ -59,6 +59,10 @@ _EXPORTS: dict[str, str] = {
     "refusal": "lowband.ft.gateway",
     "string_field": "lowband.ft.gateway",
     "GatedLighthouse": "lowband.ft.lighthouse",
+    "CompletionRecord": "lowband.ft.completion",
+    "DONE": "lowband.ft.completion",
+    "JobComplete": "lowband.ft.completion",
+    "report_done": "lowband.ft.completion",
     "start_lighthouse": "lowband.ft.lighthouse",
 }
 

@@ -19,6 +19,8 @@ Lighthouse cannot be given a credential, so lowband puts it behind this gate:
 
 The gate also keeps out a member that stalls the job, or that most of the other members report for bad
 messages (:class:`StallBreaker`; a report is the gate's own call :data:`ACCUSE`, never forwarded).
+It records the job's end (a member's :data:`DONE`, :mod:`lowband.ft.completion`), and tells a node that asks after
+it that the job is complete, with where its final checkpoints are.
 
 The gate reads a request's protobuf fields by hand, with bounds (a request of at most :data:`MAX_REQUEST_BYTES`,
 refused by gRPC beyond it; at most :data:`MAX_FIELDS` fields a message), checks the replica id's tag before
@@ -39,11 +41,14 @@ import time
 from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
+from lowband.ft.completion import COMPLETE, DONE, CompletionRecord, complete_reason, done_fields, job_complete
+from lowband.ft.protowire import MAX_FIELDS, RESPONSE_FIELDS, parse_fields, string_field
+from lowband.ft.protowire import string_of as _string
 from lowband.trust.admission import claim_of, proves
 from lowband.trust.limits import SourceLimiter
 
-__all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "HEARTBEAT", "KEPT_OUT", "QUORUM", "REFUSED", "GatedManager",
-           "LighthouseGateway", "ManagerGate", "StallBreaker", "accusation_request", "accuse_at_gate",
+__all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "DONE", "HEARTBEAT", "KEPT_OUT", "MAX_FIELDS", "QUORUM", "REFUSED",
+           "GatedManager", "LighthouseGateway", "ManagerGate", "StallBreaker", "accusation_request", "accuse_at_gate",
            "admission_request", "ask_gate", "gate_reason", "parse_fields", "peer_host", "quorum_round", "refusal",
            "string_field"]
 
@@ -80,79 +85,6 @@ def gate_reason(message: str) -> str | None:
 #: bytes (its replica id, two addresses, a step), a ``Heartbeat`` less. gRPC refuses a larger one
 #: (RESOURCE_EXHAUSTED) from its length prefix, before the gate's code sees a byte of it.
 MAX_REQUEST_BYTES = 16 << 10
-#: The most fields :func:`parse_fields` reads in one message of a request (a QuorumMember has 8), and in the
-#: Lighthouse's own answer to a quorum request (one field per member).
-MAX_FIELDS, RESPONSE_FIELDS = 64, 1 << 16
-
-
-def _varint(buf, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if i >= len(buf) or shift > 63:
-            raise ValueError("truncated or overlong varint")
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, i
-        shift += 7
-
-
-def parse_fields(buf: bytes | memoryview, *, max_fields: int = MAX_FIELDS) -> dict[int, list[bytes | int]]:
-    """The top-level fields of a protobuf message: field number -> values (bytes for length-delimited
-    fields, ints for varints and fixed-width ones). A ValueError for anything malformed, and for more than
-    ``max_fields`` fields (so that the work is bounded by the count, not by what the sender chose)."""
-    view = memoryview(buf)
-    fields: dict[int, list[bytes | int]] = {}
-    i = count = 0
-    while i < len(view):
-        count += 1
-        if count > max_fields:
-            raise ValueError(f"more than {max_fields} fields")
-        key, i = _varint(view, i)
-        number, wire = key >> 3, key & 7
-        if number == 0:
-            raise ValueError("field number 0")
-        if wire == 0:
-            value, i = _varint(view, i)
-        elif wire == 2:
-            n, i = _varint(view, i)
-            if n > len(view) - i:
-                raise ValueError("a length-delimited field runs past the end")
-            value, i = bytes(view[i:i + n]), i + n
-        elif wire in (1, 5):
-            width = 8 if wire == 1 else 4
-            if i + width > len(view):
-                raise ValueError("a fixed-width field runs past the end")
-            value, i = int.from_bytes(view[i:i + width], "little"), i + width
-        else:
-            raise ValueError(f"wire type {wire} is not read here")
-        fields.setdefault(number, []).append(value)
-    return fields
-
-
-def _string(fields: dict[int, list[bytes | int]], number: int) -> str:
-    values = fields.get(number) or [b""]
-    value = values[-1]
-    if not isinstance(value, bytes):
-        raise ValueError(f"field {number} is not a string")
-    return value.decode("utf-8")
-
-
-def _encode_varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
-def string_field(number: int, value: bytes) -> bytes:
-    """A length-delimited protobuf field: its key (``number``, wire type 2), its length, then ``value``."""
-    return _encode_varint(number << 3 | 2) + _encode_varint(len(value)) + value
-
-
 def admission_request(rid: str, address: str, store: str) -> bytes:
     """The bytes of a LighthouseQuorumRequest whose requester has replica id ``rid``, Manager ``address`` and
     ``store``: what :data:`ADMIT` reads."""
@@ -412,6 +344,11 @@ class StallBreaker:
             del self.benched[slot]
             self.why.pop(slot, None)
 
+    def round_members(self) -> dict[int, tuple[str, int]]:
+        """The current round's members: slot -> (replica id, the training step it was at)."""
+        with self._lock:
+            return {s: (rid, (self._last or {}).get(s, 0) // COMMITTED_SCALE) for s, rid in self._ids.items()}
+
     def held(self, slot: int) -> tuple[str, float] | None:
         """("probation" or "benched", until) for a member the gate keeps out now, else None."""
         with self._lock:
@@ -470,6 +407,7 @@ class LighthouseGateway:
         self.breaker = breaker if breaker is not None else StallBreaker()
         self.limiter = limiter if limiter is not None else SourceLimiter()
         self.refused: Counter[str] = Counter()
+        self.completion = CompletionRecord()  # the job's end (lowband.ft.completion)
         self._named: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self._channel = grpc.insecure_channel(backend)
@@ -477,7 +415,8 @@ class LighthouseGateway:
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(path))
                     for name, path in (("Quorum", QUORUM), ("Heartbeat", HEARTBEAT))}
         admit = {"Admit": grpc.unary_unary_rpc_method_handler(self._handler(ADMIT)),
-                 "Accuse": grpc.unary_unary_rpc_method_handler(self._handler(ACCUSE))}
+                 "Accuse": grpc.unary_unary_rpc_method_handler(self._handler(ACCUSE)),
+                 "Done": grpc.unary_unary_rpc_method_handler(self._handler(DONE))}
         self._server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowband-gateway"),
                                    handlers=[grpc.method_handlers_generic_handler(SERVICE, handlers),
                                              grpc.method_handlers_generic_handler(GATE_SERVICE, admit)],
@@ -505,6 +444,10 @@ class LighthouseGateway:
             self.limiter.passed(host)
             if method == ACCUSE:
                 return self._accuse(request, context)
+            if method == DONE:
+                return self._done(request, context)
+            if method in (ADMIT, QUORUM) and self.completion.complete:  # a node back after the job ended: it leaves
+                context.abort(self._grpc.StatusCode.FAILED_PRECONDITION, f"{COMPLETE} {self.completion.answer()}")
             slot = self._slot(request, HEARTBEAT if method == HEARTBEAT else QUORUM)
             held = self.breaker.held(slot) if slot is not None else None
             if held is not None and method == HEARTBEAT:
@@ -549,6 +492,17 @@ class LighthouseGateway:
         except (ValueError, UnicodeDecodeError, TypeError) as e:
             context.abort(self._grpc.StatusCode.INVALID_ARGUMENT, f"malformed report ({e})")
         why = self.breaker.accuse(reporter, accused, peer_host(context.peer()), what)
+        if why is not None:
+            context.abort(self._grpc.StatusCode.FAILED_PRECONDITION, f"lowband gateway: the report is not counted: {why}")
+        return b""
+
+    def _done(self, request: bytes, context) -> bytes:
+        """A member's report that it committed the job's last step (:data:`DONE`; the reporter is already admitted)."""
+        try:
+            rid, step, where = done_fields(request)
+        except ValueError as e:
+            context.abort(self._grpc.StatusCode.INVALID_ARGUMENT, f"malformed report ({e})")
+        why = self.completion.done(rid, peer_host(context.peer()), step, where, self.breaker.round_members())
         if why is not None:
             context.abort(self._grpc.StatusCode.FAILED_PRECONDITION, f"lowband gateway: the report is not counted: {why}")
         return b""
@@ -684,7 +638,8 @@ def accuse_at_gate(lighthouse: str, rid: str, accused: str, why: str, *, timeout
 def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: float = 10.0) -> str | None:
     """Ask the gate at ``lighthouse`` (``http://HOST:PORT``) whether a member with replica id ``rid``, Manager
     ``address`` and ``store`` may pass: the gate's reason for refusing it, or None (it passes; or the Lighthouse
-    has no gate, or cannot be reached yet: torchft's Manager then finds out by itself)."""
+    has no gate, or cannot be reached yet: torchft's Manager then finds out by itself). Raises
+    :class:`~lowband.ft.completion.JobComplete` when the gate says the job is complete."""
     import grpc  # optional dependency (the ft extra)
 
     target = lighthouse.split("://", 1)[-1].rstrip("/")
@@ -692,6 +647,9 @@ def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: 
         try:
             channel.unary_unary(ADMIT)(admission_request(rid, address, store), timeout=timeout_s)
         except grpc.RpcError as e:
+            done = complete_reason(e.details() or "") if e.code() == grpc.StatusCode.FAILED_PRECONDITION else None
+            if done is not None:
+                raise job_complete(lighthouse, done) from None
             why = gate_reason(e.details() or "") if e.code() == grpc.StatusCode.PERMISSION_DENIED else None
             if why is not None:
                 return why

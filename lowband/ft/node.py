@@ -320,9 +320,10 @@ class FaultTolerance:
         rid = replica_id(cfg.fingerprint, cfg.node, secret=cfg.secret, store=f"{store_host}:{store_port}",
                          manager=f"{advertise}:{port}")
         # Before torchft's Manager starts (it would retry a refused quorum until its timeout): may this node pass?
+        # Every rank asks, so that each learns a job is complete (JobComplete) and leaves; rank 0 acts on a refusal.
         why = ask_gate(cfg.lighthouse, rid, f"http://{advertise}:{port}", f"{store_host}:{store_port}",
-                       timeout_s=min(10.0, cfg.quorum_timeout_s)) if rank == 0 else None
-        if why is not None:
+                       timeout_s=min(10.0, cfg.quorum_timeout_s)) if cfg.secret is not None or rank == 0 else None
+        if why is not None and rank == 0:
             raise gate_refusal(cfg, why)
         with _listening_on(bind_host):
             self.manager = Manager(
@@ -338,7 +339,7 @@ class FaultTolerance:
             )
         self.replica_id = self.manager._store.get("replica_id").decode()  # rank 0's, with torchft's :uuid
         self.reported: dict[str, str | None] = {}  # members reported to the gate for bad messages: the gate's answer
-        self.removed = False  # the Lighthouse's gate removed this node from the job (lowband.ft.quorum)
+        self.removed = False  # the gate removed this node from the job, or told it the job is complete (ft.quorum)
         self.manager._client = QuorumRecorder(self.manager._client, self)
         watch_agent()
 

@@ -1,6 +1,7 @@
 """A node's view of each quorum under fault tolerance (:mod:`lowband.ft.node`): who is in it, whether they are all
 of this node's job (:func:`lowband.trust.admission.screen`, :func:`lowband.trust.admission.admit`), and what the
-Lighthouse's gate says of this node (:mod:`lowband.ft.gateway`): refused at admission, or removed from the job."""
+Lighthouse's gate says of this node (:mod:`lowband.ft.gateway`): refused at admission, removed from the job, or
+told that the job is complete (:mod:`lowband.ft.completion`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 import time
 from typing import Any
 
+from lowband.ft.completion import JobComplete, complete_reason, job_complete
 from lowband.ft.gateway import KEPT_OUT, ask_gate, gate_reason
 from lowband.trust.admission import AdmissionRefused, RemovedFromJob, admit, claim_of, member_of, screen
 
@@ -76,8 +78,12 @@ class QuorumRecorder:
             done.set()
         threading.Thread(target=call, daemon=True, name="lowband-quorum").start()  # daemon: a call left waiting
         while not done.wait(GATE_POLL_S):  # after a refusal must not hold the process up until its timeout
-            why = ask_gate(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
-                           timeout_s=GATE_POLL_S)
+            try:
+                why = ask_gate(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
+                               timeout_s=GATE_POLL_S)
+            except JobComplete:
+                self._ft.removed = True  # leave now: torchft's Manager would wait out its refused quorum request
+                raise
             if why is not None:
                 raise self._refused(why)
         if "error" in answer:
@@ -94,6 +100,10 @@ class QuorumRecorder:
             try:
                 result = self._asked(*args, **kwargs)
             except (RuntimeError, TimeoutError) as e:  # the Lighthouse's gate refused this node (lowband.ft.gateway)
+                done = complete_reason(str(e))
+                if done is not None:  # the job ended while this node waited for its quorum
+                    self._ft.removed = True
+                    raise job_complete(cfg.lighthouse, done) from None
                 why = gate_reason(str(e))
                 if why is None:
                     raise

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from lowband.ft.completion import report_done
 from lowband.ft.node import FaultTolerance, FaultToleranceConfig, data_slot, load_local_state, local_state
 from lowband.ft.state import check_peer_state, load_optimizer_local_state, local_tensor, optimizer_local_state
 from lowband.trust.admission import member_of
@@ -159,8 +160,21 @@ class FaultTolerantSession:
         return step, {"replicas": self.torchft.last_members, "dropped": dropped}
 
     def finish(self) -> None:
-        """``ft_rank{R}.json`` (before the job's last barrier)."""
+        """``ft_rank{R}.json`` (before the job's last barrier); a node that trained the job's last step tells the
+        Lighthouse's gate, which then tells a node that comes back that the job is complete (lowband.ft.completion)."""
         self._record()
+        t, steps = self.trainer, self.config.steps
+        if self.secret is None or t.rank != 0 or steps is None or t.steps_done < steps:
+            return  # no gate; not the node's rank 0; or the run stopped early (--time-budget, --stop-file)
+        final = t.out / "checkpoints" / f"step_{t.steps_done:06d}"
+        where = str((final if final.exists() else t.out).resolve())
+        why = report_done(self.config.lighthouse, self.torchft.replica_id, t.steps_done, where)
+        if why is None:
+            log.info("node %d: told the Lighthouse's gate that the job is complete at step %d (%s)", self.config.node,
+                     t.steps_done, where)
+        else:
+            log.warning("node %d: the Lighthouse's gate did not record the job's end at step %d: %s", self.config.node,
+                        t.steps_done, why[:300])
 
     def shutdown(self) -> None:
         self.torchft.shutdown()

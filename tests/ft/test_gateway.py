@@ -478,3 +478,100 @@ def test_the_source_limiters_tables_are_bounded_whoever_calls():
         for _ in range(10):
             lim.refused(host)
         assert not lim.over(host)
+
+
+# ----------------------------------------------------------------------------- a job that knows when it is done
+def test_the_gate_records_the_jobs_end_only_from_a_member_of_the_round_that_reached_the_last_step():
+    """Issue 44 item 6: the record counts a member of the current round, from its own address, for a step no earlier
+    than the one it was at in that round; the first such report makes the job complete, later ones of the same step
+    add their checkpoints, and the answer names the step and every path."""
+    from lowband.ft.completion import CompletionRecord
+
+    b = StallBreaker()
+    ids = {s: _member(s, f"10.0.0.{s + 1}") for s in range(3)}
+    b.observe((1, 0), {s: q(699, 699) for s in ids}, ids)
+    r = CompletionRecord()
+    members = b.round_members()
+    assert members[2] == (ids[2], 699)
+    again = ids[1].rsplit(":", 1)[0] + ":restarted"  # node 1's slot and tag, another process: not the round's
+    assert "not in the current quorum" in r.done(again, "10.0.0.2", 700, "/x", members)
+    assert "not in the current quorum" in r.done(_member(5, "10.0.0.6"), "10.0.0.6", 700, "/x", members)  # not in it
+    assert "came from 10.0.0.1" in r.done(ids[1], "10.0.0.1", 700, "/x", members)  # node 0 speaking for node 1
+    assert "it was at step 699" in r.done(ids[1], "10.0.0.2", 600, "/x", members)  # earlier than it was
+    assert not r.complete
+    assert r.done(ids[1], "10.0.0.2", 700, "/out1/checkpoints/step_000700", members) is None
+    assert r.complete and r.step == 700
+    assert "already complete at step 700" in r.done(ids[2], "10.0.0.3", 701, "/y", members)
+    assert r.done(ids[2], "10.0.0.3", 700, "/out2", members) is None
+    assert r.answer() == "at step 700; final checkpoints: node1 at /out1/checkpoints/step_000700, node2 at /out2"
+
+
+def test_a_node_that_asks_after_the_job_is_complete_is_told_so_and_leaves_and_a_forged_report_is_refused(gate):
+    from lowband.ft.completion import DONE, JobComplete, done_request, report_done
+
+    g, seen, _ = gate
+    ids = {s: _member(s, "127.0.0.1") for s in range(3)}
+    g.breaker.observe((1, 0), {s: q(9, 9) for s in ids}, ids)
+    outsider = replica_id("f00d", 0) + ":x"  # no secret: refused before the record sees it
+    with pytest.raises(grpc.RpcError) as e:
+        _call(g.address(), DONE, done_request(outsider, "http://127.0.0.1:6000", "127.0.0.1:5000", 10, "/x"))
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "FAILED_PRECONDITION" in report_done(g.address(), _member(4, "127.0.0.1"), 10, "/x")  # not a member
+    assert "INVALID_ARGUMENT" in _done_error(g, ids[0], "ten")
+    # while the job runs a member passes (a node alone during the job trains on)
+    assert ask_gate(g.address(), ids[0], "http://127.0.0.1:6000", "127.0.0.1:5000") is None
+    assert not g.completion.complete
+    assert report_done(g.address(), ids[1], 10, "/run/node1/checkpoints/step_000010") is None
+    with pytest.raises(JobComplete, match=r"complete at step 10; final checkpoints: node1 at /run/node1/checkpoints"):
+        ask_gate(g.address(), ids[0], "http://127.0.0.1:6000", "127.0.0.1:5000")
+    with pytest.raises(grpc.RpcError) as e:  # its quorum request too: never reaches the Lighthouse
+        _call(g.address(), QUORUM, admission_request(ids[0], "http://127.0.0.1:6000", "127.0.0.1:5000"))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "complete at step 10" in e.value.details()
+    assert seen == []
+
+
+def _done_error(g, rid: str, step: str) -> str:
+    from lowband.ft.completion import DONE
+    from lowband.ft.protowire import string_field as field
+
+    member = field(1, rid.encode()) + field(2, b"http://127.0.0.1:6000") + field(3, b"127.0.0.1:5000")
+    try:
+        _call(g.address(), DONE, field(1, member) + field(2, step.encode()) + field(3, b"/x"))
+    except grpc.RpcError as e:
+        return f"{e.code().name}: {e.details()}"
+    return ""
+
+
+def test_a_node_whose_quorum_waits_when_the_job_ends_leaves_and_lowband_train_exits_0(gate, monkeypatch, capsys):
+    import time
+
+    from lowband import cli
+    from lowband.ft import quorum as ft_quorum
+    from lowband.ft.completion import JobComplete, report_done
+    from lowband.ft.node import FaultTolerance, FaultToleranceConfig
+
+    g, _, _ = gate
+    monkeypatch.setattr(ft_quorum, "GATE_POLL_S", 0.2)
+    ids = {s: _member(s, "127.0.0.1") for s in range(3)}
+    g.breaker.observe((1, 0), {s: q(5, 5) for s in ids}, ids)
+    ft = FaultTolerance.__new__(FaultTolerance)
+    ft.cfg = FaultToleranceConfig(lighthouse=g.address(), node=2, max_nodes=3, fingerprint="f00d", secret=SECRET)
+    ft.replica_id, ft.removed = ids[2], False
+    client = type("C", (), {})()
+    client._quorum = lambda **kw: time.sleep(60)  # torchft would wait out its timeout
+    rec = ft_quorum.QuorumRecorder(client, ft)
+    assert report_done(g.address(), ids[0], 6, "/out0") is None
+    t0 = time.monotonic()
+    with pytest.raises(JobComplete, match="complete at step 6; final checkpoints: node0 at /out0"):
+        rec._asked(step=6)
+    assert time.monotonic() - t0 < 5.0 and ft.removed  # it leaves without waiting for torchft's Manager
+
+    def train_main(args):
+        raise JobComplete("the job at X is complete at step 6; final checkpoints: node0 at /out0.")
+
+    exits = []
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    monkeypatch.setattr(cli.importlib, "import_module", lambda name: type("M", (), {
+        "main": staticmethod(train_main), "add_arguments": staticmethod(lambda p: None)}))
+    cli.main(["train"])
+    assert exits == [0] and "complete at step 6; final checkpoints: node0 at /out0" in capsys.readouterr().out

@@ -1,0 +1,80 @@
+"""Protobuf's wire format, read and written by hand with bounds: what the Lighthouse's gate reads of a request
+(:mod:`lowband.ft.gateway`) without deserialising it into objects."""
+
+from __future__ import annotations
+
+__all__ = ["MAX_FIELDS", "RESPONSE_FIELDS", "encode_varint", "parse_fields", "string_field", "string_of"]
+
+#: The most fields :func:`parse_fields` reads in one message of a request (a QuorumMember has 8), and in the
+#: Lighthouse's own answer to a quorum request (one field per member).
+MAX_FIELDS, RESPONSE_FIELDS = 64, 1 << 16
+
+
+def _varint(buf, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+
+
+def parse_fields(buf: bytes | memoryview, *, max_fields: int = MAX_FIELDS) -> dict[int, list[bytes | int]]:
+    """The top-level fields of a protobuf message: field number -> values (bytes for length-delimited
+    fields, ints for varints and fixed-width ones). A ValueError for anything malformed, and for more than
+    ``max_fields`` fields (so that the work is bounded by the count, not by what the sender chose)."""
+    view = memoryview(buf)
+    fields: dict[int, list[bytes | int]] = {}
+    i = count = 0
+    while i < len(view):
+        count += 1
+        if count > max_fields:
+            raise ValueError(f"more than {max_fields} fields")
+        key, i = _varint(view, i)
+        number, wire = key >> 3, key & 7
+        if number == 0:
+            raise ValueError("field number 0")
+        if wire == 0:
+            value, i = _varint(view, i)
+        elif wire == 2:
+            n, i = _varint(view, i)
+            if n > len(view) - i:
+                raise ValueError("a length-delimited field runs past the end")
+            value, i = bytes(view[i:i + n]), i + n
+        elif wire in (1, 5):
+            width = 8 if wire == 1 else 4
+            if i + width > len(view):
+                raise ValueError("a fixed-width field runs past the end")
+            value, i = int.from_bytes(view[i:i + width], "little"), i + width
+        else:
+            raise ValueError(f"wire type {wire} is not read here")
+        fields.setdefault(number, []).append(value)
+    return fields
+
+
+def string_of(fields: dict[int, list[bytes | int]], number: int) -> str:
+    """The last value of string field ``number`` in ``fields`` (empty when absent); a ValueError when it is no string."""
+    values = fields.get(number) or [b""]
+    value = values[-1]
+    if not isinstance(value, bytes):
+        raise ValueError(f"field {number} is not a string")
+    return value.decode("utf-8")
+
+
+def encode_varint(n: int) -> bytes:
+    """``n`` (>= 0) as a protobuf varint."""
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def string_field(number: int, value: bytes) -> bytes:
+    """A length-delimited protobuf field: its key (``number``, wire type 2), its length, then ``value``."""
+    return encode_varint(number << 3 | 2) + encode_varint(len(value)) + value
