@@ -575,3 +575,28 @@ def test_a_node_whose_quorum_waits_when_the_job_ends_leaves_and_lowband_train_ex
         "main": staticmethod(train_main), "add_arguments": staticmethod(lambda p: None)}))
     cli.main(["train"])
     assert exits == [0] and "complete at step 6; final checkpoints: node0 at /out0" in capsys.readouterr().out
+
+
+def test_a_node_that_trained_the_last_step_reports_its_final_checkpoint_and_one_stopped_early_does_not(gate, tmp_path):
+    from types import SimpleNamespace
+
+    from lowband.ft.node import FaultToleranceConfig
+    from lowband.ft.session import FaultTolerantSession
+
+    g, _, _ = gate
+    ids = {s: _member(s, "127.0.0.1") for s in range(2)}
+    g.breaker.observe((1, 0), {s: q(9, 9) for s in ids}, ids)
+    cfg = FaultToleranceConfig(lighthouse=g.address(), node=1, max_nodes=2, fingerprint="f00d", secret=SECRET, steps=10)
+    session = FaultTolerantSession(cfg)
+    session._record = lambda: None  # ft_rank{R}.json: not this test's
+    session.torchft = SimpleNamespace(replica_id=ids[1])
+    (tmp_path / "checkpoints" / "step_000010").mkdir(parents=True)
+    session.trainer = SimpleNamespace(rank=0, steps_done=9, out=tmp_path)  # stopped early (--stop-file)
+    session.finish()
+    assert not g.completion.complete
+    session.trainer = SimpleNamespace(rank=1, steps_done=10, out=tmp_path)  # not the node's rank 0
+    session.finish()
+    assert not g.completion.complete
+    session.trainer = SimpleNamespace(rank=0, steps_done=10, out=tmp_path)
+    session.finish()
+    assert g.completion.step == 10 and g.completion.where == {1: str(tmp_path / "checkpoints" / "step_000010")}
