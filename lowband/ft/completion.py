@@ -5,10 +5,12 @@ A node whose run trained and committed the job's last step reports :data:`DONE` 
 at the end of its run: :meth:`lowband.ft.session.FaultTolerantSession.finish`), with where its final checkpoint is.
 The gate counts it only from a member of the current quorum round (its replica id proves the job's secret, and is
 the round's member of its slot), from the address its tag vouches for, and for a step no earlier than the one the
-member was at in that round. The first such report makes the job complete: the members of a round commit a step
-together (the commit vote is the quorum's), so one member's commit of the last step is the round's, and a member
-of the last round that died after its commit never reports (waiting for all of them could wait for ever). Later
-reports of the same step add their checkpoints to the answer.
+member was at in that round. The job is complete at a step once more than half of the round's members reported it:
+one member alone (a liar with the secret could claim any step: the gate does not know the job's steps) cannot end a
+job of two or more, and a member of the last round that died after its commit does not hold the end back where the
+others are a majority. In a round of two both must report; where one died after the last commit the job is not
+marked complete, and a node that returns trains alone as it did before. Later reports of the same step add their
+checkpoints to the answer.
 
 After that the gate answers a node's admission question (and its quorum requests) with :data:`COMPLETE` and the
 step and checkpoints; the node raises :class:`JobComplete`, which ``lowband train`` turns into exit 0 with that
@@ -65,12 +67,13 @@ def done_fields(request: bytes) -> tuple[str, int, str]:
 
 class CompletionRecord:
     """The gate's record of the job's end: the step at which it is complete, and where each reporting node's final
-    checkpoint is (slot -> path). Bounded: one path per slot of the round."""
+    checkpoint is (slot -> path). Bounded: one report per slot of the round (a later one replaces it)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.step: int | None = None
         self.where: dict[int, str] = {}
+        self._reports: dict[int, tuple[int, str]] = {}  # slot -> (step, where), before the job is complete
 
     def done(self, reporter: str, host: str, step: int, where: str, members: dict[int, tuple[str, int]]) -> str | None:
         """A member's report that it committed the job's last ``step`` (its final checkpoint at ``where``), from the
@@ -86,13 +89,19 @@ class CompletionRecord:
         if step < max(at, 1):
             return f"it reports step {step}, but it was at step {at} in the current quorum"
         with self._lock:
-            if self.step is None:
-                self.step = step
-                log.warning("the Lighthouse's gate: the job is complete at step %d (node %d committed it; final "
-                            "checkpoint %s); a node that comes back now is told so and leaves", step, claim.node, where)
-            elif step != self.step:
-                return f"the job is already complete at step {self.step}"
-            self.where[claim.node] = where
+            if self.step is not None:
+                if step != self.step:
+                    return f"the job is already complete at step {self.step}"
+                self.where[claim.node] = where
+                return None
+            self._reports = {s: r for s, r in self._reports.items() if s in members}
+            self._reports[claim.node] = (step, where)
+            agree = {s: w for s, (at_step, w) in self._reports.items() if at_step == step}
+            if 2 * len(agree) > len(members):
+                self.step, self.where = step, agree
+                log.warning("the Lighthouse's gate: the job is complete at step %d (%d of the round's %d members "
+                            "reported it; final checkpoints %s); a node that comes back now is told so and leaves",
+                            step, len(agree), len(members), agree)
         return None
 
     @property

@@ -483,8 +483,9 @@ def test_the_source_limiters_tables_are_bounded_whoever_calls():
 # ----------------------------------------------------------------------------- a job that knows when it is done
 def test_the_gate_records_the_jobs_end_only_from_a_member_of_the_round_that_reached_the_last_step():
     """Issue 44 item 6: the record counts a member of the current round, from its own address, for a step no earlier
-    than the one it was at in that round; the first such report makes the job complete, later ones of the same step
-    add their checkpoints, and the answer names the step and every path."""
+    than the one it was at in that round; the job is complete once more than half of the round reported the same step
+    (one member alone cannot end it), later ones of the same step add their checkpoints, and the answer names the
+    step and every path."""
     from lowband.ft.completion import CompletionRecord
 
     b = StallBreaker()
@@ -500,9 +501,11 @@ def test_the_gate_records_the_jobs_end_only_from_a_member_of_the_round_that_reac
     assert "it was at step 699" in r.done(ids[1], "10.0.0.2", 600, "/x", members)  # earlier than it was
     assert not r.complete
     assert r.done(ids[1], "10.0.0.2", 700, "/out1/checkpoints/step_000700", members) is None
-    assert r.complete and r.step == 700
-    assert "already complete at step 700" in r.done(ids[2], "10.0.0.3", 701, "/y", members)
+    assert not r.complete  # one of three: a member alone (it could lie about the step) does not end the job
+    assert r.done(ids[0], "10.0.0.1", 900, "/liar", members) is None and not r.complete  # another step: no majority
     assert r.done(ids[2], "10.0.0.3", 700, "/out2", members) is None
+    assert r.complete and r.step == 700  # two of three agree
+    assert "already complete at step 700" in r.done(ids[0], "10.0.0.1", 701, "/y", members)
     assert r.answer() == "at step 700; final checkpoints: node1 at /out1/checkpoints/step_000700, node2 at /out2"
 
 
@@ -522,6 +525,8 @@ def test_a_node_that_asks_after_the_job_is_complete_is_told_so_and_leaves_and_a_
     assert ask_gate(g.address(), ids[0], "http://127.0.0.1:6000", "127.0.0.1:5000") is None
     assert not g.completion.complete
     assert report_done(g.address(), ids[1], 10, "/run/node1/checkpoints/step_000010") is None
+    assert not g.completion.complete  # one of three
+    assert report_done(g.address(), ids[2], 10, "/run/node2/checkpoints/step_000010") is None
     with pytest.raises(JobComplete, match=r"complete at step 10; final checkpoints: node1 at /run/node1/checkpoints"):
         ask_gate(g.address(), ids[0], "http://127.0.0.1:6000", "127.0.0.1:5000")
     with pytest.raises(grpc.RpcError) as e:  # its quorum request too: never reaches the Lighthouse
@@ -561,8 +566,9 @@ def test_a_node_whose_quorum_waits_when_the_job_ends_leaves_and_lowband_train_ex
     client._quorum = lambda **kw: time.sleep(60)  # torchft would wait out its timeout
     rec = ft_quorum.QuorumRecorder(client, ft)
     assert report_done(g.address(), ids[0], 6, "/out0") is None
+    assert report_done(g.address(), ids[1], 6, "/out1") is None  # two of the round's three: the job is complete
     t0 = time.monotonic()
-    with pytest.raises(JobComplete, match="complete at step 6; final checkpoints: node0 at /out0"):
+    with pytest.raises(JobComplete, match="complete at step 6; final checkpoints: node0 at /out0, node1 at /out1"):
         rec._asked(step=6)
     assert time.monotonic() - t0 < 5.0 and ft.removed  # it leaves without waiting for torchft's Manager
 
@@ -584,7 +590,7 @@ def test_a_node_that_trained_the_last_step_reports_its_final_checkpoint_and_one_
     from lowband.ft.session import FaultTolerantSession
 
     g, _, _ = gate
-    ids = {s: _member(s, "127.0.0.1") for s in range(2)}
+    ids = {1: _member(1, "127.0.0.1")}  # the last round held node 1 alone: its own report is the round's majority
     g.breaker.observe((1, 0), {s: q(9, 9) for s in ids}, ids)
     cfg = FaultToleranceConfig(lighthouse=g.address(), node=1, max_nodes=2, fingerprint="f00d", secret=SECRET, steps=10)
     session = FaultTolerantSession(cfg)
