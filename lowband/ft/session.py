@@ -164,8 +164,11 @@ class FaultTolerantSession:
         Lighthouse's gate, which then tells a node that comes back that the job is complete (lowband.ft.completion)."""
         self._record()
         t, steps = self.trainer, self.config.steps
-        if self.secret is None or t.rank != 0 or steps is None or t.steps_done < steps:
-            return  # no gate; not the node's rank 0; or the run stopped early (--time-budget, --stop-file)
+        stop = getattr(t, "stop", None)  # --stop-file: the step every node of the job ends after, as the user wrote it
+        ended = steps is not None and (t.steps_done >= steps or (stop is not None and stop.step is not None
+                                                                  and t.steps_done >= stop.step))
+        if self.secret is None or t.rank != 0 or not ended:
+            return  # no gate; not the node's rank 0; or the run did not reach the job's end
         final = t.out / "checkpoints" / f"step_{t.steps_done:06d}"
         where = str((final if final.exists() else t.out).resolve())
         why = report_done(self.config.lighthouse, self.torchft.replica_id, t.steps_done, where)

@@ -1,6 +1,7 @@
 """Admission with real processes (issue 29 items 1 and 2): one job with a secret, so its Lighthouse sits behind
 the gate (lowband.ft.gateway), through three intruders one after another: an outsider that keeps asking for
-quorums, a node started with another job's secret, and a member holding the secret that never sends. The
+quorums, a node started with another job's secret, and a member holding the secret that never sends; then a
+node of the job that comes back after the job ended (told so, it exits 0 and trains nothing). The
 outsider reads no status page and never reaches a quorum, so the job does not stall; the wrong node is refused
 with a clear error; through both the job drops no step. The silent member is found by the gate and kept out,
 and the job trains on. (One job for the three: a job's start is most of each one's time.)"""
@@ -143,18 +144,24 @@ def test_outsiders_and_a_wrong_secret_are_refused_without_a_dropped_step_and_a_s
             silent_out = silent.communicate()[0]
         job.end_soon()
         codes = job.wait(timeout_s=240)
+        log = (tmp_path / "node2.log").read_text()
+        # 4. a node of the job that comes back after the job's end (--stop-file here): told so, it trains nothing
+        job.start(2)
+        back = job.procs[2].wait(timeout=120)
+        back_log = (tmp_path / "node2.log").read_text()
     out = fake.stdout
     assert "status page refused" in out, out  # the gate serves no status page (torchft's is on loopback only)
     asked, refused = (int(x) for x in out.split("fake asked ")[1].split(" refused "))
     assert asked > 10 and refused == asked, out  # every request refused at the gate, at once
     assert during >= 10, f"node 0 trained {during} steps while the outsider kept asking"  # no stall
-    log = (tmp_path / "node2.log").read_text()
     assert "is refused by the job" in log and "lowband secret PATH" in log, log[-3000:]
     assert "does not prove the job's secret" in log, log[-3000:]
     assert codes[0] == 0 and codes[1] == 0, (tmp_path / "node0.log").read_text()[-3000:]
     for node in (0, 1):  # neither the outsider nor the wrong secret cost a step
         assert _dropped(tmp_path, node, 0, refused_until) == 0, node
     assert "node 2 stalled the job" in kept_out and "kept out" in kept_out, kept_out[-3000:] + silent_out[-2000:]
+    assert back == 0 and "is complete at step" in back_log, back_log[-3000:]
+    assert not (tmp_path / "node2" / "ft_rank0.json").exists()  # it trained nothing
     recs = [json.loads((tmp_path / f"node{n}" / "ft_rank0.json").read_text()) for n in (0, 1)]
     assert recs[0]["param_sha256"] == recs[1]["param_sha256"]
     assert recs[0]["dropped_steps"] >= 1, recs[0]  # the silent member did stall the job, for a while

@@ -597,7 +597,7 @@ def test_a_node_that_trained_the_last_step_reports_its_final_checkpoint_and_one_
     session._record = lambda: None  # ft_rank{R}.json: not this test's
     session.torchft = SimpleNamespace(replica_id=ids[1])
     (tmp_path / "checkpoints" / "step_000010").mkdir(parents=True)
-    session.trainer = SimpleNamespace(rank=0, steps_done=9, out=tmp_path)  # stopped early (--stop-file)
+    session.trainer = SimpleNamespace(rank=0, steps_done=9, out=tmp_path, stop=None)  # stopped before the end
     session.finish()
     assert not g.completion.complete
     session.trainer = SimpleNamespace(rank=1, steps_done=10, out=tmp_path)  # not the node's rank 0
