@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from lowband.ft.protowire import parse_fields, string_field, string_of
+from lowband.ft.protowire import call_gate, parse_fields, string_field, string_of
 from lowband.trust.admission import claim_of
 
 __all__ = ["COMPLETE", "DONE", "MAX_WHERE_CHARS", "CompletionRecord", "JobComplete", "complete_reason", "done_fields",
@@ -132,16 +132,8 @@ def report_done(lighthouse: str, rid: str, step: int, where: str, *, timeout_s: 
     """Report to the gate at ``lighthouse`` that this member (replica id ``rid``, the node's rank 0) committed the
     job's last ``step``, its final checkpoint at ``where``: None when the gate counted it, else why not (no gate:
     torchft's own Lighthouse; unreachable; or the report was refused)."""
-    import grpc  # optional dependency (the ft extra)
-
     claim = claim_of(rid)
     if claim is None:
         return f"{rid[:80]!r} is not a lowband replica id"
-    target = lighthouse.split("://", 1)[-1].rstrip("/")
-    with grpc.insecure_channel(target) as channel:
-        try:
-            channel.unary_unary(DONE)(done_request(rid, f"http://{claim.manager}", claim.store, step, where),
-                                      timeout=timeout_s)
-        except grpc.RpcError as e:
-            return f"{e.code().name}: {e.details() or ''}"
-    return None
+    return call_gate(lighthouse, DONE, done_request(rid, f"http://{claim.manager}", claim.store, step, where),
+                     timeout_s=timeout_s)

@@ -42,7 +42,7 @@ from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 from lowband.ft.completion import COMPLETE, DONE, CompletionRecord, complete_reason, done_fields, job_complete
-from lowband.ft.protowire import MAX_FIELDS, RESPONSE_FIELDS, parse_fields, string_field
+from lowband.ft.protowire import MAX_FIELDS, RESPONSE_FIELDS, call_gate, parse_fields, string_field
 from lowband.ft.protowire import string_of as _string
 from lowband.trust.admission import claim_of, proves
 from lowband.trust.limits import SourceLimiter
@@ -620,19 +620,11 @@ def accuse_at_gate(lighthouse: str, rid: str, accused: str, why: str, *, timeout
     """Report to the gate at ``lighthouse`` that the member with replica id ``accused`` sent this member (replica id
     ``rid``) bad messages (``why``): None when the gate counted it, else why not (no gate: torchft's own
     Lighthouse, which cannot remove a member; or the report was refused)."""
-    import grpc  # optional dependency (the ft extra)
-
     claim = claim_of(rid)
     if claim is None:
         return f"{rid[:80]!r} is not a lowband replica id"
-    target = lighthouse.split("://", 1)[-1].rstrip("/")
-    with grpc.insecure_channel(target) as channel:
-        try:
-            channel.unary_unary(ACCUSE)(accusation_request(rid, f"http://{claim.manager}", claim.store, accused, why),
-                                        timeout=timeout_s)
-        except grpc.RpcError as e:
-            return f"{e.code().name}: {e.details() or ''}"
-    return None
+    return call_gate(lighthouse, ACCUSE, accusation_request(rid, f"http://{claim.manager}", claim.store, accused, why),
+                     timeout_s=timeout_s)
 
 
 def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: float = 10.0) -> str | None:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-__all__ = ["MAX_FIELDS", "RESPONSE_FIELDS", "encode_varint", "parse_fields", "string_field", "string_of"]
+__all__ = ["MAX_FIELDS", "RESPONSE_FIELDS", "call_gate", "encode_varint", "parse_fields", "string_field", "string_of"]
 
 #: The most fields :func:`parse_fields` reads in one message of a request (a QuorumMember has 8), and in the
 #: Lighthouse's own answer to a quorum request (one field per member).
@@ -78,3 +78,17 @@ def encode_varint(n: int) -> bytes:
 def string_field(number: int, value: bytes) -> bytes:
     """A length-delimited protobuf field: its key (``number``, wire type 2), its length, then ``value``."""
     return encode_varint(number << 3 | 2) + encode_varint(len(value)) + value
+
+
+def call_gate(lighthouse: str, method: str, request: bytes, *, timeout_s: float = 10.0) -> str | None:
+    """One of the gate's own calls (``method``, answered by the gate, never forwarded) to the gate at ``lighthouse``
+    (``http://HOST:PORT``): None when it was accepted, else ``"CODE: details"`` (refused; unreachable; or torchft's
+    own Lighthouse, which has no such call)."""
+    import grpc  # optional dependency (the ft extra)
+
+    with grpc.insecure_channel(lighthouse.split("://", 1)[-1].rstrip("/")) as channel:
+        try:
+            channel.unary_unary(method)(request, timeout=timeout_s)
+        except grpc.RpcError as e:
+            return f"{e.code().name}: {e.details() or ''}"
+    return None
