@@ -128,15 +128,7 @@ from lowband.ft.gateway import (  # noqa: E402
     refusal,
     string_field,
 )
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
+from lowband.ft.protowire import encode_varint  # noqa: E402
 
 
 def _random_message(rng: random.Random, depth: int = 0) -> bytes:
@@ -144,13 +136,13 @@ def _random_message(rng: random.Random, depth: int = 0) -> bytes:
     out = bytearray()
     for _ in range(rng.choice([0, 1, 3, 10, 70])):
         number, wire = rng.choice([0, 1, 2, 3, 4, 5, 1 << 28]), rng.choice([0, 1, 2, 3, 5, 7])
-        out += _varint(number << 3 | wire)
+        out += encode_varint(number << 3 | wire)
         if wire == 0:
-            out += _varint(rng.choice([0, 1, 1 << 63, (1 << 70) - 1]))
+            out += encode_varint(rng.choice([0, 1, 1 << 63, (1 << 70) - 1]))
         elif wire == 2:
             body = (_random_message(rng, depth + 1) if depth < 2 and rng.randrange(2)
                     else bytes(rng.randrange(256) for _ in range(rng.choice([0, 3, 40]))))
-            out += _varint(len(body) + rng.choice([0, 0, 0, 1, -1 if body else 0, 1 << 40])) + body
+            out += encode_varint(len(body) + rng.choice([0, 0, 0, 1, -1 if body else 0, 1 << 40])) + body
         elif wire in (1, 5):
             out += bytes(rng.randrange(256) for _ in range(rng.choice([2, 4, 8])))
     return bytes(out)
@@ -198,7 +190,7 @@ def test_gate_requests_random_and_mutated_are_refused_with_a_reason_of_a_fixed_k
 
 
 def test_a_huge_request_is_refused_after_a_bounded_number_of_fields():
-    flood = _varint(4 << 3) + b"\x01"  # field 4, a varint: 2 bytes each
+    flood = encode_varint(4 << 3) + b"\x01"  # field 4, a varint: 2 bytes each
     big = flood * (2_000_000)  # 4 MB of fields, the request: read up to the bound, not to its end
     with pytest.raises(ValueError, match=f"more than {MAX_FIELDS} fields"):
         parse_fields(big)
