@@ -284,6 +284,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  wall s, median of {args.repeats}: FlexDeMo {s['flexdemo_wall_s_median']:.4f}  "
           f"AdamW {s['adamw_wall_s_median']:.4f}  ratio {s['ratio_wall_median']:.2f}")
     report["step_cost"] = {**s, "elements": cost.elements, "tensors": cost.tensors}
+    launches = {}
+    for blocks in ("group", "cache"):
+        n = step_cost.flexdemo_launches(big, blocks=blocks, replicas=args.replicas, device=device,
+                                        cuda=device.startswith("cuda"))
+        launches[blocks] = n._asdict()
+        on_device = f", {n.device_kernels} kernels ran on the device" if n.device_kernels is not None else ""
+        print(f"  FlexDeMo step(), blocks={blocks}: {n.kernels} ops launched a kernel, {n.syncs} host sync(s){on_device}")
+    if device.startswith("cuda"):  # the layout a GPU does not use by default, timed for the comparison
+        other = step_cost.time_steps(big, model=args.step_model, vocab_size=vocab(args.step_model),
+                                     n_shards=args.shards, replicas=args.replicas, repeats=args.repeats,
+                                     device=device, blocks="cache").summary()
+        print(f"  blocks=cache (the CPU's layout) on {device}: FlexDeMo {other['flexdemo_wall_s_median']:.4f} s, "
+              f"ratio {other['ratio_wall_median']:.2f}")
+        launches["cache_timing"] = other
+    report["step_launches"] = launches
 
     print(f"\n3. compression throughput on the same shards ({cost.elements:,} fp32 momentum elements)")
     tp = compression_throughput(big, device=device, replicas=args.replicas, topk=1, chunk=128, repeats=args.repeats)

@@ -25,6 +25,14 @@ ratios FlexDeMo / AdamW. On a loaded machine the ratio is the figure to compare,
 times. ``--threads`` sets torch's intra-op threads (default 1: one rank's share of a core, as the
 multi-process runs on this machine give it).
 
+Kernels and host synchronisations: for each block layout of FlexDeMo (``blocks="group"``, a GPU's
+default: a param group's chunk rows in as few blocks as possible; ``blocks="cache"``, the CPU's
+default: blocks of about 2^20 elements that stay in the caches) the script counts what one
+``step()`` launches with torch.profiler (:func:`lowband.testing.launches.count_launches`: the
+dispatched ops that run a kernel, and the host reads of device values). The count is the same on
+the CPU as on a GPU, so it is measured here; the times above are the CPU's default layout's
+(``--blocks`` times another).
+
 Run::
 
     python benchmarks/step_cost.py                          # t5-mini and t5-small, 7 rounds
@@ -43,6 +51,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from lowband.testing.launches import count_launches
 
 log = logging.getLogger("step_cost")
 
@@ -100,11 +110,27 @@ def make_params(shards: list[tuple[str, torch.Tensor]], *, device: str = "cpu", 
     return params
 
 
-def build_flexdemo(named_params, *, replicas: int, topk: int, chunk: int, values: str, lr: float):
+def build_flexdemo(named_params, *, replicas: int, topk: int, chunk: int, values: str, lr: float,
+                   blocks: str = "auto"):
     from lowband.optim import FlexDeMo
 
     link = LoopbackLink(replicas) if replicas > 1 else None
-    return FlexDeMo(named_params, lr=lr, topk=topk, chunk=chunk, values=values, link=link)
+    return FlexDeMo(named_params, lr=lr, topk=topk, chunk=chunk, values=values, link=link, blocks=blocks)
+
+
+def flexdemo_launches(shards: list[tuple[str, torch.Tensor]], *, blocks: str, replicas: int = 2, topk: int = 1,
+                      chunk: int = 128, values: str = "bf16", lr: float = 1e-3, device: str = "cpu",
+                      cuda: bool = False):
+    """What one FlexDeMo ``step()`` on ``shards`` launches with the block layout ``blocks``
+    (:data:`lowband.optim.flexdemo.optimizer.BLOCK_LAYOUTS`), after 2 steps that create the state:
+    :class:`lowband.testing.launches.Launches` (``cuda``: the device's kernels counted too)."""
+    flex = build_flexdemo(make_params(shards, device=device), replicas=replicas, topk=topk, chunk=chunk,
+                          values=values, lr=lr, blocks=blocks)
+    for _ in range(2):
+        flex.step()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return count_launches(flex.step, cuda=cuda)
 
 
 def build_adamw(named_params, *, lr: float):
@@ -131,6 +157,8 @@ class StepCost:
     adamw_cpu_s: list[float] = field(default_factory=list)
     flexdemo_wall_s: list[float] = field(default_factory=list)
     adamw_wall_s: list[float] = field(default_factory=list)
+    #: FlexDeMo's step: (kernels launched, host syncs) per block layout ("group", "cache").
+    launches: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         def med(xs):
@@ -157,12 +185,12 @@ def _timed(step, sync) -> tuple[float, float]:
 
 def time_steps(shards: list[tuple[str, torch.Tensor]], *, model: str, vocab_size: int, n_shards: int,
                replicas: int = 2, topk: int = 1, chunk: int = 128, values: str = "bf16", lr: float = 1e-3,
-               repeats: int = 7, warmup: int = 2, device: str = "cpu") -> StepCost:
+               repeats: int = 7, warmup: int = 2, device: str = "cpu", blocks: str = "auto") -> StepCost:
     """Time FlexDeMo's and AdamW's step() on two copies of ``shards``, alternating, ``repeats`` rounds."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     flex = build_flexdemo(make_params(shards, device=device), replicas=replicas, topk=topk, chunk=chunk,
-                          values=values, lr=lr)
+                          values=values, lr=lr, blocks=blocks)
     adam = build_adamw(make_params(shards, device=device), lr=lr)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     # FlexDeMo writes its momentum over the gradients (its step's scratch): every FlexDeMo step gets
@@ -202,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--values", default="bf16", choices=("bf16", "fp32", "sign"))
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--blocks", default="auto", choices=("auto", "group", "cache"),
+                    help="FlexDeMo's block layout for the timing (default auto: cache on the CPU, group on a GPU)")
     ap.add_argument("--repeats", type=int, default=7, help="timed rounds per model (default 7)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each first (default 2)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
@@ -218,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         shards = shard_tensors(name, vocab_size=vocab, shards=args.shards)
         cost = time_steps(shards, model=name, vocab_size=vocab, n_shards=args.shards, replicas=args.replicas,
                           topk=args.topk, chunk=args.chunk, values=args.values, lr=args.lr,
-                          repeats=args.repeats, warmup=args.warmup)
+                          repeats=args.repeats, warmup=args.warmup, blocks=args.blocks)
+        for blocks in ("group", "cache"):
+            cost.launches[blocks] = flexdemo_launches(shards, blocks=blocks, replicas=args.replicas, topk=args.topk,
+                                                      chunk=args.chunk, values=args.values, lr=args.lr)
         s = cost.summary()
         results.append({**asdict(cost), **s})
         print(f"{name} (vocab {vocab}): {cost.tensors} tensors, {cost.elements:,} elements per rank "
@@ -228,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
               f"AdamW {s['adamw_cpu_s_median']:.4f}  ratio {s['ratio_cpu_median']:.2f}")
         print(f"  step() wall s, median: FlexDeMo {s['flexdemo_wall_s_median']:.4f}  "
               f"AdamW {s['adamw_wall_s_median']:.4f}  ratio {s['ratio_wall_median']:.2f}")
+        for blocks, where in (("group", "a GPU's default"), ("cache", "the CPU's default, timed above")):
+            kernels, syncs, _ = cost.launches[blocks]
+            print(f"  FlexDeMo step(), blocks={blocks} ({where}): {kernels} kernels launched, {syncs} host sync(s)")
         sys.stdout.flush()
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ from lowband.compress.sparse import SparseCodec
 from lowband.compress.wire import WireFormat
 
 __all__ = ["BadMessage", "UNATTRIBUTED", "check_messages", "dense_problems", "float_problems",
-           "mean_flag_problem", "sparse_problems", "wire_problems"]
+           "index_and_value_problems", "mean_flag_problem", "payload_faults", "sparse_problems", "wire_problems"]
 
 #: The sender of a bad *sum* (an all-reduce's result): no single member can be named.
 UNATTRIBUTED = -1
@@ -96,7 +96,18 @@ def check_messages(messages: torch.Tensor | Sequence[torch.Tensor], *, nbytes: i
 
 
 # ----------------------------------------------------------------------------- payload checks
-def _index_and_value_problems(idx: torch.Tensor, vals: torch.Tensor, chunk: int) -> list:
+def payload_faults(idx: torch.Tensor, vals: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(B, ..., k) decoded indices and values -> (B,) bool, True where a row has an index outside
+    [0, chunk) or a non-finite value: on the device, without reading it back (the caller reads it
+    with whatever else the step must read; :func:`index_and_value_problems` then says what is wrong)."""
+    b = idx.shape[0]
+    if idx.numel() == 0:
+        return torch.zeros(b, dtype=torch.bool, device=idx.device)
+    out_of_range = ((idx < 0) | (idx >= chunk)).reshape(b, -1).any(1)
+    return out_of_range | (~torch.isfinite(vals)).reshape(b, -1).any(1)
+
+
+def index_and_value_problems(idx: torch.Tensor, vals: torch.Tensor, chunk: int) -> list:
     """(B, ..., k) indices and values -> per row the first problem: an index outside [0, chunk), a
     non-finite value (a non-finite scale gives non-finite values)."""
     b = idx.shape[0]
@@ -125,7 +136,7 @@ def wire_problems(wire: WireFormat, rows: tuple[int, ...]) -> PayloadCheck:
     """The payload check of :meth:`WireFormat.encode_many`'s bytes for tensors of ``rows`` chunks."""
     def check(payloads: torch.Tensor) -> list:
         idx, vals = wire.unpack_many(payloads, rows)
-        return _index_and_value_problems(idx, vals, wire.chunk)
+        return index_and_value_problems(idx, vals, wire.chunk)
     return check
 
 
@@ -135,7 +146,7 @@ def sparse_problems(codec: SparseCodec, n_chunks: int) -> PayloadCheck:
         out = []
         for row in payloads:
             idx, vals = codec.decode(row, n_chunks)
-            out.extend(_index_and_value_problems(idx.unsqueeze(0), vals.unsqueeze(0), codec.chunk))
+            out.extend(index_and_value_problems(idx.unsqueeze(0), vals.unsqueeze(0), codec.chunk))
         return out
     return check
 

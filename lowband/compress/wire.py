@@ -62,6 +62,7 @@ class _ManyLayout:
     bit_pos: torch.Tensor | None  # sign: each value's position in the padded bit string; None if no padding
     sign_bytes: int  # sign: bytes of all tensors' sign bits
     row_owner: torch.Tensor | None  # sign: the tensor of each chunk row
+    row_counts: torch.Tensor | None  # sign: the chunk rows of each tensor
     row_ranges: tuple[tuple[int, int], ...]  # chunk rows [start, stop) of each tensor
     nbytes: int
 
@@ -87,8 +88,9 @@ def _many_layout(wire: WireFormat, rows: tuple[int, ...], device: torch.device) 
             bit_pos = torch.cat([torch.arange(c) + s for c, s in zip(counts, starts.tolist(), strict=True)])
             bit_pos = bit_pos.to(device)
         row_owner = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows, dtype=torch.long)).to(device)
+    row_counts = torch.tensor(rows, dtype=torch.long, device=device) if sign else None
     if len(rows) == 1:
-        return _ManyLayout(None, None, bit_pos, sign_bytes, row_owner, tuple(ranges), nbytes)
+        return _ManyLayout(None, None, bit_pos, sign_bytes, row_owner, row_counts, tuple(ranges), nbytes)
     vb = 2 if wire.values == "bf16" else 4
     parts, i0, b0 = [], 0, 0  # the source's byte ranges [start, stop), in message order
     vals0 = total * ib  # the value section's first byte in the source
@@ -110,7 +112,19 @@ def _many_layout(wire: WireFormat, rows: tuple[int, ...], device: torch.device) 
     order = sorted(range(len(parts)), key=lambda j: parts[j])  # (start, stop): empty ranges first
     assert all(parts[j][1] == parts[k][0] for j, k in zip(order, order[1:], strict=False)), "ranges must tile"
     inv = tuple((starts_in_message[j], starts_in_message[j + 1]) for j in order)
-    return _ManyLayout(tuple(parts), inv, bit_pos, sign_bytes, row_owner, tuple(ranges), nbytes)
+    return _ManyLayout(tuple(parts), inv, bit_pos, sign_bytes, row_owner, row_counts, tuple(ranges), nbytes)
+
+
+def _mean_magnitudes(vals: torch.Tensor, row_counts: torch.Tensor) -> torch.Tensor:
+    """The sign format's scales: per tensor (``row_counts[t]`` consecutive rows of the (Σ rows, k)
+    ``vals``) the mean |v| of its values, 0 for a tensor without any, as float32.
+
+    Summed in float64, row by row, then over each tensor's rows in order (one segmented sum for all
+    tensors), so that a tensor's scale is the same bits whether it is packed alone or with others."""
+    k = vals.shape[-1] if vals.dim() else 1
+    row_sums = vals.reshape(-1, k).abs().double().sum(-1)
+    sums = torch.segment_reduce(row_sums, "sum", lengths=row_counts, unsafe=True, initial=0.0)
+    return (sums / (row_counts * k).clamp(min=1)).float()
 
 
 @dataclass(frozen=True)
@@ -176,7 +190,7 @@ class WireFormat:
             if pad:
                 bits = torch.nn.functional.pad(bits, (0, pad))
             packed = (bits.view(-1, 8) * _BITS.to(bits.device)).sum(-1, dtype=torch.uint8)
-            scale = flat_vals.abs().float().mean().reshape(1) if count else torch.zeros(1, device=vals.device)
+            scale = _mean_magnitudes(vals, torch.tensor([vals.shape[0]], device=vals.device))
             vb = torch.cat([packed, scale.view(torch.uint8)])
         return torch.cat([ib.reshape(-1), vb.reshape(-1)])
 
@@ -192,7 +206,8 @@ class WireFormat:
             return vals.to(torch.float32)
         if vals.numel() == 0:
             return vals.float()
-        scale = vals.abs().float().mean()
+        rows = vals.reshape(-1, self.topk)  # (n_chunks, k), as pack takes them
+        scale = _mean_magnitudes(rows, torch.tensor([rows.shape[0]], device=vals.device))[0]
         return ((vals >= 0).float() * 2 - 1) * scale
 
     # ------------------------------------------------------------------ many tensors at once
@@ -202,9 +217,7 @@ class WireFormat:
 
     def _sign_scales(self, vals: torch.Tensor, layout: _ManyLayout) -> torch.Tensor:
         """Each tensor's sign scale (mean |v| of its values, 0 for none), as :meth:`pack` computes it."""
-        mag = vals.abs().float()
-        zero = torch.zeros((), device=vals.device)
-        return torch.stack([mag[r0:r1].mean() if r1 > r0 else zero for r0, r1 in layout.row_ranges])
+        return _mean_magnitudes(vals, layout.row_counts)
 
     def encode_many(self, idx: torch.Tensor, vals: torch.Tensor,
                     rows: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ __all__ = [
     "check_sharded",
     "grads_nonfinite",
     "all_finite",
+    "nonfinite_flag",
     "param_label",
     "NONFINITE_POLICIES",
     "committed",
@@ -114,6 +115,15 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     if len({e.dtype for e in ends}) == 1:
         return bool(torch.isfinite(torch.stack(ends)).all())
     return all(bool(torch.isfinite(e)) for e in ends)
+
+
+def nonfinite_flag(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """:func:`all_finite`'s verdict left on the device: a one-element uint8 tensor, 1 where some tensor
+    holds NaN or Inf, read by nobody here (it travels in the message, and is read with the exchange)."""
+    ends = [end.float() for t in tensors if t.numel() for end in torch.aminmax(t)]
+    if not ends:
+        return torch.zeros(1, dtype=torch.uint8, device=device)
+    return (~torch.isfinite(torch.stack(ends)).all()).to(torch.uint8).reshape(1)
 
 
 def grads_nonfinite(grads: list[torch.Tensor], link: Link | None, *, shard_group=None) -> bool:

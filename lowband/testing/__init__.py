@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "tiny_model": "lowband.testing.ranks",
     "tiny_sharded": "lowband.testing.ranks",
     "train_reverse_task": "lowband.testing.ranks",
+    "count_launches": "lowband.testing.launches",
     "POISON_KINDS": "lowband.testing.poison",
     "Poison": "lowband.testing.poison",
     "arm_poison": "lowband.testing.poison",

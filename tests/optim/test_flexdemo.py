@@ -540,6 +540,67 @@ def test_batched_group_equals_one_group_per_parameter(monkeypatch, values, view_
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"topk": 2, "values": "bf16", "weight_decay": 0.01},
+    {"topk": 1, "values": "sign"},
+    {"topk": 3, "values": "fp32", "sign": False},
+    {"topk": 4, "tile": 4},
+    {"topk": 2, "overlap": True},
+    {"topk": 2, "overlap": True, "overlap_apply": "stale"},
+])
+def test_group_layout_equals_the_cache_layout(monkeypatch, kwargs):
+    # blocks="group" (a GPU's default) takes a param group's chunk rows in one block, every parameter
+    # copied in; blocks="cache" (the CPU's) cuts them in blocks of 256 elements here, the larger weights in
+    # place. Same messages, parameters and δ, step after step, up to float rounding (see
+    # test_blockwise_transform_equals_one_block: sign values run Top-1 for it).
+    import lowband.optim.flexdemo.optimizer as fd
+
+    monkeypatch.setattr(fd, "_VIEW_MIN_ELEMENTS", 64)
+    monkeypatch.setattr(fd, "_BLOCK_ELEMENTS", 256)
+
+    def run(blocks):
+        model = make_model()
+        link = None if kwargs.get("overlap") else LoopbackLink()  # the stand-in has no asynchronous all-gather
+        opt = FlexDeMo(model.parameters(), lr=LR, chunk=8, link=link, blocks=blocks, **kwargs)
+        for step in range(4):
+            opt.zero_grad()
+            loss_of(model, 0, step).backward()
+            opt.step()
+        opt.flush()
+        messages = link.messages if link is not None else []
+        return messages, [p.detach().clone() for p in model.parameters()] + [opt.state[p]["delta"]
+                                                                          for p in model.parameters()]
+
+    (msgs_group, group), (msgs_cache, cache) = run("group"), run("cache")
+    assert [m.numel() for m in msgs_group] == [m.numel() for m in msgs_cache]
+    for a, b in zip(msgs_group, msgs_cache, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(group, cache, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("values", ["bf16", "sign"])
+def test_group_layout_launches_the_same_few_kernels_whatever_the_number_of_parameters(values):
+    # The GPU's layout exists so that a step is a few large kernels, not a few per parameter or block
+    # (counted as benchmarks/step_cost.py counts them); and it reads the device once, after the exchange.
+    from lowband.testing.launches import count_launches
+
+    def launches(n):
+        gen = torch.Generator().manual_seed(n)
+        params = [torch.nn.Parameter(torch.randn(3 + 37 * i, generator=gen)) for i in range(n)]
+        opt = FlexDeMo(params, lr=LR, topk=1, chunk=8, values=values, link=LoopbackLink(), blocks="group")
+        for step in range(3):  # two steps create the state, the third is counted
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            if step < 2:
+                opt.step()
+        return count_launches(opt.step)
+
+    few, many = launches(4), launches(64)
+    assert few == many, (few, many)
+    assert many.kernels <= 100 and many.syncs == 1, many
+
+
 # ----------------------------------------------------------------------------- decode: true mean
 # Two replicas, one chunk of 4, top-2, fp32 values, sign off, decay 0: the momentum is lr·g, so a
 # gradient g = IDCT(X)/lr makes a replica send exactly the DCT coefficients X. Replica 0 picks

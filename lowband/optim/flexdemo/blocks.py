@@ -47,12 +47,14 @@ class BlockPlan(NamedTuple):
 
 
 def make_plan(wire: WireFormat, numels: list[int], dtypes: list[torch.dtype], *, block_elements: int,
-              view_min_elements: int) -> BlockPlan:
+              view_min_elements: int | None) -> BlockPlan:
     """The layout of a group's parameters of ``numels`` elements in blocks of about ``block_elements``
-    elements; a parameter with at least ``view_min_elements`` elements of whole chunks is used in place."""
+    elements; a parameter with at least ``view_min_elements`` elements of whole chunks is used in place
+    (None: none is, every parameter is copied into blocks)."""
     chunk = wire.chunk
     per_block = max(1, block_elements // chunk)
-    view_min_rows = max(1, min(per_block, view_min_elements // chunk))
+    view_min_rows = (max(1, min(per_block, view_min_elements // chunk)) if view_min_elements is not None
+                     else float("inf"))
     segs: list[Seg] = []
     pack: list[tuple[int, int, int, int, int]] = []
     pack_rows, pack_row0, pack_dtype = 0, 0, None
@@ -92,15 +94,31 @@ def make_plan(wire: WireFormat, numels: list[int], dtypes: list[torch.dtype], *,
 
 
 def gather_block(seg: Seg, flats: list[torch.Tensor | None], chunk: int, like: torch.Tensor,
-            out: torch.Tensor) -> torch.Tensor:
-    """A packed block's (rows, chunk) copy of ``flats`` (None: zeros), each piece zero-padded, into ``out``."""
+                 out: torch.Tensor) -> torch.Tensor:
+    """A packed block's (rows, chunk) copy of ``flats`` (None: zeros), each piece zero-padded, into ``out``.
+
+    One concatenation whatever the number of pieces: the paddings are slices of one kept zero tensor,
+    not a fresh tensor (and kernel) each. A missing tensor (a parameter's first step) gets its own zeros."""
+    zeros = _zeros(chunk, like.dtype, like.device)
     parts = []
     for t, start, stop, pad, _ in seg.pieces:
         src = flats[t]
         parts.append(src[start:stop] if src is not None else like.new_zeros(stop - start))
         if pad:
-            parts.append(like.new_zeros(pad))
+            parts.append(zeros[:pad])
     return torch.cat(parts, out=out.view(-1)).view(seg.rows, chunk)
+
+
+def _zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A read-only supply of at least ``n`` zeros, kept per dtype and device (a padding is under a chunk)."""
+    key = (dtype, device)
+    buf = _ZEROS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _ZEROS[key] = torch.zeros(max(n, 1024), dtype=dtype, device=device)
+    return buf
+
+
+_ZEROS: dict = {}
 
 
 def view_block(seg: Seg, flats: list[torch.Tensor], chunk: int) -> torch.Tensor:

@@ -23,11 +23,11 @@ from lowband.compress import WireFormat, idct_sparse, topk_per_chunk
 from lowband.optim._common import (
     NONFINITE_POLICIES,
     BadMessageTally,
-    all_finite,
     check_lr,
     check_sharded,
     committed,
     local,
+    nonfinite_flag,
     replica_state_like,
     run_closure,
     screening_counts,
@@ -44,7 +44,7 @@ from lowband.optim.flexdemo.blocks import (
     view_block,
 )
 from lowband.optim.flexdemo.overlap import OverlapMixin
-from lowband.optim.flexdemo.screen import _NOT_COUNTED, ScreenMixin
+from lowband.optim.flexdemo.screen import _NOT_COUNTED, Screened, ScreenMixin
 from lowband.optim.flexdemo.tiles import (
     add_tiled_updates,
     basis_of,
@@ -58,7 +58,7 @@ from lowband.optim.flexdemo.tiles import (
 from lowband.optim.protocol import OptimizerStats
 from lowband.optim.robust import AgreementMemory, ClipTally, check_aggregate, kept_clip_scales, sparse_gram
 
-__all__ = ["FlexDeMo", "OVERLAP_APPLY"]
+__all__ = ["BLOCK_LAYOUTS", "FlexDeMo", "OVERLAP_APPLY"]
 
 #: With overlap: "local" steps with the replica's own update at once and corrects to the mean when it
 #: arrives; "stale" steps with the mean one step late.
@@ -74,6 +74,15 @@ _BLOCK_ELEMENTS = 1 << 20
 # blocks, many parameters to a block. At c = 128 that is 512 chunks: below it, the copies in and out
 # (about 4 passes over the elements) cost less than one block's own dozen or so torch calls.
 _VIEW_MIN_ELEMENTS = 1 << 16
+# The "group" layout: a param group's rows in as few blocks as this allows (one per dtype below it), so
+# that a step launches the same few kernels whatever the number of parameters. It bounds the step's
+# temporaries (about three blocks' worth) on a large shard; at this size a launch costs nothing.
+_GROUP_BLOCK_ELEMENTS = 1 << 26
+
+#: How a param group's chunk rows are cut into blocks: "cache" (blocks of about 2^20 elements that stay
+#: in a CPU's caches, large parameters in place), "group" (the whole group at once: a constant number of
+#: kernels per step, for GPUs), "auto" ("group" on an accelerator, "cache" on the CPU).
+BLOCK_LAYOUTS = ("auto", "group", "cache")
 
 
 class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
@@ -101,13 +110,20 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
     gather-multiply-add, the dense product above 48 terms per chunk), and Top-1 is an argmax. The
     work is done per block of chunk rows, not per tensor: a param group's parameters (those with a
     gradient) are the rows of one (Σ chunks, c) matrix, each parameter zero-padded to whole chunks
-    on its own so that it decodes alone, cut into blocks of about 2^20 elements. A parameter with at
-    least 2^16 elements of whole chunks is used in place, in views of its storage; smaller ones and
-    every partial last chunk are copied into shared blocks, many parameters to a block. Per block
-    run the momentum, the DCT product, the top-k and both inverse transforms, into block buffers
-    reused within the step; per group the encoding, the finite check of the values to send, and the
-    decoding (:meth:`lowband.compress.WireFormat.encode_many`: the same bytes as the tensors'
-    payloads one by one). The momentum is computed once, over the gradient (see below), and the
+    on its own so that it decodes alone, cut into blocks as ``blocks`` says. ``"cache"`` (the CPU's
+    default): blocks of about 2^20 elements, which stay in the caches between the passes; a parameter
+    with at least 2^16 elements of whole chunks is used in place, in views of its storage; smaller
+    ones and every partial last chunk are copied into shared blocks, many parameters to a block.
+    ``"group"`` (the default on a GPU, where a step of thousands of small kernels is bound by the
+    host): every parameter copied into as few blocks as possible (one per dtype, up to 2^26
+    elements), so that a step launches a few dozen kernels whatever the number of parameters
+    (``benchmarks/step_cost.py`` counts them), at the price of temporaries of about three times the
+    group's size. Per block run the momentum, the DCT product, the top-k and both inverse
+    transforms, into block buffers reused within the step; per group the encoding, the finite check
+    of the values to send, and the decoding (:meth:`lowband.compress.WireFormat.encode_many`: the
+    same bytes as the tensors' payloads one by one). Both layouts give the same bytes and updates
+    (up to the rounding of a BLAS kernel chosen by a block's size). The step reads the device once:
+    after the exchange, the flags, the checks of the received messages and its own verdict together. The momentum is computed once, over the gradient (see below), and the
     picks compare magnitudes as integers (:func:`lowband.compress.topk_per_chunk`). What step()
     costs against AdamW's (``benchmarks/step_cost.py``) is in docs/algorithms.md.
 
@@ -210,6 +226,8 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
             mean one step later) or "stale" (step with the mean one step late).
         tile: 0 (default): 1-D chunks of ``chunk`` elements; t > 0: a 2-D DCT over t × t tiles of each
             matrix shard, ``topk`` per tile (1 ≤ topk ≤ t²; indices fit uint8 for t ≤ 16).
+        blocks: how a param group's chunk rows are cut into blocks: ``"auto"`` (default: ``"group"`` on
+            an accelerator, ``"cache"`` on the CPU), ``"group"`` or ``"cache"`` (see above).
         aggregate: ``"mean"`` (default), ``"clip"``: each replica's kept values (per param group) scaled
             to at most the replicas' median norm before the mean (:mod:`lowband.optim.robust`; no
             extra bytes; with ``values="sign"`` every value has the same size and nothing is clipped), or
@@ -234,8 +252,12 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
         overlap_apply: str = "local",
         tile: int = 0,
         aggregate: str = "mean",
+        blocks: str = "auto",
     ) -> None:
         check_lr(lr)
+        if blocks not in BLOCK_LAYOUTS:
+            raise ValueError(f"blocks must be one of {', '.join(BLOCK_LAYOUTS)}, got {blocks!r}")
+        self.blocks = blocks
         self.aggregate = check_aggregate(aggregate, method="FlexDeMo", dense=False)
         self.clip_tally, self.agreement = ClipTally(), AgreementMemory()  # agree: each pair's cosine remembered
         self._senders: list[int] = []  # the replica indices of the messages _screen kept, in order
@@ -291,6 +313,7 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
             group.setdefault("values", "bf16")
             group.setdefault("tile", 0)
         self.__dict__.setdefault("_plans", {})
+        self.__dict__.setdefault("blocks", "auto")
         self.__dict__.setdefault("overlap_apply", "stale")  # pickled before "local" existed
         self.__dict__.setdefault("bad_messages", BadMessageTally())
 
@@ -306,14 +329,20 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
         wire = WireFormat(row_width(group), group["topk"], group["values"])
         shards = [local(p) for p in params]
         numels = [num_rows(x, group) * wire.chunk if tile else x.numel() for x in shards]
-        key = (id(group), wire, tile, _BLOCK_ELEMENTS, _VIEW_MIN_ELEMENTS,
+        layout = self.blocks
+        if layout == "auto":
+            layout = "cache" if not shards or shards[0].device.type == "cpu" else "group"
+        # "group": every parameter is copied into the blocks (a view block per large parameter would be
+        # a few kernels per parameter again).
+        sizes = (_BLOCK_ELEMENTS, _VIEW_MIN_ELEMENTS) if layout == "cache" else (_GROUP_BLOCK_ELEMENTS, None)
+        key = (id(group), wire, tile, sizes,
                tuple((id(p), n, x.dtype) for p, n, x in zip(params, numels, shards, strict=True)))
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 64:
                 self._plans.clear()
-            plan = self._plans[key] = make_plan(wire, numels, [x.dtype for x in shards],
-                                                block_elements=_BLOCK_ELEMENTS, view_min_elements=_VIEW_MIN_ELEMENTS)
+            plan = self._plans[key] = make_plan(wire, numels, [x.dtype for x in shards], block_elements=sizes[0],
+                                                view_min_elements=sizes[1])
         return plan
 
     def _works(self, group: dict) -> list[Work]:
@@ -339,9 +368,9 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
                   for p in w.params] for w in work]
         if self.overlap:
             self._settle()
-        picks = self._compress(work, grads)
+        picks, refuse = self._compress(work, grads)
         device = grads[0][0].device if grads else torch.device("cpu")
-        message = self._message(picks, device)
+        message = self._message(picks, refuse, device)
         if self.overlap:
             self._start_overlapped(work, grads, picks, message)
             return loss
@@ -353,20 +382,20 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
         if not committed(self.link):
             self.dropped_steps += 1
             return loss
-        gathered = self._screen(work, gathered)  # bad messages are left out (named and counted)
-        if bool((gathered[:, -1] == _NOT_COUNTED).any()):
-            self._senders = [s for s, f in zip(self._senders, gathered[:, -1].tolist(), strict=True) if f != _NOT_COUNTED]
-            gathered = gathered[gathered[:, -1] != _NOT_COUNTED]
-        if gathered.shape[0] == 0:  # nobody counted (torchft always keeps a live node at the newest step)
+        screened = self._screen(work, gathered, refuse)  # bad messages are left out (named and counted)
+        if _NOT_COUNTED in screened.flags:
+            self._senders = [s for s, f in zip(self._senders, screened.flags, strict=True) if f != _NOT_COUNTED]
+            screened = screened.without(_NOT_COUNTED)
+        if not screened.flags:  # nobody counted (torchft always keeps a live node at the newest step)
             self.dropped_steps += 1
             return loss
-        if self._refused(gathered):
+        if self._refused(screened.flags):
             return loss
-        if counted and picks is not None:
+        if counted and picks is not None and not screened.own_refused:
             self._commit(work, grads, picks)
         else:  # healing (the peer's state was loaded: δ = 0), or its refusal outvoted (skip): steps counted
             self._count_step(work)
-        self._apply(work, gathered)
+        self._apply(work, screened)
         return loss
 
     # ------------------------------------------------------------------ fault tolerance
@@ -413,15 +442,17 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
         super().load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ phases
-    def _compress(self, work: list[Work], grads: list[list[torch.Tensor]]) -> list | None:
+    def _compress(self, work: list[Work], grads: list[list[torch.Tensor]]) -> tuple[list | None, torch.Tensor]:
         """Phase 1: this step's momentum, compressed, without changing any state (the momentum is
         written over the flat gradients ``grads``, the step's scratch; δ and the parameters are untouched).
 
         Returns per param group ``(idx, sent_vals, payload)``: the kept indices and the values as the
         peers will decode them, (Σ chunks, k) over the group's parameters in the layout of its plan,
-        and the wire bytes; or None when a gradient or a value to send is not finite on any rank of
-        this model copy (the node's ranks agree over the fast shard group, so every rank of a copy
-        sends the same verdict).
+        and the wire bytes; and the verdict, a one-element uint8 tensor on the device: 1 when a gradient
+        or a value to send is not finite on any rank of this model copy (the node's ranks agree over
+        the fast shard group, so every rank of a copy sends the same verdict). The verdict is not read
+        here: it travels as the message's flag and is read with the exchange (:meth:`_screen`). Only an
+        outgoing hook (fault injection) reads it at once and returns None for the picks of a refusal.
         """
         picks = []
         for w, gflats in zip(work, grads, strict=True):
@@ -442,23 +473,23 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
         # finite; and the first basis row, of B_t ⊗ B_t too, is a non-zero constant, so even a BLAS that skips zero
         # entries leaves at least that coefficient non-finite), and the top-k picks non-finite
         # magnitudes first: the values to send are finite exactly when the gradients, δ and the
-        # transform are. One host sync for every parameter.
-        bad = not all_finite([sv for _, sv, _ in picks])
-        if self.outgoing_hook is not None and not bad:  # a message changed after the sender's check passed
-            step = self._steps_taken(work)
+        # transform are.
+        device = grads[0][0].device if grads else torch.device("cpu")
+        refuse = nonfinite_flag([sv for _, sv, _ in picks], device)
+        shard_group = self._shard_group()
+        if shard_group is not None:
+            dist.all_reduce(refuse, op=dist.ReduceOp.MAX, group=shard_group)
+        if self.outgoing_hook is not None:
+            if bool(refuse.item()):
+                return None, refuse
+            step = self._steps_taken(work)  # a message changed after the sender's check passed
             for i, (w, (idx, sent_vals, _)) in enumerate(zip(work, picks, strict=True)):
                 wire = w.plan.wire
                 bad_idx, bad_vals = self.outgoing_hook.sparse(idx, sent_vals, step, chunk=wire.chunk,
                                                               index_max=torch.iinfo(wire.index_dtype).max)
                 if bad_idx is not idx or bad_vals is not sent_vals:
                     picks[i] = (idx, sent_vals, wire.encode_many(bad_idx, bad_vals, w.plan.rows)[0])
-        shard_group = self._shard_group()
-        if shard_group is not None:
-            device = grads[0][0].device if grads else torch.device("cpu")
-            flag = torch.tensor([1 if bad else 0], dtype=torch.uint8, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard_group)
-            bad = bool(flag.item())
-        return None if bad else picks
+        return picks, refuse
 
     def _flats(self, params: list, tile: int = 0) -> list[torch.Tensor | None]:
         """This replica's δ of each parameter, flat (a view: writes go through); None before its first step.
@@ -524,17 +555,20 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
             return picks[0]
         return torch.cat([i for i, _ in picks]), torch.cat([v for _, v in picks])
 
-    def _message(self, picks: list | None, device: torch.device) -> torch.Tensor:
-        """One flat uint8 message: every parameter's payload, then one flag byte (1: refuse).
+    def _message(self, picks: list | None, refuse: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """One flat uint8 message: every parameter's payload, then one flag byte, the verdict (1: refuse).
 
         A refused step sends zeros of the same length: nothing non-finite leaves the rank and the
-        message size, hence the collective, is the same on every rank.
+        message size, hence the collective, is the same on every rank. The payload is zeroed on the
+        device by the verdict, which is not read on the host for it.
         """
         if picks is None:
             message = torch.zeros(self.payload_bytes() + 1, dtype=torch.uint8, device=device)
             message[-1] = 1
             return message
-        return torch.cat([pl for _, _, pl in picks] + [torch.zeros(1, dtype=torch.uint8, device=device)])
+        message = torch.cat([pl for _, _, pl in picks] + [refuse.to(device)])
+        message[:-1].mul_(1 - message[-1])
+        return message
 
     def _exchange(self, message: torch.Tensor) -> torch.Tensor:
         if self.link is not None:
@@ -583,17 +617,23 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
         state = self.state[work[0].params[0]] if work and work[0].params else {}
         return int(state["step"].item()) if "step" in state else 0
 
-    def _apply(self, work: list[Work], gathered: torch.Tensor, into: dict | None = None,
+    def _apply(self, work: list[Work], gathered: Screened | torch.Tensor, into: dict | None = None,
                lrs: list[float] | None = None) -> None:
         """Phase 3: decode the mean over replicas and step (or, ``into``, store the update per parameter).
 
+        ``gathered``: the screened exchange (its rows already decoded) or messages to decode.
         ``lrs``: the lr of each work (default: its group's lr now)."""
-        replicas = gathered.shape[0]
+        decoded = gathered.decoded if isinstance(gathered, Screened) else None
+        messages = gathered.rows if isinstance(gathered, Screened) else gathered
+        replicas = messages.shape[0]
         offset = 0
         for i, w in enumerate(work):
             plan, group = w.plan, w.group
             chunk, lr = plan.wire.chunk, group["lr"] if lrs is None else lrs[i]
-            idx, vals = plan.wire.unpack_many(gathered[:, offset:offset + plan.nbytes], plan.rows)
+            if decoded is not None:
+                idx, vals = decoded[i]
+            else:
+                idx, vals = plan.wire.unpack_many(messages[:, offset:offset + plan.nbytes], plan.rows)
             offset += plan.nbytes
             if into is not None:
                 targets = [into.get(p) for p in w.params]

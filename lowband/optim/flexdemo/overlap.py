@@ -22,11 +22,14 @@ class OverlapMixin:
     def _start_overlapped(self, work: list, grads: list[list[torch.Tensor]], picks: list | None,
                           message: torch.Tensor) -> None:
         """overlap: commit this step (kept until every replica accepted it), start its all-gather and
-        keep it in flight; with ``overlap_apply="local"`` step with the own update meanwhile."""
+        keep it in flight; with ``overlap_apply="local"`` step with the own update meanwhile.
+
+        The own verdict is not read here: a refused message (zeros, flag 1) is committed too, and the
+        settle that sees its flag rolls δ back (every refusal refuses the step under overlap), so the
+        sender never waits for the device."""
         # Keep δ as it was until every replica accepted this step (known at the next step).
         backups = [(p, state_view(self.state[p]["delta"]).clone(), self.state[p]["step"].clone())
-                   if self.state.get(p) else (p, None, None) for w in work for p in w.params] \
-            if picks is not None else []
+                   if self.state.get(p) else (p, None, None) for w in work for p in w.params]
         if picks is not None:
             self._commit(work, grads, picks)
         handle = self.link.all_gather(message, async_op=True) if self.link is not None else message.unsqueeze(0)
@@ -49,15 +52,15 @@ class OverlapMixin:
             gathered = handle if isinstance(handle, torch.Tensor) else handle.wait()
             if agreed is not None:  # "local": back to the agreed parameters, then the blocking step from there
                 torch._foreach_copy_([local(p) for p in agreed], list(agreed.values()))
-            gathered = self._screen(work, gathered)  # bad messages left out, named and counted
-            if gathered.shape[0] == 0 or bool(gathered[:, -1].any()):
+            screened = self._screen(work, gathered)  # bad messages left out, named and counted
+            if not screened.flags or any(screened.flags):
                 self._roll_back(backups)
-                if gathered.shape[0] == 0:
+                if not screened.flags:
                     self.dropped_steps += 1
                 else:
-                    self._refused(gathered)  # raises, or counts the skip
+                    self._refused(screened.flags)  # raises, or counts the skip
                 return
-            self._apply(work, gathered, lrs=lrs)
+            self._apply(work, screened, lrs=lrs)
             return
         status = self._drained_status()
         params = [p for p, st in self.state.items() if "pending_status" in st]
@@ -71,7 +74,7 @@ class OverlapMixin:
             self.state[p].pop("pending", None)
             self.state[p].pop("pending_status", None)
         if status == 2:
-            self._refused(torch.ones(1, 1, dtype=torch.uint8))
+            self._refused([1])
 
     def _drained_status(self) -> int:
         for st in self.state.values():
@@ -104,7 +107,7 @@ class OverlapMixin:
         handle, work, backups, agreed, lrs = self._flight
         self._flight = None
         gathered = self._screen(work, handle if isinstance(handle, torch.Tensor) else handle.wait())
-        refused = gathered.shape[0] == 0 or bool(gathered[:, -1].any())
+        refused = not gathered.flags or any(gathered.flags)
         if refused:
             self._roll_back(backups)
         if agreed is not None:
