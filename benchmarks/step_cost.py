@@ -69,6 +69,7 @@ class LoopbackLink:
 
     topology = None
     participating = True  # every copy counts (Link.participating: False only on a node healing under FT)
+    group_rank = 0  # this rank's row of the gather (every row is its message)
 
     def __init__(self, replicas: int) -> None:
         if replicas < 1:
@@ -139,6 +140,24 @@ def build_adamw(named_params, *, lr: float):
     return AdamWFullSync(named_params, lr=lr, link=None)
 
 
+def sparseloco_outer_launches(shards: list[tuple[str, torch.Tensor]], *, replicas: int = 2,
+                              transform: str = "none", device: str = "cpu"):
+    """What SparseLoCo's outer step launches beyond an inner step, on ``shards`` (H = 2, its defaults,
+    AdamW with torch's multi-tensor kernels inside): the difference of two counted ``step()`` calls,
+    the outer one and the inner one after it, as :class:`lowband.testing.launches.Launches`."""
+    from torch.optim import AdamW
+
+    from lowband.optim import SparseLoCo
+    from lowband.testing.launches import Launches
+
+    opt = SparseLoCo(make_params(shards, device=device), lambda groups: AdamW(groups, lr=1e-4, foreach=True),
+                     link=LoopbackLink(replicas), sync_every=2, transform=transform)
+    for _ in range(3):  # the state, one outer step, one inner step: the next is an outer step
+        opt.step()
+    outer, inner = count_launches(opt.step), count_launches(opt.step)
+    return Launches(outer.kernels - inner.kernels, outer.syncs - inner.syncs)
+
+
 @dataclass
 class StepCost:
     """Per-round times of both optimizers' step() on one model's shards."""
@@ -159,6 +178,8 @@ class StepCost:
     adamw_wall_s: list[float] = field(default_factory=list)
     #: FlexDeMo's step: (kernels launched, host syncs) per block layout ("group", "cache").
     launches: dict = field(default_factory=dict)
+    #: SparseLoCo's outer step beyond an inner step: (kernels launched, host syncs) per transform.
+    sparseloco_outer: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         def med(xs):
@@ -252,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         for blocks in ("group", "cache"):
             cost.launches[blocks] = flexdemo_launches(shards, blocks=blocks, replicas=args.replicas, topk=args.topk,
                                                       chunk=args.chunk, values=args.values, lr=args.lr)
+        for transform in ("none", "dct"):
+            cost.sparseloco_outer[transform] = sparseloco_outer_launches(shards, replicas=args.replicas,
+                                                                         transform=transform)
         s = cost.summary()
         results.append({**asdict(cost), **s})
         print(f"{name} (vocab {vocab}): {cost.tensors} tensors, {cost.elements:,} elements per rank "
@@ -264,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         for blocks, where in (("group", "a GPU's default"), ("cache", "the CPU's default, timed above")):
             kernels, syncs, _ = cost.launches[blocks]
             print(f"  FlexDeMo step(), blocks={blocks} ({where}): {kernels} kernels launched, {syncs} host sync(s)")
+        for transform, (kernels, syncs, _) in cost.sparseloco_outer.items():
+            print(f"  SparseLoCo outer step, transform={transform}: {kernels} kernels and {syncs} host sync(s) "
+                  "beyond an inner step")
         sys.stdout.flush()
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -58,7 +58,7 @@ class BadMessage:
 
 def check_messages(messages: torch.Tensor | Sequence[torch.Tensor], *, nbytes: int, dtype: torch.dtype,
                    allowed_flags: Sequence[float], payload: PayloadCheck | None,
-                   senders: Sequence[int] | None = None) -> list[BadMessage]:
+                   senders: Sequence[int] | None = None, flags: Sequence[float] | None = None) -> list[BadMessage]:
     """Check received messages, each its payload then one flag element; returns the bad ones.
 
     Args:
@@ -69,6 +69,7 @@ def check_messages(messages: torch.Tensor | Sequence[torch.Tensor], *, nbytes: i
         payload: the format's check of the payloads (rows of ``nbytes − 1`` elements), run once on all
             rows with flag 0 that have the right size, or None (no payload check).
         senders: the replica index of each message (default 0, 1, ...).
+        flags: each message's flag as already read on the host (default: read here, in one host read).
     """
     rows = list(messages.unbind(0)) if isinstance(messages, torch.Tensor) else list(messages)
     senders = list(range(len(rows))) if senders is None else list(senders)
@@ -80,8 +81,11 @@ def check_messages(messages: torch.Tensor | Sequence[torch.Tensor], *, nbytes: i
         row = rows[i]
         bad.append((i, BadMessage(senders[i], f"size: {tuple(row.shape)} {row.dtype}, expected ({nbytes},) {dtype}")))
     # All flags in one host sync (an all-gather's rows are one tensor).
-    flags = (messages[:, -1] if isinstance(messages, torch.Tensor) and len(sized) == len(rows)
-             else torch.stack([rows[i][-1] for i in sized]) if sized else torch.zeros(0)).tolist()
+    if flags is not None:
+        flags = [flags[i] for i in sized]
+    else:
+        flags = (messages[:, -1] if isinstance(messages, torch.Tensor) and len(sized) == len(rows)
+                 else torch.stack([rows[i][-1] for i in sized]) if sized else torch.zeros(0)).tolist()
     clean: list[int] = []
     for i, flag in zip(sized, flags, strict=True):
         if (isinstance(flag, float) and not math.isfinite(flag)) or flag not in allowed_flags:

@@ -247,3 +247,31 @@ def test_bench_spec_label_and_train_flags():
     opt = build_optimizer("sparseloco", model.named_parameters(), link=None, hp=cfg.method.hp)
     assert isinstance(opt, SparseLoCo) and opt.sync_every == 30 and opt.wire.topk == 2 and opt.transform == "dct"
     assert opt.max_grad_norm == 1.0 and opt.param_groups[0]["decay"] == 0.95
+
+
+@pytest.mark.parametrize("transform", ["none", "dct"])
+def test_outer_step_launches_the_same_few_kernels_whatever_the_number_of_parameters(transform):
+    # The outer step's compression, checks and update run as a few multi-tensor and whole-message ops
+    # (as benchmarks/step_cost.py counts them): what it launches beyond an inner step does not grow with
+    # the parameters, and it reads the device once.
+    from lowband.testing.launches import count_launches
+
+    class OwnRowLink(LoopbackLink):
+        group_rank = 0  # its row of the gather is its message: its own update is not decoded twice
+
+    def outer_beyond_inner(n):
+        gen = torch.Generator().manual_seed(n)
+        params = [torch.nn.Parameter(torch.randn(3 + 37 * i, generator=gen)) for i in range(n)]
+        opt = SparseLoCo(params, lambda groups: torch.optim.SGD(groups, lr=0.01), link=OwnRowLink(), sync_every=2,
+                         topk=2, chunk=16, transform=transform)
+        counts = []
+        for step in range(5):  # steps 2 and 4 are outer steps; 4 and 5 are counted
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            counts.append(count_launches(opt.step) if step >= 3 else opt.step())
+        outer, inner = counts[3], counts[4]
+        return outer.kernels - inner.kernels, outer.syncs - inner.syncs
+
+    few, many = outer_beyond_inner(4), outer_beyond_inner(64)
+    assert few == many, (few, many)
+    assert many[0] <= 100 and many[1] == 1, many

@@ -255,7 +255,16 @@ class OuterStepOptimizer(Optimizer):
     def inner_steps(self) -> int:
         """Inner steps taken (``step()`` calls that went through)."""
         params = self._params()
-        return int(self.state[params[0]]["step"].item()) if params else 0
+        if not params:
+            return 0
+        counter = self.state[params[0]]["step"]
+        # Read a few times per step: the value is kept until the counter is written (its version
+        # moves) or replaced (a loaded state), so that a step reads it once.
+        key = (id(counter), counter._version)
+        cached = self.__dict__.get("_inner_steps_read")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_inner_steps_read"] = (key, int(counter.item()))
+        return cached[1]
 
     @property
     def outer_steps(self) -> int:
@@ -406,8 +415,7 @@ class OuterStepOptimizer(Optimizer):
             for p in params:
                 state_view(self.state[p]["slow"]).copy_(local(p))
         self.inner_optimizer.step()
-        for p in params:
-            self.state[p]["step"] += 1
+        torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)
         steps = self.inner_steps
         if self.delay and steps > self.sync_every and steps % self.sync_every == self.delay:
             start = time.perf_counter()
@@ -597,18 +605,20 @@ class OuterStepOptimizer(Optimizer):
                 offset += e.numel()
 
     def _screen(self, messages: torch.Tensor | list[torch.Tensor], senders: list[int], *, nbytes: int,
-                dtype: torch.dtype, payload: PayloadCheck | None) -> set[int]:
+                dtype: torch.dtype, payload: PayloadCheck | None, flags: list | None = None) -> set[int]:
         """The senders whose message fails its check (:mod:`lowband.compress.check`: size, flag in {0, 1},
-        payload), each named in a warning and counted; their messages are left out of the mean."""
+        payload), each named in a warning and counted; their messages are left out of the mean.
+        ``flags``: the messages' flags already read on the host."""
         bad = check_messages(messages, nbytes=nbytes, dtype=dtype, allowed_flags=(0, 1), payload=payload,
-                             senders=senders)
+                             senders=senders, flags=flags)
         self.bad_messages.membership(membership_key(self.link))
         bad += self.bad_messages.evicted_among(senders, bad)
         if self.aggregate != "mean":  # a minority's refusals are left out (mean: every refusal refuses the step)
             named = {b.sender for b in bad}
             own = getattr(self.link, "group_rank", None) if self.link is not None else 0  # None: a stand-in link
-            flags = {s: float(m[-1]) for s, m in zip(senders, messages, strict=True) if s not in named}
-            bad += outvoted_refusals(flags, self.aggregate, own=own)[0]  # its own refusal raises as before
+            votes = {s: float(m[-1]) if flags is None else float(flags[i])
+                     for i, (s, m) in enumerate(zip(senders, messages, strict=True)) if s not in named}
+            bad += outvoted_refusals(votes, self.aggregate, own=own)[0]  # its own refusal raises as before
         self.bad_messages.record(bad, senders, f"{type(self).__name__} outer step {self.outer_steps}",
                                  "its message is left out of this outer step")
         return {b.sender for b in bad}
@@ -657,11 +667,12 @@ class OuterStepOptimizer(Optimizer):
         return robust_sum(list(updates), self.aggregate, members=members, tally=self.clip_tally,
                           where=f"{type(self).__name__} outer step {self.outer_steps}")
 
-    def _kept_senders(self, result: torch.Tensor, *, nbytes: int, payload: PayloadCheck) -> list[int]:
+    def _kept_senders(self, result: torch.Tensor, *, nbytes: int, payload: PayloadCheck,
+                      flags: list | None = None) -> list[int]:
         """The replicas of an all-gather whose message passed its check (every rank holds the same bytes:
-        the same verdict); the others are named, counted and left out."""
+        the same verdict); the others are named, counted and left out. ``flags``: read already."""
         senders = list(range(result.shape[0]))
-        bad = self._screen(result, senders, nbytes=nbytes, dtype=torch.uint8, payload=payload)
+        bad = self._screen(result, senders, nbytes=nbytes, dtype=torch.uint8, payload=payload, flags=flags)
         return [r for r in senders if r not in bad]
 
     def _hook_update(self, tensors: list[torch.Tensor]) -> bool:

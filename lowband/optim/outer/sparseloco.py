@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch.optim import AdamW
 
 from lowband.comm.link import Link
-from lowband.compress.check import sparse_problems
-from lowband.compress.dct import dct, idct, num_chunks, scatter_chunks, to_chunks, topk_per_chunk
+from lowband.compress.check import index_and_value_problems, payload_faults, sparse_problems
+from lowband.compress.dct import dct, idct, num_chunks, scatter_chunks, topk_per_chunk
 from lowband.compress.sparse import SPARSE_VALUE_FORMATS, SparseCodec
-from lowband.optim._common import local, replica_state_like, state_view
+from lowband.optim._common import local, nonfinite_flag, replica_state_like, state_view
 from lowband.optim.outer.base import (
     DROP,
     InnerOptimizer,
@@ -168,10 +168,26 @@ class SparseLoCo(OuterStepOptimizer):
                                          quant_block=self.wire.block)
 
     # ------------------------------------------------------------------ outer step
-    def _chunks_of(self, v_parts: list[torch.Tensor]) -> torch.Tensor:
-        """Each parameter's flat v, zero-padded to whole chunks, stacked: (N, c) (transformed with dct)."""
-        x = torch.cat([to_chunks(v, self.wire.chunk) for v in v_parts])
-        return dct(x) if self.transform == "dct" else x
+    def _chunks_of(self, params: list, dtype: torch.dtype) -> torch.Tensor:
+        """v = (φ − θ) + β·e of every parameter, each zero-padded to whole chunks, in one (N, c) matrix.
+
+        A few multi-tensor ops whatever the number of parameters: the matrix is zeroed once and each
+        parameter's rows are views of it."""
+        chunk = self.wire.chunk
+        n_chunks = sum(self._rows())
+        x = torch.zeros(n_chunks, chunk, dtype=dtype, device=local(params[0]).device)
+        views, offset = {}, 0
+        for p in params:
+            n = local(p).numel()
+            views[p] = x.view(-1)[offset:offset + n]
+            offset += num_chunks(n, chunk) * chunk
+        torch._foreach_copy_(list(views.values()), [state_view(self.state[p]["slow"]).reshape(-1) for p in params])
+        torch._foreach_sub_(list(views.values()), [local(p).reshape(-1) for p in params])
+        for group in self.param_groups:
+            ps = group["params"]
+            torch._foreach_add_([views[p] for p in ps], [state_view(self.state[p]["error"]).reshape(-1) for p in ps],
+                                alpha=group["decay"])
+        return x
 
     def _decode_dense(self, message: torch.Tensor, n_chunks: int) -> torch.Tensor:
         """One replica's message -> its decoded values, (N, c) in the parameters' space."""
@@ -182,67 +198,109 @@ class SparseLoCo(OuterStepOptimizer):
     def _begin_outer(self, outer_index: int, *, async_op: bool) -> OuterFlight:
         params = self._params()
         dtype = self._message_dtype(params)
-        v_parts = []
-        for group in self.param_groups:
-            beta = group["decay"]
-            for p in group["params"]:
-                state = self.state[p]
-                v = state_view(state["slow"]).reshape(-1).to(dtype) - local(p).reshape(-1).to(dtype)
-                v.add_(state_view(state["error"]).reshape(-1).to(dtype), alpha=beta)
-                v_parts.append(v)
-        rows = self._rows()
-        n_chunks = sum(rows)
-        device = local(params[0]).device
-        message = torch.zeros(self.wire.nbytes(n_chunks) + 1, dtype=torch.uint8, device=device)
-        bad = not all(bool(torch.isfinite(v).all()) for v in v_parts)
+        v = self._chunks_of(params, dtype)
+        n_chunks = v.shape[0]
+        device = v.device
+        # The verdict (v not finite on any rank of this model copy) stays on the device and becomes the
+        # flag; a refusing copy's payload is zeroed by it, so nothing non-finite is sent and the host does
+        # not wait here. Only an outgoing hook (fault injection) reads it at once.
+        refuse = nonfinite_flag([v], device)
         if self._shard_group is not None:  # the S ranks of a model copy agree
-            f = torch.tensor([1 if bad else 0], dtype=torch.uint8, device=device)
-            dist.all_reduce(f, op=dist.ReduceOp.MAX, group=self._shard_group)
-            bad = bool(f.item())
+            dist.all_reduce(refuse, op=dist.ReduceOp.MAX, group=self._shard_group)
+        x = dct(v) if self.transform == "dct" else v
+        idx, vals = topk_per_chunk(x.contiguous(), self.wire.topk)
+        message = torch.cat([self.wire.encode(idx, vals), refuse])
+        message[:-1].mul_(1 - message[-1])
         sent = message
-        if bad:
-            message[-1] = 1
-        else:
-            x = self._chunks_of(v_parts)
-            idx, vals = topk_per_chunk(x.contiguous(), self.wire.topk)
-            message[:-1] = self.wire.encode(idx, vals)
-            if self.outgoing_hook is not None:  # what the hook sends instead of the message, whose error
-                sent = message.clone()  # feedback stays honest
-                bad_idx, bad_vals = self.outgoing_hook.sparse(idx, vals, self.inner_steps, chunk=self.wire.chunk,
-                                                              index_max=torch.iinfo(self.wire.index_dtype).max)
-                bad_vals = bad_vals.clone()
-                self._hook_update([bad_vals])
-                sent[:-1] = self.wire.encode(bad_idx, bad_vals)
+        if self.outgoing_hook is not None and not bool(refuse.item()):
+            sent = message.clone()  # what the hook sends instead of the message, whose error feedback stays honest
+            bad_idx, bad_vals = self.outgoing_hook.sparse(idx, vals, self.inner_steps, chunk=self.wire.chunk,
+                                                          index_max=torch.iinfo(self.wire.index_dtype).max)
+            bad_vals = bad_vals.clone()
+            self._hook_update([bad_vals])
+            sent[:-1] = self.wire.encode(bad_idx, bad_vals)
         result = self.link.all_gather(sent, async_op=async_op) if self.link is not None else sent.unsqueeze(0)
-        return OuterFlight(outer_index, result, message, message, None, n_chunks, extra=dict(v=v_parts))
+        return OuterFlight(outer_index, result, message, message, None, n_chunks, extra=dict(v=v))
 
     def _end_outer(self, flight: OuterFlight, result: Any) -> str | None:
-        n_chunks, v_parts = flight.numel, flight.extra["v"]
-        # Every message is checked first; a bad one is left out and the mean is over the others.
-        kept = self._kept_senders(result, nbytes=flight.message.numel(), payload=sparse_problems(self.wire, n_chunks))
+        n_chunks, v = flight.numel, flight.extra["v"]
+        # Every message is checked first; a bad one is left out and the mean is over the others. The
+        # plain mean of well-formed messages is computed with the checks and read with them, once.
+        kept, mean, own = self._screened_mean(result, nbytes=flight.message.numel(), n_chunks=n_chunks)
         if not kept:
             return DROP
-        if any(bool(result[r][-1]) for r in kept):
+        if mean is None:  # a refusal
             return "error-feedback accumulator (β·e + pseudo-gradient)"
-        # Every replica's decoded message, summed in replica order (the same on every rank).
-        mean = self._robust_sum((self._decode_dense(result[r], n_chunks) for r in kept), kept).reshape(-1)
-        if not self._mean_finite(mean):
-            return DROP
-        own = self._decode_dense(flight.message, n_chunks).reshape(-1)
-        offset, i = 0, 0
-        replicas = len(kept)
+        if not isinstance(mean, torch.Tensor):  # a message left out, or a robust aggregate: decoded again
+            mean = self._robust_sum((self._decode_dense(result[r], n_chunks) for r in kept), kept)
+            if not self._mean_finite(mean):
+                return DROP
+        if own is None:
+            own = self._decode_dense(flight.message, n_chunks)
+        params = self._params()
+        chunk, replicas = self.wire.chunk, len(kept)
+        err = (v - own.to(v.dtype)).view(-1)
+        mean = mean.view(-1)
+        rows, offset = {}, 0
+        for p in params:
+            n = local(p).numel()
+            rows[p] = slice(offset, offset + n)
+            offset += num_chunks(n, chunk) * chunk
+        errors = [state_view(self.state[p]["error"]) for p in params]
+        torch._foreach_copy_(errors, [err[rows[p]].view_as(e) for p, e in zip(params, errors, strict=True)])
         for group in self.param_groups:
-            lr = group["outer_lr"]
-            for p in group["params"]:
-                state = self.state[p]
-                phi, e = state_view(state["slow"]), state_view(state["error"])
-                n = phi.numel()
-                padded = num_chunks(n, self.wire.chunk) * self.wire.chunk
-                e.copy_((v_parts[i] - own[offset:offset + n].to(v_parts[i].dtype)).view_as(e))
-                step = mean[offset:offset + n].view_as(phi).to(phi.dtype)
-                phi.add_(step, alpha=-lr / replicas)
-                if not self.delay:  # τ > 0: θ is merged at step kH + τ (OuterStepOptimizer._merge)
-                    local(p).copy_(phi)
-                offset += padded
-                i += 1
+            ps = group["params"]
+            phis = [state_view(self.state[p]["slow"]) for p in ps]
+            torch._foreach_add_(phis, [mean[rows[p]].view_as(phi).to(phi.dtype) for p, phi in zip(ps, phis, strict=True)],
+                                alpha=-group["outer_lr"] / replicas)
+            if not self.delay:  # τ > 0: θ is merged at step kH + τ (OuterStepOptimizer._merge)
+                torch._foreach_copy_([local(p) for p in ps], phis)
         return None
+
+    def _screened_mean(self, result: torch.Tensor, *, nbytes: int, n_chunks: int):
+        """(kept senders, mean, own): the senders whose message passed its check, R × their mean (decoded,
+        summed in replica order), None if one of them refused, or False when it must be computed anew
+        (a message was left out, or ``aggregate`` is not the plain mean); and this rank's own message
+        decoded, taken from its row of the gather (None: decode it from what it sent).
+
+        Every message is decoded and checked on the device, and the sum of all of them is taken at
+        once; their flags, the checks and whether that sum is finite are read back together: one host
+        synchronisation for a clean outer step."""
+        replicas = result.shape[0]
+        if result.dim() != 2 or result.dtype != torch.uint8 or result.shape[1] != nbytes:
+            kept = self._kept_senders(result, nbytes=nbytes, payload=sparse_problems(self.wire, n_chunks))
+            return kept, False, None
+        # Its own row holds what it sent (the all-gather's bytes), unless a hook changed what it sent.
+        mine = getattr(self.link, "group_rank", None) if self.outgoing_hook is None and self.link is not None else None
+        mine = 0 if self.link is None and self.outgoing_hook is None else mine
+        own = None
+        decoded = [self.wire.decode(result[r, :-1], n_chunks) for r in range(replicas)]
+        faults = torch.stack([payload_faults(i.unsqueeze(0), v.unsqueeze(0), self.wire.chunk)[0] for i, v in decoded])
+        total = None
+        if self.aggregate == "mean":
+            for r, (i, v) in enumerate(decoded):  # a bad index is clamped: a sum with a bad message is not used
+                dense = scatter_chunks(i.clamp(0, self.wire.chunk - 1), v, self.wire.chunk)
+                dense = idct(dense) if self.transform == "dct" else dense
+                if r == mine:
+                    own = dense
+                total = (dense.clone() if r == mine else dense) if total is None else total.add_(dense)
+        finite = torch.isfinite(total).all().reshape(1) if total is not None else torch.ones(1, dtype=torch.bool,
+                                                                                              device=result.device)
+        host = torch.cat([result[:, -1].long(), faults.long(), finite.long()]).tolist()  # the one host read
+        flags, bad_rows = host[:replicas], [r for r in range(replicas) if host[replicas + r]]
+
+        def payload(rows: torch.Tensor) -> list:  # the rows with flag 0, in order: reasons only where a check failed
+            clean = [r for r in range(replicas) if flags[r] == 0]
+            return [index_and_value_problems(decoded[r][0].unsqueeze(0), decoded[r][1].unsqueeze(0), self.wire.chunk)[0]
+                    if r in bad_rows else None for r in clean]
+
+        kept = self._kept_senders(result, nbytes=nbytes, payload=payload, flags=flags)
+        own = own if mine in kept else None
+        if not kept or any(flags[r] for r in kept):
+            return kept, None, own
+        if total is None or len(kept) < replicas:
+            return kept, False, own
+        if not host[-1]:
+            self._mean_finite(total)  # warned and counted: the outer step is dropped
+            return [], None, own
+        return kept, total, own
