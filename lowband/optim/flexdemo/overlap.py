@@ -28,8 +28,12 @@ class OverlapMixin:
         settle that sees its flag rolls δ back (every refusal refuses the step under overlap), so the
         sender never waits for the device."""
         # Keep δ as it was until every replica accepted this step (known at the next step).
-        backups = [(p, state_view(self.state[p]["delta"]).clone(), self.state[p]["step"].clone())
-                   if self.state.get(p) else (p, None, None) for w in work for p in w.params]
+        params = [p for w in work for p in w.params]
+        held = [p for p in params if self.state.get(p)]
+        deltas = _copies([state_view(self.state[p]["delta"]) for p in held])
+        steps = _copies([self.state[p]["step"] for p in held])
+        kept = {p: (d, s) for p, d, s in zip(held, deltas, steps, strict=True)}
+        backups = [(p, *kept.get(p, (None, None))) for p in params]
         if picks is not None:
             self._commit(work, grads, picks)
         handle = self.link.all_gather(message, async_op=True) if self.link is not None else message.unsqueeze(0)
@@ -38,7 +42,7 @@ class OverlapMixin:
             # The parameters every replica agrees on, to step with the mean once it arrives; until
             # then this replica steps with its own update, decoded from its message as the mean of
             # one replica would be (a copy: the all-gather is reading the message).
-            agreed = {p: local(p).clone() for w in work for p in w.params}
+            agreed = dict(zip(params, _copies([local(p) for p in params]), strict=True))
             lrs = [w.group["lr"] for w in work]  # the mean is applied with them, as the blocking step
             if picks is not None:
                 self._apply(work, message.unsqueeze(0).clone())
@@ -83,12 +87,13 @@ class OverlapMixin:
         return 0
 
     def _roll_back(self, backups: list) -> None:
-        for p, delta, step in backups:
+        kept = [(p, delta, step) for p, delta, step in backups if delta is not None]
+        for p, delta, _ in backups:
             if delta is None:
                 self.state.pop(p, None)
-            else:
-                state_view(self.state[p]["delta"]).copy_(delta)
-                self.state[p]["step"].copy_(step)
+        if kept:
+            torch._foreach_copy_([state_view(self.state[p]["delta"]) for p, _, _ in kept], [d for _, d, _ in kept])
+            torch._foreach_copy_([self.state[p]["step"] for p, _, _ in kept], [s for _, _, s in kept])
 
     def _drain(self) -> None:
         """overlap: wait for the step in flight and keep its outcome in the state (for a checkpoint).
@@ -130,3 +135,11 @@ class OverlapMixin:
         torch._foreach_add_([x.view(-1) for x in xs], [u.reshape(-1) for u in updates], alpha=-lr)
         if group["weight_decay"] > 0:
             torch._foreach_mul_(xs, 1.0 - lr * group["weight_decay"])
+
+
+def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors``, made by one multi-tensor copy (not a kernel per tensor)."""
+    out = [torch.empty_like(t) for t in tensors]
+    if out:
+        torch._foreach_copy_(out, tensors)
+    return out
