@@ -176,9 +176,9 @@ class StepCost:
     adamw_cpu_s: list[float] = field(default_factory=list)
     flexdemo_wall_s: list[float] = field(default_factory=list)
     adamw_wall_s: list[float] = field(default_factory=list)
-    #: FlexDeMo's step: (kernels launched, host syncs) per block layout ("group", "cache").
+    #: FlexDeMo's step: {"kernels", "syncs", "device_kernels"} per block layout ("group", "cache").
     launches: dict = field(default_factory=dict)
-    #: SparseLoCo's outer step beyond an inner step: (kernels launched, host syncs) per transform.
+    #: SparseLoCo's outer step beyond an inner step: {"kernels", "syncs", ...} per transform.
     sparseloco_outer: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
@@ -272,10 +272,10 @@ def main(argv: list[str] | None = None) -> int:
                           repeats=args.repeats, warmup=args.warmup, blocks=args.blocks)
         for blocks in ("group", "cache"):
             cost.launches[blocks] = flexdemo_launches(shards, blocks=blocks, replicas=args.replicas, topk=args.topk,
-                                                      chunk=args.chunk, values=args.values, lr=args.lr)
+                                                      chunk=args.chunk, values=args.values, lr=args.lr)._asdict()
         for transform in ("none", "dct"):
             cost.sparseloco_outer[transform] = sparseloco_outer_launches(shards, replicas=args.replicas,
-                                                                         transform=transform)
+                                                                         transform=transform)._asdict()
         s = cost.summary()
         results.append({**asdict(cost), **s})
         print(f"{name} (vocab {vocab}): {cost.tensors} tensors, {cost.elements:,} elements per rank "
@@ -286,9 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  step() wall s, median: FlexDeMo {s['flexdemo_wall_s_median']:.4f}  "
               f"AdamW {s['adamw_wall_s_median']:.4f}  ratio {s['ratio_wall_median']:.2f}")
         for blocks, where in (("group", "a GPU's default"), ("cache", "the CPU's default, timed above")):
-            kernels, syncs, _ = cost.launches[blocks]
+            kernels, syncs = cost.launches[blocks]["kernels"], cost.launches[blocks]["syncs"]
             print(f"  FlexDeMo step(), blocks={blocks} ({where}): {kernels} kernels launched, {syncs} host sync(s)")
-        for transform, (kernels, syncs, _) in cost.sparseloco_outer.items():
+        for transform, n in cost.sparseloco_outer.items():
+            kernels, syncs = n["kernels"], n["syncs"]
             print(f"  SparseLoCo outer step, transform={transform}: {kernels} kernels and {syncs} host sync(s) "
                   "beyond an inner step")
         sys.stdout.flush()
