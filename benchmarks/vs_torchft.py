@@ -218,6 +218,8 @@ def _diloco_worker(rank: int, impl: str, opts: dict, data) -> dict:
 
     for name in QUIET_LOGGERS:  # torchft's Python loggers: one line per quorum and commit
         logging.getLogger(name).setLevel(logging.WARNING)
+    # and a warning per Manager that NCCL's flight recorder cannot be reset: there is no NCCL here.
+    logging.getLogger("torchft.manager").setLevel(logging.ERROR)
     malloc_ok = vd.malloc_return_freed() if opts["malloc"] == "return" else None
     counter = vd.CollectiveCounter(1)
     counter.install()
@@ -290,7 +292,7 @@ def _diloco_worker(rank: int, impl: str, opts: dict, data) -> dict:
     dist.barrier()
     counter.phase = "train"
     steps, outers = [], []
-    window_start = time.perf_counter()
+    window_start, window_cpu = time.perf_counter(), time.process_time()
     bytes_link = 0
     modelled_link_s = 0.0
     for step in range(H * opts["outer_steps"]):
@@ -309,7 +311,8 @@ def _diloco_worker(rank: int, impl: str, opts: dict, data) -> dict:
             modelled_link_s += sum(op.modelled_link_time_s for op in traffic.ops)
         if (step + 1) % H == 0:
             now = time.perf_counter()
-            rec = dict(outer=len(outers), wall_s=now - window_start, sync_step_s=t2 - t1)
+            rec = dict(outer=len(outers), wall_s=now - window_start, cpu_s=time.process_time() - window_cpu,
+                       sync_step_s=t2 - t1)
             if shaper is not None:
                 rec["inter_node_bytes_sent"], rec["modelled_link_s"], rec["collectives"] = shaper.take()
                 rec["quorum_s"] = sum(quorum.quorum_s)
@@ -323,7 +326,7 @@ def _diloco_worker(rank: int, impl: str, opts: dict, data) -> dict:
             counter.ops = [o for o in counter.ops if o["phase"] != "train"]
             outers.append(rec)
             bytes_link, modelled_link_s = 0, 0.0
-            window_start = time.perf_counter()
+            window_start, window_cpu = time.perf_counter(), time.process_time()
     out["peak_rss_train_bytes"] = vd.maxrss_bytes()
     counter.phase = "after"
     if hasattr(opt, "flush"):
@@ -351,6 +354,7 @@ def _mean(xs) -> float:
 def summarize_diloco(ranks: list[dict]) -> dict:
     """One run's figures from its ranks' records: per outer step the slowest rank, steps 2..N averaged."""
     n = len(ranks[0]["outers"])
+    H = len(ranks[0]["steps"]) // n
     per_outer = [max(r["outers"][k]["wall_s"] for r in ranks) for k in range(n)]
     warm = per_outer[1:] or per_outer
 
@@ -361,6 +365,8 @@ def summarize_diloco(ranks: list[dict]) -> dict:
     return dict(
         outer_s=_mean(warm), first_outer_s=per_outer[0], outer_s_each=per_outer,
         sync_step_s=warm_mean("sync_step_s"), modelled_link_s=warm_mean("modelled_link_s"),
+        cpu_s=warm_mean("cpu_s"),
+        inner_step_s=max(_mean(st["step_s"] for i, st in enumerate(r["steps"]) if (i + 1) % H) for r in ranks),
         quorum_s=warm_mean("quorum_s"),
         bytes_per_outer=max(o["inter_node_bytes_sent"] for r in ranks for o in r["outers"]),
         bytes_per_outer_dist=max(o["counted"]["inter_node_bytes_sent"] for r in ranks for o in r["outers"]),
@@ -446,7 +452,9 @@ DILOCO_ROWS = (
     ("s / outer step (outer 2..N, slowest rank)", "outer_s", _secs),
     ("  of which the syncing step()", "sync_step_s", _secs),
     ("  of which link time modelled", "modelled_link_s", _secs),
-    ("  of which quorum (torchft)", "quorum_s", _secs),
+    ("  of which quorum (torchft; waits for the peer)", "quorum_s", _secs),
+    ("CPU s / outer step (process, all threads)", "cpu_s", _secs),
+    ("s / inner step without sync (mean, slowest)", "inner_step_s", _secs),
     ("s of the first outer step", "first_outer_s", _secs),
     ("inter-node bytes / outer step / rank", "bytes_per_outer", _bytes),
     ("  counted on torch.distributed", "bytes_per_outer_dist", _bytes),

@@ -100,20 +100,22 @@ def test_each_quorum_costs_one_modelled_round_trip(vt):
 
 def _rank(walls, syncs, val, loss):
     return dict(params=10, peak_rss_train_bytes=200, rss_before_train_bytes=100, peak_rss_setup_bytes=150,
-                val_loss=val, steps=[dict(loss=x) for x in loss],
-                outers=[dict(wall_s=w, sync_step_s=s, modelled_link_s=0.5, quorum_s=0.0, inter_node_bytes_sent=40,
+                val_loss=val, steps=[dict(loss=x, step_s=st) for x, st in zip(loss, (0.25, 1.0) * 3, strict=False)],
+                outers=[dict(wall_s=w, cpu_s=1.0, sync_step_s=s, modelled_link_s=0.5, quorum_s=0.0,
+                             inter_node_bytes_sent=40,
                              collectives=None, counted=dict(inter_node_bytes_sent=40, inter_node_collectives=1))
                         for w, s in zip(walls, syncs, strict=True)])
 
 
 def test_summary_takes_the_slowest_rank_and_leaves_the_first_outer_step_out(vt):
-    s = vt.summarize_diloco([_rank([9.0, 1.0, 3.0], [1, 1, 1], 2.0, [4.0, 3.0]),
-                             _rank([1.0, 2.0, 2.0], [1, 2, 4], 2.5, [5.0, 2.0])])
+    s = vt.summarize_diloco([_rank([9.0, 1.0, 3.0], [1, 1, 1], 2.0, [4.0, 3.0] * 3),
+                             _rank([1.0, 2.0, 2.0], [1, 2, 4], 2.5, [5.0, 2.0] * 3)])
     assert s["outer_s_each"] == [9.0, 2.0, 3.0] and s["outer_s"] == 2.5 and s["first_outer_s"] == 9.0
     assert s["sync_step_s"] == 3.0  # max over ranks per outer step (2, 4), then the mean
     assert s["bytes_per_outer"] == 40 and s["collectives_per_outer"] == 1
     assert s["val_loss"] == 2.25 and s["val_loss_nodes_differ"] == 0.5
-    assert s["train_loss"] == [4.5, 2.5]
+    assert s["train_loss"] == [4.5, 2.5] * 3
+    assert s["inner_step_s"] == 0.25  # H = 2: every second step syncs and is left out
 
 
 def test_interleaving_spread_table_and_goals(vt):
