@@ -301,10 +301,10 @@ def _diloco_worker(rank: int, impl: str, opts: dict, data) -> dict:
         opt.zero_grad(set_to_none=True)
         loss = compute_loss(model, batch)
         loss.backward()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         opt.step()
-        t2 = time.perf_counter()
-        steps.append(dict(loss=float(loss.detach()), step_s=t2 - t0, optim_s=t2 - t1))
+        t2, c2 = time.perf_counter(), time.process_time()
+        steps.append(dict(loss=float(loss.detach()), step_s=t2 - t0, optim_s=t2 - t1, optim_cpu_s=c2 - c1))
         if link is not None:
             traffic = link.end_step()
             bytes_link += traffic.inter_node_bytes_sent
@@ -312,7 +312,7 @@ def _diloco_worker(rank: int, impl: str, opts: dict, data) -> dict:
         if (step + 1) % H == 0:
             now = time.perf_counter()
             rec = dict(outer=len(outers), wall_s=now - window_start, cpu_s=time.process_time() - window_cpu,
-                       sync_step_s=t2 - t1)
+                       sync_step_s=t2 - t1, sync_step_cpu_s=c2 - c1)
             if shaper is not None:
                 rec["inter_node_bytes_sent"], rec["modelled_link_s"], rec["collectives"] = shaper.take()
                 rec["quorum_s"] = sum(quorum.quorum_s)
@@ -365,8 +365,10 @@ def summarize_diloco(ranks: list[dict]) -> dict:
     return dict(
         outer_s=_mean(warm), first_outer_s=per_outer[0], outer_s_each=per_outer,
         sync_step_s=warm_mean("sync_step_s"), modelled_link_s=warm_mean("modelled_link_s"),
-        cpu_s=warm_mean("cpu_s"),
+        cpu_s=warm_mean("cpu_s"), sync_step_cpu_s=warm_mean("sync_step_cpu_s"),
         inner_step_s=max(_mean(st["step_s"] for i, st in enumerate(r["steps"]) if (i + 1) % H) for r in ranks),
+        inner_optim_cpu_s=max(_mean(st["optim_cpu_s"] for i, st in enumerate(r["steps"]) if (i + 1) % H)
+                              for r in ranks),
         quorum_s=warm_mean("quorum_s"),
         bytes_per_outer=max(o["inter_node_bytes_sent"] for r in ranks for o in r["outers"]),
         bytes_per_outer_dist=max(o["counted"]["inter_node_bytes_sent"] for r in ranks for o in r["outers"]),
@@ -454,7 +456,9 @@ DILOCO_ROWS = (
     ("  of which link time modelled", "modelled_link_s", _secs),
     ("  of which quorum (torchft; waits for the peer)", "quorum_s", _secs),
     ("CPU s / outer step (process, all threads)", "cpu_s", _secs),
+    ("  of which the syncing step()", "sync_step_cpu_s", _secs),
     ("s / inner step without sync (mean, slowest)", "inner_step_s", _secs),
+    ("  CPU s of its optimizer step()", "inner_optim_cpu_s", lambda x: f"{x:.4f}"),
     ("s of the first outer step", "first_outer_s", _secs),
     ("inter-node bytes / outer step / rank", "bytes_per_outer", _bytes),
     ("  counted on torch.distributed", "bytes_per_outer_dist", _bytes),

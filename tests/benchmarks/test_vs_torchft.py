@@ -100,8 +100,8 @@ def test_each_quorum_costs_one_modelled_round_trip(vt):
 
 def _rank(walls, syncs, val, loss):
     return dict(params=10, peak_rss_train_bytes=200, rss_before_train_bytes=100, peak_rss_setup_bytes=150,
-                val_loss=val, steps=[dict(loss=x, step_s=st) for x, st in zip(loss, (0.25, 1.0) * 3, strict=False)],
-                outers=[dict(wall_s=w, cpu_s=1.0, sync_step_s=s, modelled_link_s=0.5, quorum_s=0.0,
+                val_loss=val, steps=[dict(loss=x, step_s=st, optim_cpu_s=st / 10) for x, st in zip(loss, (0.25, 1.0) * 3, strict=False)],
+                outers=[dict(wall_s=w, cpu_s=1.0, sync_step_s=s, sync_step_cpu_s=s, modelled_link_s=0.5, quorum_s=0.0,
                              inter_node_bytes_sent=40,
                              collectives=None, counted=dict(inter_node_bytes_sent=40, inter_node_collectives=1))
                         for w, s in zip(walls, syncs, strict=True)])
@@ -115,7 +115,7 @@ def test_summary_takes_the_slowest_rank_and_leaves_the_first_outer_step_out(vt):
     assert s["bytes_per_outer"] == 40 and s["collectives_per_outer"] == 1
     assert s["val_loss"] == 2.25 and s["val_loss_nodes_differ"] == 0.5
     assert s["train_loss"] == [4.5, 2.5] * 3
-    assert s["inner_step_s"] == 0.25  # H = 2: every second step syncs and is left out
+    assert s["inner_step_s"] == 0.25 and s["inner_optim_cpu_s"] == pytest.approx(0.025)  # H = 2: every second step syncs
 
 
 def test_interleaving_spread_table_and_goals(vt):
