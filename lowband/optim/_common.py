@@ -122,11 +122,9 @@ def grads_nonfinite(grads: list[torch.Tensor], link: Link | None, *, shard_group
     The flag is reduced inside the node (shard group, fast links) and then between nodes through
     the link (one byte), so that all ranks agree before anything is sent or changed.
     """
-    bad = False
-    for g in grads:
-        if not torch.isfinite(g).all():
-            bad = True
-            break
+    # all_finite: one aminmax pass per gradient and one host sync in all; an isfinite mask per gradient
+    # with a sync each cost DiLoCo's inner step about half of AdamW's own step on the CPU.
+    bad = not all_finite(grads)
     device = grads[0].device if grads else torch.device("cpu")
     flag = torch.tensor([1 if bad else 0], dtype=torch.uint8, device=device)
     if shard_group is not None and dist.get_world_size(shard_group) > 1:
