@@ -592,6 +592,17 @@ def run_flexdemo(args, data) -> tuple[list[str], dict, int]:
     return lines, result, 1 if failures else 0
 
 
+def _commit() -> str | None:
+    """The checkout's commit, for the record (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -645,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
                                 vocab_size=args.vocab_size, seed=0))
     t0 = time.perf_counter()
     lines: list[str] = []
-    result: dict = dict(benchmark="vs_torchft", args=vars(args), torch=torch.__version__,
+    result: dict = dict(benchmark="vs_torchft", args=vars(args), commit=_commit(), torch=torch.__version__,
                         python=platform.python_version(), cpus=os.cpu_count(), load_avg_start=os.getloadavg())
     rc = 0
     for part, fn in (("diloco", run_diloco), ("flexdemo", run_flexdemo)):
@@ -656,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
             rc = max(rc, part_rc)
     result["load_avg_end"] = os.getloadavg()
     result["wall_s"] = time.perf_counter() - t0
-    lines.append(f"{os.cpu_count()} CPUs, load average {result['load_avg_start'][0]:.2f} at start, "
+    lines.append(f"commit {result['commit']}; {os.cpu_count()} CPUs, load average {result['load_avg_start'][0]:.2f} at start, "
                  f"{result['load_avg_end'][0]:.2f} at end; {result['wall_s']:.0f} s in all")
     text = "\n".join(lines)
     print()
