@@ -57,8 +57,9 @@ Part ``flexdemo``: lowband FlexDeMo against DeToNATION 0.5.2 (the public FlexDeM
 ``--fd-steps`` steps (default 30; the first is warm-up), interleaved the same way over two seeds:
 whole step time (forward + backward + step, slowest rank), CPU time, peak RSS in training, inter-node
 bytes. No link limit there (DeToNATION's collectives do not go through lowband's Link), as in
-vs_detonation.py. Needs ``pip install detonation==0.5.2 einops mltiming`` (not a lowband dependency;
-DeToNATION imports mltiming without declaring it); without it that part is skipped with a note.
+vs_detonation.py. Needs ``pip install detonation==0.5.2 einops mltiming`` (or ``pip install -e '.[compare]'``;
+not a main dependency of lowband; DeToNATION imports mltiming without declaring it); without it that
+part is skipped with a note. Part ``diloco`` needs torchft 0.2.0 (``pip install -e '.[ft]'``).
 
 Run: ``python benchmarks/vs_torchft.py`` (both parts, a few minutes on two cores) or
 ``python benchmarks/vs_torchft.py --parts diloco --model t5-small --vocab-size 32128 --outer-steps 10 -H 50``.
@@ -488,6 +489,12 @@ def trajectory_gap(a: list[float], b: list[float]) -> dict:
 # ---------------------------------------------------------------------------- the two parts
 def run_diloco(args, data) -> tuple[list[str], dict, int]:
     from lowband.testing.ranks import run_ranks
+
+    try:
+        import torchft  # noqa: F401
+    except ImportError as e:
+        note = f"DiLoCo vs torchft skipped: torchft is not importable ({e}); pip install -e '.[ft]'"
+        return [note], dict(skipped=note), 0
 
     opts = dict(model=args.model, H=args.H, outer_steps=args.outer_steps, batch_size=args.batch_size, lr=args.lr,
                 weight_decay=args.weight_decay, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
