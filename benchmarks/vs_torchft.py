@@ -202,6 +202,7 @@ class DelayedQuorum:
 
 # ---------------------------------------------------------------------------- one DiLoCo run (one rank)
 def _diloco_worker(rank: int, impl: str, opts: dict, data) -> dict:
+    """One rank (one node) of one DiLoCo run: build ``impl``'s side, train, time, count, evaluate."""
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     import gc
@@ -226,7 +227,6 @@ def _diloco_worker(rank: int, impl: str, opts: dict, data) -> dict:
     counter.install()
     nodes, H, seed = opts["nodes"], opts["H"], opts["seed"]
     world = dist.get_world_size()
-    topo = Topology(num_nodes=nodes, ranks_per_node=1)
     model = build_model(opts["model"], vocab_size=data.vocab_size, seed=seed).model
     out: dict = dict(rank=rank, impl=impl, malloc_return_freed=malloc_ok,
                      params=sum(p.numel() for p in model.parameters()))
@@ -336,6 +336,10 @@ def _diloco_worker(rank: int, impl: str, opts: dict, data) -> dict:
                                device=torch.device("cpu"))
     out["steps"] = steps
     out["outers"] = outers
+    # Outer steps that changed the weights: an uncommitted (torchft) or dropped (lowband) one would make
+    # the two runs incomparable.
+    out["outer_applied"] = (manager.current_step() if manager is not None
+                            else opt.outer_steps - opt.dropped_outer_steps)
     if diloco is not None:
         diloco.__exit__(None, None, None)
     dist.barrier()  # every node is done with the Lighthouse before it goes
@@ -379,6 +383,7 @@ def summarize_diloco(ranks: list[dict]) -> dict:
         rss_before_train_bytes=max(r["rss_before_train_bytes"] or 0 for r in ranks),
         peak_rss_setup_bytes=max(r["peak_rss_setup_bytes"] for r in ranks),
         val_loss=_mean(r["val_loss"] for r in ranks),
+        outer_applied=min(r["outer_applied"] for r in ranks),
         val_loss_nodes_differ=max(r["val_loss"] for r in ranks) - min(r["val_loss"] for r in ranks),
         train_loss=[_mean(r["steps"][i]["loss"] for r in ranks) for i in range(len(ranks[0]["steps"]))],
         params=ranks[0]["params"],
@@ -420,8 +425,9 @@ def render_table(agg: dict[str, dict[str, dict]], rows: Sequence[tuple[str, str,
     return "\n".join(lines)
 
 
-def diloco_checks(agg: dict) -> list[tuple[str, bool]]:
-    """The issue's goals, judged on the means: time, bytes, and the loss within the other's spread."""
+def diloco_checks(agg: dict, outer_steps: int) -> list[tuple[str, bool]]:
+    """The issue's goals, judged on the means: time, bytes, and the loss within the other's spread; and that
+    every run applied all ``outer_steps`` outer steps (else the runs are not comparable)."""
     lo, tf = agg["lowband"], agg["torchft"]
     d_loss = abs(lo["val_loss"]["mean"] - tf["val_loss"]["mean"])
     allowed = max(lo["val_loss"]["spread"], tf["val_loss"]["spread"])
@@ -432,6 +438,8 @@ def diloco_checks(agg: dict) -> list[tuple[str, bool]]:
          f"per outer step (difference {lo['bytes_per_outer']['mean'] - tf['bytes_per_outer']['mean']:+,.0f})",
          lo["bytes_per_outer"]["mean"] <= tf["bytes_per_outer"]["mean"]),
         (f"validation loss within the seeds' spread: |Δ mean| {d_loss:.5f} <= {allowed:.5f}", d_loss <= allowed),
+        (f"every run applied all {outer_steps} outer steps",
+         lo["outer_applied"]["min"] == tf["outer_applied"]["min"] == outer_steps),
     ]
 
 
@@ -467,6 +475,7 @@ DILOCO_ROWS = (
     ("RSS before training", "rss_before_train_bytes", _mib),
     ("peak RSS in training (largest rank)", "peak_rss_train_bytes", _mib),
     ("final validation loss", "val_loss", _loss),
+    ("outer steps applied (fewest of a run)", "outer_applied", lambda x: f"{x:.0f}"),
 )
 
 FLEXDEMO_ROWS = (
@@ -535,7 +544,7 @@ def run_diloco(args, data) -> tuple[list[str], dict, int]:
         lines.append("training loss, lowband vs torchft per seed: " + "; ".join(
             f"seed {s}: mean |Δ| {g['mean_abs_diff']:.2e}, max {g['max_abs_diff']:.2e}" for s, g in gaps.items()))
         lines.append("Goals (issue 45 item 3)")
-        chk = diloco_checks(agg)
+        chk = diloco_checks(agg, args.outer_steps)
         lines += [f"  [{'PASS' if ok else 'FAIL'}] {name}" for name, ok in chk]
         result.update(aggregate=agg, trajectory_gaps=gaps, checks=[dict(check=n, passed=ok) for n, ok in chk])
     for k, v in failures.items():

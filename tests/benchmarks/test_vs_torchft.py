@@ -99,7 +99,7 @@ def test_each_quorum_costs_one_modelled_round_trip(vt):
 
 
 def _rank(walls, syncs, val, loss):
-    return dict(params=10, peak_rss_train_bytes=200, rss_before_train_bytes=100, peak_rss_setup_bytes=150,
+    return dict(params=10, outer_applied=3, peak_rss_train_bytes=200, rss_before_train_bytes=100, peak_rss_setup_bytes=150,
                 val_loss=val, steps=[dict(loss=x, step_s=st, optim_cpu_s=st / 10) for x, st in zip(loss, (0.25, 1.0) * 3, strict=False)],
                 outers=[dict(wall_s=w, cpu_s=1.0, sync_step_s=s, sync_step_cpu_s=s, modelled_link_s=0.5, quorum_s=0.0,
                              inter_node_bytes_sent=40,
@@ -113,7 +113,7 @@ def test_summary_takes_the_slowest_rank_and_leaves_the_first_outer_step_out(vt):
     assert s["outer_s_each"] == [9.0, 2.0, 3.0] and s["outer_s"] == 2.5 and s["first_outer_s"] == 9.0
     assert s["sync_step_s"] == 3.0  # max over ranks per outer step (2, 4), then the mean
     assert s["bytes_per_outer"] == 40 and s["collectives_per_outer"] == 1
-    assert s["val_loss"] == 2.25 and s["val_loss_nodes_differ"] == 0.5
+    assert s["val_loss"] == 2.25 and s["val_loss_nodes_differ"] == 0.5 and s["outer_applied"] == 3
     assert s["train_loss"] == [4.5, 2.5] * 3
     assert s["inner_step_s"] == 0.25 and s["inner_optim_cpu_s"] == pytest.approx(0.025)  # H = 2: every second step syncs
 
@@ -122,20 +122,23 @@ def test_interleaving_spread_table_and_goals(vt):
     assert vt.interleaved(("lowband", "torchft"), [0, 1]) == [(0, "lowband"), (0, "torchft"), (1, "lowband"),
                                                                 (1, "torchft")]
     assert vt.spread([3.0, 1.0]) == dict(mean=2.0, min=1.0, max=3.0, spread=2.0, n=2)
-    runs = {"lowband": [dict(outer_s=1.0, bytes_per_outer=104, val_loss=3.0),
-                        dict(outer_s=1.2, bytes_per_outer=104, val_loss=3.2)],
-            "torchft": [dict(outer_s=1.5, bytes_per_outer=100, val_loss=3.05),
-                        dict(outer_s=1.3, bytes_per_outer=100, val_loss=3.25)]}
-    agg = vt.aggregate(runs, ["outer_s", "bytes_per_outer", "val_loss"])
+    keys = ["outer_s", "bytes_per_outer", "val_loss", "outer_applied"]
+    runs = {"lowband": [dict(outer_s=1.0, bytes_per_outer=104, val_loss=3.0, outer_applied=5),
+                        dict(outer_s=1.2, bytes_per_outer=104, val_loss=3.2, outer_applied=5)],
+            "torchft": [dict(outer_s=1.5, bytes_per_outer=100, val_loss=3.05, outer_applied=5),
+                        dict(outer_s=1.3, bytes_per_outer=100, val_loss=3.25, outer_applied=5)]}
+    agg = vt.aggregate(runs, keys)
     table = vt.render_table(agg, [("s / outer step", "outer_s", lambda x: f"{x:.2f}"),
                                   ("bytes", "bytes_per_outer", lambda x: f"{x:.0f}")])
     head, secs, byts = table.splitlines()
     assert "lowband DiLoCo" in head and "torchft DiLoCo" in head
     assert secs.split()[-4:] == ["1.10", "(1.00–1.20)", "1.40", "(1.30–1.50)"]
     assert byts.split()[-2:] == ["104", "100"]  # equal over the seeds: no range
-    checks = dict((name.split(":")[0], ok) for name, ok in vt.diloco_checks(agg))
+    checks = dict((name.split(":")[0], ok) for name, ok in vt.diloco_checks(agg, 5))
     assert checks == {"lowband at least as fast": True, "lowband no more bytes": False,
-                      "validation loss within the seeds' spread": True}
+                      "validation loss within the seeds' spread": True, "every run applied all 5 outer steps": True}
     far = dict(runs, torchft=[dict(r, val_loss=r["val_loss"] + 1) for r in runs["torchft"]])
-    assert not vt.diloco_checks(vt.aggregate(far, ["outer_s", "bytes_per_outer", "val_loss"]))[2][1]
+    assert not vt.diloco_checks(vt.aggregate(far, keys), 5)[2][1]
+    dropped = dict(runs, torchft=[dict(r, outer_applied=4) for r in runs["torchft"]])
+    assert not vt.diloco_checks(vt.aggregate(dropped, keys), 5)[3][1]
     assert vt.trajectory_gap([1.0, 2.0], [1.5, 2.0]) == dict(mean_abs_diff=0.25, max_abs_diff=0.5)
