@@ -499,10 +499,10 @@ def trajectory_gap(a: list[float], b: list[float]) -> dict:
 def run_diloco(args, data) -> tuple[list[str], dict, int]:
     from lowband.testing.ranks import run_ranks
 
-    try:
-        import torchft  # noqa: F401
-    except ImportError as e:
-        note = f"DiLoCo vs torchft skipped: torchft is not importable ({e}); pip install -e '.[ft]'"
+    # Looked up, not imported: importing torchft here would set its Rust logger up in this process, before
+    # the workers are forked and given RUST_LOG.
+    if importlib.util.find_spec("torchft") is None:
+        note = "DiLoCo vs torchft skipped: torchft is not installed; pip install -e '.[ft]'"
         return [note], dict(skipped=note), 0
 
     opts = dict(model=args.model, H=args.H, outer_steps=args.outer_steps, batch_size=args.batch_size, lr=args.lr,
