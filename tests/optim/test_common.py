@@ -14,3 +14,17 @@ def test_all_finite_sees_nan_and_inf_in_any_tensor_and_ignores_empty_ones():
         t = torch.zeros(4)
         t[2] = bad
         assert not all_finite(ok + [t]) and not all_finite([t.double()] + ok)
+
+
+def test_grads_nonfinite_sees_nan_and_inf_in_any_gradient_of_one_process():
+    from lowband.optim._common import grads_nonfinite
+
+    ok = [torch.randn(7), torch.empty(0), torch.tensor([3e38, -3e38]), torch.ones(3, dtype=torch.bfloat16)]
+    assert not grads_nonfinite(ok, None) and not grads_nonfinite([], None)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in range(len(ok)):
+            if ok[at].numel() == 0:
+                continue
+            grads = [g.clone() for g in ok]
+            grads[at][-1] = bad
+            assert grads_nonfinite(grads, None), (bad, at)
