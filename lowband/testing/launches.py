@@ -22,7 +22,8 @@ NO_KERNEL_OPS = frozenset({
     "aten::permute", "aten::alias", "aten::detach", "aten::detach_", "aten::_reshape_alias", "aten::lift_fresh",
     "aten::unfold", "aten::split", "aten::split_with_sizes", "aten::narrow", "aten::_unsafe_view",
     "aten::unbind", "aten::view_as", "aten::chunk", "aten::result_type", "aten::resolve_conj", "aten::resolve_neg",
-    "aten::numpy_T", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense",
+    "aten::numpy_T", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense", "aten::new_empty",
+    "aten::new_empty_strided",
 })
 # Ops that run a kernel or none, as their arguments ask (``.to`` of a tensor already of that dtype
 # returns it): what they launch is what they call.

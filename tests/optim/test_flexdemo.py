@@ -579,6 +579,29 @@ def test_group_layout_equals_the_cache_layout(monkeypatch, kwargs):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
 
 
+def test_group_layout_tiles_matrices_of_one_shape_together_as_one_by_one():
+    # The group layout tiles and untiles the matrices of one shape in one stacked copy: ragged ones
+    # (padded), square ones, an empty shard (no tiles) and 1-D parameters beside them, as the cache
+    # layout does matrix by matrix.
+    shapes = [(37, 29), (37, 29), (37, 29), (16, 16), (16, 16), (0, 7), (5,), (20, 3)]
+
+    def run(blocks):
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+        link = LoopbackLink()
+        opt = FlexDeMo(params, lr=LR, topk=3, tile=4, weight_decay=0.01, link=link, blocks=blocks)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        return link.messages, [p.detach().clone() for p in params] + [opt.state[p]["delta"] for p in params]
+
+    (msgs_group, group), (msgs_cache, cache) = run("group"), run("cache")
+    assert all(torch.equal(a, b) for a, b in zip(msgs_group, msgs_cache, strict=True))
+    for a, b in zip(group, cache, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
 @pytest.mark.parametrize("values", ["bf16", "sign"])
 def test_group_layout_launches_the_same_few_kernels_whatever_the_number_of_parameters(values):
     # The GPU's layout exists so that a step is a few large kernels, not a few per parameter or block

@@ -44,6 +44,7 @@ class BlockPlan(NamedTuple):
     rows: tuple[int, ...]
     segs: tuple[Seg, ...]
     nbytes: int
+    batched: bool = False  # the group layout: per-parameter copies (tiles) are batched by shape too
 
 
 def make_plan(wire: WireFormat, numels: list[int], dtypes: list[torch.dtype], *, block_elements: int,

@@ -52,6 +52,8 @@ from lowband.optim.flexdemo.tiles import (
     num_rows,
     row_width,
     tiled_flat,
+    tiled_flats,
+    untile_all,
     untile_deltas,
     width_name,
 )
@@ -342,7 +344,7 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
             if len(self._plans) >= 64:
                 self._plans.clear()
             plan = self._plans[key] = make_plan(wire, numels, [x.dtype for x in shards], block_elements=sizes[0],
-                                                view_min_elements=sizes[1])
+                                                view_min_elements=sizes[1])._replace(batched=layout == "group")
         return plan
 
     def _works(self, group: dict) -> list[Work]:
@@ -364,8 +366,9 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
 
         # Flat gradients, per work; phase 1 writes the momentum over them (the step's scratch). Tiles:
         # a tiled copy of each gradient (tiles are not views of the row-major storage) is the scratch.
-        grads = [[tiled_flat(local(p.grad), w.tile) if w.tile else local(p.grad).reshape(-1)
-                  for p in w.params] for w in work]
+        grads = [tiled_flats([local(p.grad) for p in w.params], w.tile) if w.tile and w.plan.batched
+                 else [tiled_flat(local(p.grad), w.tile) if w.tile else local(p.grad).reshape(-1) for p in w.params]
+                 for w in work]
         if self.overlap:
             self._settle()
         picks, refuse = self._compress(work, grads)
@@ -491,10 +494,14 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
                     picks[i] = (idx, sent_vals, wire.encode_many(bad_idx, bad_vals, w.plan.rows)[0])
         return picks, refuse
 
-    def _flats(self, params: list, tile: int = 0) -> list[torch.Tensor | None]:
+    def _flats(self, params: list, tile: int = 0, batched: bool = False) -> list[torch.Tensor | None]:
         """This replica's δ of each parameter, flat (a view: writes go through); None before its first step.
 
-        ``tile`` > 0: a tiled copy of δ (for reading; writes do not go through)."""
+        ``tile`` > 0: a tiled copy of δ (for reading; writes do not go through); ``batched``: the
+        matrices of one shape tiled together."""
+        if tile and batched:
+            return tiled_flats([state_view(self.state[p]["delta"]) if self.state.get(p) else None for p in params],
+                               tile)
         out = []
         for p in params:
             state = self.state.get(p)
@@ -539,7 +546,7 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
         """Top-k DCT coefficients of β·δ + lr·g over the group's chunk rows, block by block (the momentum
         written over the flat gradients ``gflats``, δ unchanged)."""
         group, chunk = w.group, w.plan.wire.chunk
-        deltas = self._flats(w.params, w.tile)
+        deltas = self._flats(w.params, w.tile, w.plan.batched)
         picks = []
         ws = Workspace(w.plan)
         for seg in w.plan.segs:
@@ -598,7 +605,9 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
                 else:  # a packed copy: write its pieces back
                     m.sub_(q.to(m.dtype))
                     torch._foreach_copy_(*scatter_views(seg, deltas, m))
-            if w.tile:
+            if w.tile and w.plan.batched:
+                untile_all(w.params, deltas, untiled, w.tile)
+            elif w.tile:
                 untile_deltas(w.params, deltas, untiled, chunk)
 
     def _count_step(self, work: list[Work]) -> None:
@@ -680,7 +689,10 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
                     torch._foreach_add_(dst, src, alpha=-lr)
                 else:
                     torch._foreach_copy_(dst, src)
-            if w.tile:
+            if w.tile and plan.batched:
+                untile_all(w.params, sinks, [x.view(-1) if x is not None else None for x in targets], w.tile,
+                           alpha=-lr if into is None else None)
+            elif w.tile:
                 add_tiled_updates(targets, sinks, w.tile, chunk, lr, add=into is None)
             if into is None and group["weight_decay"] > 0:
                 torch._foreach_mul_([local(p) for p in w.params], 1.0 - lr * group["weight_decay"])

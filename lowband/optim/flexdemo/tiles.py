@@ -10,15 +10,17 @@ update back into a matrix.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
+import torch.nn.functional as F
 
 from lowband.compress import dct_basis, dct_basis_2d, from_tiles, num_tiles, to_tiles
 from lowband.optim._common import local
 from lowband.optim.flexdemo.blocks import Work
 
 __all__ = ["add_tiled_updates", "add_untiled", "as_matrix", "basis_of", "is_tiled", "num_rows", "row_width", "tiled_flat",
-           "untile_deltas", "width_name"]
+           "tiled_flats", "untile_all", "untile_deltas", "width_name"]
 
 
 def row_width(group: dict) -> int:
@@ -93,3 +95,53 @@ def add_tiled_updates(targets: list, sinks: list, tile: int, chunk: int, lr: flo
             add_untiled(mat, buf.view(-1, chunk), tile, -lr)
         else:
             from_tiles(buf.view(-1, chunk), mat.shape, out=mat)
+
+
+# ----------------------------------------------------------------------------- batched by shape
+# The group layout (a GPU's) tiles and untiles all matrices of one shape at once: one stacked copy
+# and one strided copy per shape class instead of a copy per matrix, so that a step's kernels do not
+# grow with the number of matrices. The values are the same copies, element for element.
+
+def _shape_classes(xs: list) -> dict:
+    """Indices of the non-empty matrices of ``xs`` by (matrix shape, dtype, device)."""
+    classes: dict = defaultdict(list)
+    for i, x in enumerate(xs):
+        if x is not None and x.numel():
+            classes[(tuple(as_matrix(x).shape), x.dtype, x.device)].append(i)
+    return classes
+
+
+def tiled_flats(xs: list, tile: int) -> list:
+    """:func:`tiled_flat` of each shard in ``xs`` (None stays None), matrices of one shape tiled together."""
+    out = [tiled_flat(x, tile) if x is not None and not x.numel() else None for x in xs]
+    for ((rows, cols), _, _), idxs in _shape_classes(xs).items():
+        rt, ct = -(-rows // tile), -(-cols // tile)
+        mats = torch.stack([as_matrix(xs[i]) for i in idxs])
+        if rows != rt * tile or cols != ct * tile:
+            mats = F.pad(mats, (0, ct * tile - cols, 0, rt * tile - rows))
+        tiles = mats.view(len(idxs), rt, tile, ct, tile).transpose(2, 3).contiguous().view(len(idxs), -1)
+        for j, i in enumerate(idxs):
+            out[i] = tiles[j]
+    return out
+
+
+def _untiled(tiled: list, idxs: list[int], shape: tuple[int, int], tile: int) -> torch.Tensor:
+    """The matrices of one shape class back from their tiled flats: (m, rows, cols), contiguous."""
+    rows, cols = shape
+    rt, ct = -(-rows // tile), -(-cols // tile)
+    stacked = torch.stack([tiled[i] for i in idxs]).view(len(idxs), rt, ct, tile, tile)
+    grid = stacked.transpose(2, 3).reshape(len(idxs), rt * tile, ct * tile)
+    return grid[:, :rows, :cols].contiguous()
+
+
+def untile_all(params: list, tiled: list, dests: list, tile: int, *, alpha: float | None = None) -> None:
+    """Each matrix of ``dests`` (flat, or None) ← its tiled flat in ``tiled`` untiled (``alpha`` None),
+    or dest ← dest + alpha·untiled; the matrices of one shape untiled together."""
+    xs = [local(p) if d is not None else None for p, d in zip(params, dests, strict=True)]
+    for (shape, _, _), idxs in _shape_classes(xs).items():
+        whole = _untiled(tiled, idxs, shape, tile)
+        targets = [dests[i].view(shape) for i in idxs]
+        if alpha is None:
+            torch._foreach_copy_(targets, list(whole.unbind(0)))
+        else:
+            torch._foreach_add_(targets, list(whole.unbind(0)), alpha=alpha)
