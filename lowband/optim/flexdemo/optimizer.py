@@ -76,14 +76,11 @@ _BLOCK_ELEMENTS = 1 << 20
 # blocks, many parameters to a block. At c = 128 that is 512 chunks: below it, the copies in and out
 # (about 4 passes over the elements) cost less than one block's own dozen or so torch calls.
 _VIEW_MIN_ELEMENTS = 1 << 16
-# The "group" layout: a param group's rows in as few blocks as this allows (one per dtype below it), so
-# that a step launches the same few kernels whatever the number of parameters. It bounds the step's
-# temporaries (about three blocks' worth) on a large shard; at this size a launch costs nothing.
+# The "group" layout's largest block: it bounds the temporaries (about three blocks) of a large shard.
 _GROUP_BLOCK_ELEMENTS = 1 << 26
 
-#: How a param group's chunk rows are cut into blocks: "cache" (blocks of about 2^20 elements that stay
-#: in a CPU's caches, large parameters in place), "group" (the whole group at once: a constant number of
-#: kernels per step, for GPUs), "auto" ("group" on an accelerator, "cache" on the CPU).
+#: How a param group's chunk rows are cut into blocks: "cache" (about 2^20 elements, which stay in a CPU's
+#: caches), "group" (the whole group: a few kernels per step, for GPUs), "auto" (group off the CPU).
 BLOCK_LAYOUTS = ("auto", "group", "cache")
 
 
@@ -331,11 +328,8 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
         wire = WireFormat(row_width(group), group["topk"], group["values"])
         shards = [local(p) for p in params]
         numels = [num_rows(x, group) * wire.chunk if tile else x.numel() for x in shards]
-        layout = self.blocks
-        if layout == "auto":
-            layout = "cache" if not shards or shards[0].device.type == "cpu" else "group"
-        # "group": every parameter is copied into the blocks (a view block per large parameter would be
-        # a few kernels per parameter again).
+        layout = self.blocks if self.blocks != "auto" else "group" if shards and shards[0].device.type != "cpu" else "cache"
+        # "group" copies every parameter in: a view block per large parameter would be kernels per parameter.
         sizes = (_BLOCK_ELEMENTS, _VIEW_MIN_ELEMENTS) if layout == "cache" else (_GROUP_BLOCK_ELEMENTS, None)
         key = (id(group), wire, tile, sizes,
                tuple((id(p), n, x.dtype) for p, n, x in zip(params, numels, shards, strict=True)))
@@ -449,13 +443,12 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
         """Phase 1: this step's momentum, compressed, without changing any state (the momentum is
         written over the flat gradients ``grads``, the step's scratch; δ and the parameters are untouched).
 
-        Returns per param group ``(idx, sent_vals, payload)``: the kept indices and the values as the
-        peers will decode them, (Σ chunks, k) over the group's parameters in the layout of its plan,
-        and the wire bytes; and the verdict, a one-element uint8 tensor on the device: 1 when a gradient
-        or a value to send is not finite on any rank of this model copy (the node's ranks agree over
-        the fast shard group, so every rank of a copy sends the same verdict). The verdict is not read
-        here: it travels as the message's flag and is read with the exchange (:meth:`_screen`). Only an
-        outgoing hook (fault injection) reads it at once and returns None for the picks of a refusal.
+        Returns per param group ``(idx, sent_vals, payload)`` (the kept indices and the values as the
+        peers will decode them, (Σ chunks, k) in the layout of its plan, and the wire bytes), and the
+        verdict: a one-element uint8 tensor on the device, 1 when a value to send is not finite on any
+        rank of this model copy (agreed over the shard group). It is not read here: it travels as the
+        flag and is read with the exchange (:meth:`_screen`); only an outgoing hook reads it at once
+        (and gets None for the picks of a refusal).
         """
         picks = []
         for w, gflats in zip(work, grads, strict=True):
@@ -563,12 +556,10 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
         return torch.cat([i for i, _ in picks]), torch.cat([v for _, v in picks])
 
     def _message(self, picks: list | None, refuse: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """One flat uint8 message: every parameter's payload, then one flag byte, the verdict (1: refuse).
+        """One flat uint8 message: every parameter's payload, then the verdict as flag byte (1: refuse).
 
-        A refused step sends zeros of the same length: nothing non-finite leaves the rank and the
-        message size, hence the collective, is the same on every rank. The payload is zeroed on the
-        device by the verdict, which is not read on the host for it.
-        """
+        A refused step sends zeros of the same length (zeroed on the device by the verdict): nothing
+        non-finite leaves the rank, and every rank's message has the same size."""
         if picks is None:
             message = torch.zeros(self.payload_bytes() + 1, dtype=torch.uint8, device=device)
             message[-1] = 1
