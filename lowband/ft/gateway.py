@@ -42,15 +42,24 @@ from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 from lowband.ft.completion import COMPLETE, DONE, CompletionRecord, complete_reason, done_fields, job_complete
-from lowband.ft.protowire import MAX_FIELDS, RESPONSE_FIELDS, call_gate, parse_fields, string_field
+from lowband.ft.protowire import (
+    MAX_FIELDS,
+    RESPONSE_FIELDS,
+    call_gate,
+    parse_fields,
+    sign_request,
+    signed_parts,
+    string_field,
+)
 from lowband.ft.protowire import string_of as _string
-from lowband.trust.admission import claim_of, proves
+from lowband.trust.admission import claim_of, proves, same_host
+from lowband.trust.keys import MemberKey, ReplayCache, Roster, verify_call
 from lowband.trust.limits import SourceLimiter
 
-__all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "DONE", "HEARTBEAT", "KEPT_OUT", "MAX_FIELDS", "QUORUM", "REFUSED",
+__all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "DONE", "HEARTBEAT", "KEPT_OUT", "UNREGISTERED", "MAX_FIELDS", "QUORUM", "REFUSED",
            "GatedManager", "LighthouseGateway", "ManagerGate", "StallBreaker", "accusation_request", "accuse_at_gate",
            "admission_request", "ask_gate", "gate_reason", "parse_fields", "peer_host", "quorum_round", "refusal",
-           "string_field"]
+           "sign_request", "signed_parts", "string_field"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +79,8 @@ ACCUSE = f"/{GATE_SERVICE}/Accuse"
 REFUSED = "lowband gateway: not a member of this job"
 #: In the refusal of a member that the gate removed from the job (a node tells it from a refusal at admission).
 KEPT_OUT = "the Lighthouse's gate keeps node"
+#: In the refusal of a process of a job with a roster when no process of its slot is registered (the gate forgot it).
+UNREGISTERED = "registered no process"
 
 
 def gate_reason(message: str) -> str | None:
@@ -85,23 +96,30 @@ def gate_reason(message: str) -> str | None:
 #: bytes (its replica id, two addresses, a step), a ``Heartbeat`` less. gRPC refuses a larger one
 #: (RESOURCE_EXHAUSTED) from its length prefix, before the gate's code sees a byte of it.
 MAX_REQUEST_BYTES = 16 << 10
-def admission_request(rid: str, address: str, store: str) -> bytes:
+def admission_request(rid: str, address: str, store: str, *, key: MemberKey | None = None) -> bytes:
     """The bytes of a LighthouseQuorumRequest whose requester has replica id ``rid``, Manager ``address`` and
-    ``store``: what :data:`ADMIT` reads."""
+    ``store``: what :data:`ADMIT` reads. With ``key`` (the member's own), signed (:func:`sign_request`): in a job with
+    a roster, the gate then takes ``rid`` as the process that holds the member's node slot."""
     member = string_field(1, rid.encode()) + string_field(2, address.encode()) + string_field(3, store.encode())
-    return string_field(1, member)
+    return sign_request(key, ADMIT, string_field(1, member))
 
 
-def accusation_request(rid: str, address: str, store: str, accused: str, why: str) -> bytes:
+def accusation_request(rid: str, address: str, store: str, accused: str, why: str, *,
+                       key: MemberKey | None = None) -> bytes:
     """The bytes of an :data:`ACCUSE` call: the reporting member as in :func:`admission_request` (field 1), the
-    replica id of the member it reports (field 2) and what was wrong with its messages (field 3)."""
-    return (admission_request(rid, address, store) + string_field(2, accused.encode())
-            + string_field(3, why.encode()[:300]))
+    replica id of the member it reports (field 2) and what was wrong with its messages (field 3); signed with
+    ``key`` when given."""
+    return sign_request(key, ACCUSE, admission_request(rid, address, store) + string_field(2, accused.encode())
+                        + string_field(3, why.encode()[:300].decode("utf-8", "ignore").encode()))
+
+
 
 
 #: The kinds of refusal (each reason starts with one): what the gate counts, never the caller's text, which would grow.
 REFUSAL_KINDS = ("malformed request", "the request names no requester", "replica id does not prove the job's secret",
-                 "its addresses are not the ones its tag vouches for", "too many refused calls from this host")
+                 "its addresses are not the ones its tag vouches for", "the call came from another address than its "
+                 "member's", "the call is not signed by its member's key", "not the process its member registered",
+                 "too many refused calls from this host")
 
 
 def refusal_kind(why: str) -> str:
@@ -399,11 +417,15 @@ class LighthouseGateway:
     a refused host is written once per host, for at most :data:`NAMED_HOSTS` hosts."""
 
     def __init__(self, *, bind: str, backend: str, secret: bytes, workers: int = 256,
-                 breaker: StallBreaker | None = None, limiter: SourceLimiter | None = None) -> None:
+                 breaker: StallBreaker | None = None, limiter: SourceLimiter | None = None,
+                 roster: Roster | None = None, replays: ReplayCache | None = None) -> None:
         import grpc  # optional dependency (the ft extra)
 
         self._grpc = grpc
         self._secret = secret
+        self.roster = roster
+        self.replays = replays if replays is not None else ReplayCache()
+        self.registered: dict[int, str] = {}  # with a roster: node slot -> the replica id its key last registered
         self.breaker = breaker if breaker is not None else StallBreaker()
         self.limiter = limiter if limiter is not None else SourceLimiter()
         self.refused: Counter[str] = Counter()
@@ -437,6 +459,8 @@ class LighthouseGateway:
                 self._note(REFUSAL_KINDS[-1], host, log_it=False)
                 context.abort(self._grpc.StatusCode.RESOURCE_EXHAUSTED, f"lowband gateway: {REFUSAL_KINDS[-1]}")
             why = refusal(self._secret, request, method if method in (QUORUM, HEARTBEAT) else QUORUM)
+            if why is None and self.roster is not None:
+                why = self.member_refusal(method, request, host)
             if why is not None:
                 self.limiter.refused(host)
                 self._note(why, host)
@@ -482,6 +506,42 @@ class LighthouseGateway:
                     self.breaker.observe(*seen)
             return answer
         return handle
+
+    def member_refusal(self, method: str, request: bytes, host: str) -> str | None:
+        """With a roster, what a call whose replica id proved the secret must also show (one of :data:`REFUSAL_KINDS`,
+        or None): it comes from the address its member's tag vouches for; a report (:data:`ACCUSE`, :data:`DONE`) is
+        signed by its member's own key, fresh and never seen before; an :data:`ADMIT` that is signed registers its
+        replica id as the process that holds the member's node slot (the latest one signed wins); a ``Quorum`` or
+        ``Heartbeat`` passes only for that registered process. An unsigned ``Admit`` only asks (whether the job is
+        complete, whether the member is kept out; for a process, an id with torchft's ``:uuid``, also whether it is the
+        registered one) and registers nothing."""
+        try:
+            if method == HEARTBEAT:
+                rid, parts, (t, nonce, sig) = _string(parse_fields(request), 1), (), ("", "", "")
+            else:
+                rid, parts, (t, nonce, sig) = signed_parts(request)
+        except (ValueError, UnicodeDecodeError) as e:
+            return f"malformed request ({e})"
+        claim = claim_of(rid)
+        own = claim.manager.rsplit(":", 1)[0]
+        if not same_host(host, own):
+            return (f"the call came from another address than its member's ({host[:60]}; its tag vouches for "
+                    f"{own[:60]})")
+        if method in (QUORUM, HEARTBEAT) or (method == ADMIT and not sig and ":" in rid):
+            if self.registered.get(claim.node) != rid:
+                return (f"not the process its member registered: node {claim.node}'s key "
+                        f"{'registered another process' if claim.node in self.registered else UNREGISTERED} (a copied "
+                        "replica id, or a process of the node that another one replaced)")
+            return None
+        if method == ADMIT and not sig:  # a node's question before its Manager starts: whether it may pass at all
+            return None
+        why = verify_call(self.roster, self.replays, claim.node, sig, t, nonce, method, *parts)
+        if why is not None:
+            return f"the call is not signed by its member's key: {why}"
+        if method == ADMIT:
+            with self._lock:
+                self.registered[claim.node] = rid  # bounded: only slots of the roster get here
+        return None
 
     def _accuse(self, request: bytes, context) -> bytes:
         """A member's report of another's bad messages (:data:`ACCUSE`; the reporter is already admitted)."""
@@ -616,28 +676,31 @@ class GatedManager:
         self._server.shutdown()
 
 
-def accuse_at_gate(lighthouse: str, rid: str, accused: str, why: str, *, timeout_s: float = 10.0) -> str | None:
+def accuse_at_gate(lighthouse: str, rid: str, accused: str, why: str, *, timeout_s: float = 10.0,
+                   key: MemberKey | None = None) -> str | None:
     """Report to the gate at ``lighthouse`` that the member with replica id ``accused`` sent this member (replica id
-    ``rid``) bad messages (``why``): None when the gate counted it, else why not (no gate: torchft's own
-    Lighthouse, which cannot remove a member; or the report was refused)."""
+    ``rid``) bad messages (``why``), signed with the member's ``key`` when given: None when the gate counted it,
+    else why not (no gate: torchft's own Lighthouse, which cannot remove a member; or the report was refused)."""
     claim = claim_of(rid)
     if claim is None:
         return f"{rid[:80]!r} is not a lowband replica id"
-    return call_gate(lighthouse, ACCUSE, accusation_request(rid, f"http://{claim.manager}", claim.store, accused, why),
-                     timeout_s=timeout_s)
+    return call_gate(lighthouse, ACCUSE, accusation_request(rid, f"http://{claim.manager}", claim.store, accused, why,
+                                                            key=key), timeout_s=timeout_s)
 
 
-def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: float = 10.0) -> str | None:
+def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: float = 10.0,
+             key: MemberKey | None = None) -> str | None:
     """Ask the gate at ``lighthouse`` (``http://HOST:PORT``) whether a member with replica id ``rid``, Manager
     ``address`` and ``store`` may pass: the gate's reason for refusing it, or None (it passes; or the Lighthouse
-    has no gate, or cannot be reached yet: torchft's Manager then finds out by itself). Raises
-    :class:`~lowband.ft.completion.JobComplete` when the gate says the job is complete."""
+    has no gate, or cannot be reached yet: torchft's Manager then finds out by itself). With the member's ``key``
+    the question is signed, and in a job with a roster registers ``rid`` as the process of the member's slot.
+    Raises :class:`~lowband.ft.completion.JobComplete` when the gate says the job is complete."""
     import grpc  # optional dependency (the ft extra)
 
     target = lighthouse.split("://", 1)[-1].rstrip("/")
     with grpc.insecure_channel(target) as channel:
         try:
-            channel.unary_unary(ADMIT)(admission_request(rid, address, store), timeout=timeout_s)
+            channel.unary_unary(ADMIT)(admission_request(rid, address, store, key=key), timeout=timeout_s)
         except grpc.RpcError as e:
             done = complete_reason(e.details() or "") if e.code() == grpc.StatusCode.FAILED_PRECONDITION else None
             if done is not None:
