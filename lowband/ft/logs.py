@@ -57,11 +57,22 @@ def quiet_torchft() -> None:
             try:
                 r.msg, r.args = redact_ids(r.getMessage()), ()
             except (TypeError, ValueError):  # a message that does not format: left to logging's own error
-                return r
-            for k, v in list(vars(r).items()):
-                if isinstance(v, str) and k not in ("name", "msg", "levelname", "pathname", "filename", "module",
-                                                    "funcName", "threadName", "processName", "taskName"):
-                    setattr(r, k, redact_ids(v))
+                pass
         return r
 
     logging.setLogRecordFactory(record)
+    # ``extra`` fields are set on a record after the factory made it: a filter of the loggers that pass ids so.
+    for name in EXTRA_LOGGERS:
+        logging.getLogger(name).addFilter(_redact_fields)
+
+
+#: torchft's loggers that pass a replica id as an ``extra`` field (torchft.manager.Manager's).
+EXTRA_LOGGERS = ("torchft_quorums", "torchft_commits", "torchft_errors")
+_RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None)))
+
+
+def _redact_fields(r: logging.LogRecord) -> bool:
+    for k, v in list(vars(r).items()):
+        if k not in _RECORD_FIELDS and isinstance(v, str):
+            setattr(r, k, redact_ids(v))
+    return True
