@@ -48,15 +48,15 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from lowband.ft.gateway import GatedManager, accuse_at_gate, ask_gate
+from lowband.ft.gateway import accuse_at_gate, ask_gate
 from lowband.ft.logs import quiet_torchft
+from lowband.ft.managergate import GatedManager
 from lowband.ft.quorum import ForeignJob, NodeSlotTaken, QuorumRecorder, gate_refusal  # noqa: F401  (callers' names)
-from lowband.ft.transport import StateTransport, TransferError
+from lowband.ft.transport import StateTransport, TransferError, member_source
 from lowband.trust.admission import (  # noqa: F401  (admit, member_of, replica_id: the names tests and callers use)
     AdmissionRefused,
     admit,
     check_bind,
-    claim_of,
     free_port,
     gloo_interface,
     member_of,
@@ -64,7 +64,7 @@ from lowband.trust.admission import (  # noqa: F401  (admit, member_of, replica_
     screen,
     split_bind,
 )
-from lowband.trust.keys import MemberKey, Roster
+from lowband.trust.keys import MemberKey, Roster, check_member
 from lowband.trust.secret import load_secret
 
 log = logging.getLogger(__name__)
@@ -147,10 +147,8 @@ class FaultToleranceConfig:
     bind: str | None = None  # the job's network address the node's listeners bind (default: advertise)
     trusted_network: bool = False  # bind a public address all the same (every host that reaches it is trusted)
     steps: int | None = None  # the job's steps: a healing source at a step outside [0, steps] is refused
-    # Per-member keys (lowband.trust.keys): the job's roster of public keys and this node's own private key. With them
-    # the node signs its reports, its claim to its slot and the state it serves, and checks a healing source's.
-    roster: Roster | None = field(default=None, repr=False)
-    key: MemberKey | None = field(default=None, repr=False)
+    roster: Roster | None = field(default=None, repr=False)  # the job's roster of keys (lowband.trust.keys)
+    key: MemberKey | None = field(default=None, repr=False)  # this node's own private key
 
     def __post_init__(self) -> None:
         if not self.lighthouse.startswith(("http://", "https://")):
@@ -169,11 +167,7 @@ class FaultToleranceConfig:
             raise ValueError(f"--ft-start-nodes must be in [1, --ft-max-nodes = {self.max_nodes}], got {self.start_nodes}")
         if self.window_quorum and not self.async_quorum:
             raise ValueError("window_quorum needs async_quorum (the window's quorum forms in the background)")
-        if (self.roster is None) != (self.key is None) or (self.roster is not None and self.secret is None):
-            raise ValueError("--roster and --key-file go together, and need the job's secret (--secret-file)")
-        if self.key is not None and (self.key.node != self.node or self.node not in self.roster):
-            raise ValueError(f"--key-file is node {self.key.node}'s key and this node is --ft-node {self.node}; "
-                             f"the roster names nodes {sorted(self.roster.members)[:10]}")
+        check_member(self.node, key=self.key, roster=self.roster, secret=self.secret)
 
     @property
     def poll_rounds(self) -> int:
@@ -341,10 +335,7 @@ class FaultTolerance:
         if why is not None and rank == 0:
             raise gate_refusal(cfg, why)
 
-        def register(full_id: str) -> None:
-            """With a roster: the process's full replica id (torchft's ``id:uuid``, drawn by torchft just before its
-            Manager server starts) registered at the gate by a claim signed with the node's key: the gate then passes
-            this process's quorum requests and heartbeats for the slot, and no other process's."""
+        def register(full_id: str) -> None:  # a roster's job: this process (torchft's id:uuid) claims its slot, signed
             why = ask_gate(cfg.lighthouse, full_id, f"http://{advertise}:{port}", f"{store_host}:{store_port}",
                            timeout_s=min(10.0, cfg.quorum_timeout_s), key=cfg.key)
             if why is not None:
@@ -382,16 +373,9 @@ class FaultTolerance:
         return ids[src_rank] if isinstance(src_rank, int) and 0 <= src_rank < len(ids) else None
 
     def _source_of(self, src_rank: int):
-        """Where the quorum's member ``src_rank`` serves its state (the host its tag vouches for) and, with a roster, the
-        check of its signature by that member's key (:class:`lowband.ft.transport.StateTransport`'s ``source_of``)."""
+        """:func:`lowband.ft.transport.member_source` of the quorum's member ``src_rank``."""
         rid = self._source(src_rank)
-        claim = claim_of(rid) if rid is not None else None
-        if claim is None:
-            return None
-        host, roster = claim.manager.rsplit(":", 1)[0].strip("[]"), self.cfg.roster
-        if roster is None:
-            return host, None
-        return host, lambda signature, *parts: roster.verify(claim.node, signature, "lowband-state-source", *parts)
+        return member_source(rid, self.cfg.roster) if rid is not None else None
 
     def _known_bad(self, src_rank: int) -> str | None:
         """Why this node does not fetch from the quorum's member ``src_rank`` (it served a poisoned state before)."""
@@ -612,10 +596,8 @@ class FaultTolerance:
 
 @contextlib.contextmanager
 def _listening_on(host: str, *, register: Callable[[str], None] | None = None):
-    """While torchft's Manager is built: its gRPC server and its HTTP state server bind ``host`` (torchft
-    0.2 binds both on every interface, ``[::]``), so that only the job's network reaches them. ``register`` is called
-    with the full replica id torchft gives its Manager server, before that server starts."""
-
+    """While torchft's Manager is built: its gRPC and HTTP servers bind ``host`` (torchft 0.2 binds both on ``[::]``);
+    ``register`` gets the full replica id torchft gives its Manager server, before that server starts."""
     import torchft.checkpointing.http_transport as http_transport  # optional dependency (the ft extra)
     import torchft.manager as manager  # optional dependency (the ft extra)
 

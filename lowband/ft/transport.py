@@ -82,13 +82,14 @@ from lowband.ft.wire import (  # noqa: F401  (the wire format's names, as caller
     receive_limit,
     template_of,
 )
+from lowband.trust.admission import claim_of
 from lowband.trust.admission import same_host as _same_host
 from lowband.trust.limits import SourceLimiter
 from lowband.trust.secret import tag, verify
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORMAT", "PoisonedState", "StateTransport", "TransferError", "check_values", "decode_header",
+__all__ = ["FORMAT", "PoisonedState", "StateTransport", "TransferError", "member_source", "check_values", "decode_header",
            "encode_state", "header_limit", "parse_request", "read_state", "receive_limit", "template_of"]
 
 MAX_CONNECTIONS = 32  # the state server's connections at once
@@ -96,6 +97,19 @@ MAX_PER_HOST = 16  # ... from one host (the healing ranks of several nodes on on
 
 
 # --------------------------------------------------------------------------- the transport
+def member_source(rid: str, roster=None):
+    """What :class:`StateTransport`'s ``source_of`` answers for the quorum member with replica id ``rid``: the host its
+    tag vouches for and, with a roster (:class:`lowband.trust.keys.Roster`), the check of a state's signature by that
+    member's key; None for an id lowband did not make."""
+    claim = claim_of(rid)
+    if claim is None:
+        return None
+    host = claim.manager.rsplit(":", 1)[0].strip("[]")
+    if roster is None:
+        return host, None
+    return host, lambda signature, *parts: roster.verify(claim.node, signature, "lowband-state-source", *parts)
+
+
 class _Capped(io.RawIOBase):
     """A connection's reader that ends after ``limit`` bytes: a request (a GET, no body) is never read past it."""
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from lowband.trust.secret import SecretError, load_secret, tag, verify, write_secret
 
-__all__ = ["KEY_FORMAT", "MAX_SKEW_S", "ROSTER_FORMAT", "MemberKey", "ReplayCache", "Roster", "key_path",
+__all__ = ["KEY_FORMAT", "MAX_SKEW_S", "ROSTER_FORMAT", "MemberKey", "ReplayCache", "Roster", "check_member", "key_path",
            "load_key", "load_roster", "roster_path", "sign_call", "signed_bytes", "verify_call", "write_keys"]
 
 ROSTER_FORMAT = "lowband-roster/1"
@@ -41,9 +41,8 @@ _HEX = re.compile(r"[0-9a-f]+", re.ASCII)
 
 
 def _ed25519():
-    # Optional dependency (the ft extra): a job without a roster never needs it.
     try:
-        from cryptography.hazmat.primitives.asymmetric import ed25519
+        from cryptography.hazmat.primitives.asymmetric import ed25519  # optional dependency (the ft extra)
     except ImportError as e:
         raise ValueError("per-member keys (lowband secret --nodes, --key-file, --roster) need the cryptography "
                          "package: pip install 'lowband[ft]' (or pip install cryptography)") from e
@@ -230,6 +229,16 @@ def load_key(path: str | os.PathLike, node: int, roster: Roster) -> MemberKey:
         raise SecretError(f"--key-file: {p} is not the key the roster names for node {node} (another job's key, or "
                           "the roster of another `lowband secret --nodes`)")
     return key
+
+
+def check_member(node: int, *, key: MemberKey | None, roster: Roster | None, secret: bytes | None) -> None:
+    """Refuse (ValueError) a node's keys that do not go together: a roster without a key or the secret, or a key of
+    another slot than ``node`` or that the roster does not name."""
+    if (roster is None) != (key is None) or (roster is not None and secret is None):
+        raise ValueError("--roster and --key-file go together, and need the job's secret (--secret-file)")
+    if key is not None and (key.node != node or node not in roster):
+        raise ValueError(f"--key-file is node {key.node}'s key and this node is --ft-node {node}; the roster names "
+                         f"nodes {sorted(roster.members)[:10]}")
 
 
 # --------------------------------------------------------------------------- signed calls
