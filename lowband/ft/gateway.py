@@ -56,7 +56,7 @@ from lowband.trust.admission import claim_of, proves, same_host
 from lowband.trust.keys import MemberKey, ReplayCache, Roster, verify_call
 from lowband.trust.limits import SourceLimiter
 
-__all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "DONE", "HEARTBEAT", "KEPT_OUT", "UNREGISTERED", "MAX_FIELDS", "QUORUM", "REFUSED",
+__all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "DONE", "HEARTBEAT", "KEPT_OUT", "PINNED", "UNREGISTERED", "MAX_FIELDS", "QUORUM", "REFUSED",
            "LighthouseGateway", "StallBreaker", "accusation_request", "accuse_at_gate",
            "admission_request", "ask_gate", "gate_reason", "parse_fields", "peer_host", "quorum_round", "refusal",
            "sign_request", "signed_parts", "string_field"]
@@ -81,6 +81,8 @@ REFUSED = "lowband gateway: not a member of this job"
 KEPT_OUT = "the Lighthouse's gate keeps node"
 #: In the refusal of a process of a job with a roster when no process of its slot is registered (the gate forgot it).
 UNREGISTERED = "registered no process"
+#: In the refusal of a call over another connection than the one the registered process of its slot calls over.
+PINNED = "calls over another connection"
 
 
 def gate_reason(message: str) -> str | None:
@@ -418,7 +420,7 @@ class LighthouseGateway:
 
     def __init__(self, *, bind: str, backend: str, secret: bytes, workers: int = 256,
                  breaker: StallBreaker | None = None, limiter: SourceLimiter | None = None,
-                 roster: Roster | None = None, replays: ReplayCache | None = None) -> None:
+                 roster: Roster | None = None, replays: ReplayCache | None = None, pin_idle_s: float = 3.0) -> None:
         import grpc  # optional dependency (the ft extra)
 
         self._grpc = grpc
@@ -426,6 +428,8 @@ class LighthouseGateway:
         self.roster = roster
         self.replays = replays if replays is not None else ReplayCache()
         self.registered: dict[int, str] = {}  # with a roster: node slot -> the replica id its key last registered
+        self.pinned: dict[int, tuple[str, float]] = {}  # node slot -> (the connection its process calls over, when)
+        self.pin_idle_s = pin_idle_s
         self.breaker = breaker if breaker is not None else StallBreaker()
         self.limiter = limiter if limiter is not None else SourceLimiter()
         self.refused: Counter[str] = Counter()
@@ -460,7 +464,7 @@ class LighthouseGateway:
                 context.abort(self._grpc.StatusCode.RESOURCE_EXHAUSTED, f"lowband gateway: {REFUSAL_KINDS[-1]}")
             why = refusal(self._secret, request, method if method in (QUORUM, HEARTBEAT) else QUORUM)
             if why is None and self.roster is not None:
-                why = self.member_refusal(method, request, host)
+                why = self.member_refusal(method, request, host, peer=context.peer())
             if why is not None:
                 self.limiter.refused(host)
                 self._note(why, host)
@@ -507,12 +511,14 @@ class LighthouseGateway:
             return answer
         return handle
 
-    def member_refusal(self, method: str, request: bytes, host: str) -> str | None:
+    def member_refusal(self, method: str, request: bytes, host: str, *, peer: str = "") -> str | None:
         """With a roster, what a call whose replica id proved the secret must also show (one of :data:`REFUSAL_KINDS`,
         or None): it comes from the address its member's tag vouches for; a report (:data:`ACCUSE`, :data:`DONE`) is
         signed by its member's own key, fresh and never seen before; an :data:`ADMIT` that is signed registers its
         replica id as the process that holds the member's node slot (the latest one signed wins); a ``Quorum`` or
-        ``Heartbeat`` passes only for that registered process. An unsigned ``Admit`` only asks (whether the job is
+        ``Heartbeat`` passes only for that registered process, over the connection (``peer``: gRPC's ``ipv4:HOST:PORT``)
+        its first such call after the registration came over, until that connection was idle ``pin_idle_s`` (torchft's
+        Manager makes them all over one connection). An unsigned ``Admit`` only asks (whether the job is
         complete, whether the member is kept out; for a process, an id with torchft's ``:uuid``, also whether it is the
         registered one) and registers nothing."""
         try:
@@ -532,7 +538,15 @@ class LighthouseGateway:
                 return (f"not the process its member registered: node {claim.node}'s key "
                         f"{'registered another process' if claim.node in self.registered else UNREGISTERED} (a copied "
                         "replica id, or a process of the node that another one replaced)")
-            return None
+            if method == ADMIT or not peer:
+                return None
+            with self._lock:
+                now, pin = time.monotonic(), self.pinned.get(claim.node)
+                if pin is None or pin[0] == peer or now - pin[1] >= self.pin_idle_s:
+                    self.pinned[claim.node] = (peer, now)
+                    return None
+            return (f"not the process its member registered: node {claim.node}'s registered process {PINNED}, live "
+                    f"{now - pin[1]:.1f} s ago (its replica id used by another process)")
         if method == ADMIT and not sig:  # a node's question before its Manager starts: whether it may pass at all
             return None
         why = verify_call(self.roster, self.replays, claim.node, sig, t, nonce, method, *parts)
@@ -541,6 +555,7 @@ class LighthouseGateway:
         if method == ADMIT:
             with self._lock:
                 self.registered[claim.node] = rid  # bounded: only slots of the roster get here
+                self.pinned.pop(claim.node, None)  # its next call pins the connection again
         return None
 
     def _accuse(self, request: bytes, context) -> bytes:

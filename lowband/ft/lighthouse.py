@@ -52,7 +52,8 @@ def start_lighthouse(*, bind: str = "127.0.0.1:0", min_nodes: int = 1, join_time
         return lighthouse(bind)
 
     breaker = StallBreaker(stall_rounds=stall_rounds, probation_s=probation_s, bench_s=bench_s)
-    return GatedLighthouse(lighthouse("127.0.0.1:0"), bind=bind, secret=secret, breaker=breaker, roster=roster)
+    return GatedLighthouse(lighthouse("127.0.0.1:0"), bind=bind, secret=secret, breaker=breaker, roster=roster,
+                           pin_idle_s=heartbeat_timeout_s)
 
 
 class GatedLighthouse:
@@ -60,12 +61,13 @@ class GatedLighthouse:
     address: ``address()`` is the gate's (what nodes are given), ``status_address()`` torchft's own
     (its status page and kill route: this host only)."""
 
-    def __init__(self, server, *, bind: str, secret: bytes, breaker=None, roster=None) -> None:
+    def __init__(self, server, *, bind: str, secret: bytes, breaker=None, roster=None, pin_idle_s: float = 3.0) -> None:
 
         self._server = server
         self._backend = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
         try:
-            self.gate = LighthouseGateway(bind=bind, backend=self._backend, secret=secret, breaker=breaker, roster=roster)
+            self.gate = LighthouseGateway(bind=bind, backend=self._backend, secret=secret, breaker=breaker, roster=roster,
+                                          pin_idle_s=pin_idle_s)
         except BaseException:
             server.shutdown()
             raise

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from lowband.ft.completion import JobComplete, complete_reason, job_complete
-from lowband.ft.gateway import KEPT_OUT, UNREGISTERED, ask_gate, gate_reason
+from lowband.ft.gateway import KEPT_OUT, PINNED, UNREGISTERED, ask_gate, gate_reason
 from lowband.trust.admission import AdmissionRefused, RemovedFromJob, admit, claim_of, member_of, screen
 
 __all__ = ["GATE_POLL_S", "ForeignJob", "NodeSlotTaken", "QuorumRecorder", "gate_refusal"]
@@ -119,9 +119,10 @@ class QuorumRecorder:
                 if why is None:
                     raise
                 claim = claim_of(me)
-                if UNREGISTERED in why and cfg.key is not None and claim is not None and rounds < max_rounds:
-                    why = ask_gate(cfg.lighthouse, me, f"http://{claim.manager}", claim.store, timeout_s=GATE_POLL_S,
-                                   key=cfg.key)  # the gate forgot this process (a restarted Lighthouse): again
+                if ((UNREGISTERED in why or PINNED in why) and cfg.key is not None and claim is not None
+                        and rounds < max_rounds):  # the gate forgot this process (a restarted Lighthouse), or its
+                    why = ask_gate(cfg.lighthouse, me, f"http://{claim.manager}", claim.store,  # connection broke
+                                   timeout_s=GATE_POLL_S, key=cfg.key)  # and another took it: registered again
                     if why is None:
                         rounds += 1
                         continue

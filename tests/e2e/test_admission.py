@@ -169,8 +169,8 @@ def test_outsiders_and_a_wrong_secret_are_refused_without_a_dropped_step_and_a_s
 
 # Someone on the job's machine who holds the job's secret but no member's key (a local user who read it, or a member
 # that would speak for another): it reads the members' full replica ids from torchft's status page (on the
-# Lighthouse's host), then reports node 1 in node 0's name (unsigned, and signed with a key of its own) and asks
-# for node 1's slot under another process's id.
+# Lighthouse's host), then reports node 1 in node 0's name (unsigned, and signed with a key of its own) and
+# heartbeats in node 1's name under another process's id, and under node 1's own full id.
 FORGER = r"""
 import re, sys, urllib.request, grpc
 from lowband.ft.gateway import ACCUSE, HEARTBEAT, accusation_request, string_field
@@ -191,11 +191,12 @@ with grpc.insecure_channel(gate) as ch:
             print(what, "ACCEPTED")
         except grpc.RpcError as e:
             print(what, "refused:", e.details())
-    try:
-        ch.unary_unary(HEARTBEAT)(string_field(1, (ids[1].split(":")[0] + ":another-process").encode()), timeout=10)
-        print("copy ACCEPTED")
-    except grpc.RpcError as e:
-        print("copy refused:", e.details())
+    for what, rid in (("copy", ids[1].split(":")[0] + ":another-process"), ("full copy", ids[1])):
+        try:  # node 1's id with another process's uuid; then its full id, uuid and all (from the status page)
+            ch.unary_unary(HEARTBEAT)(string_field(1, rid.encode()), timeout=10)
+            print(what, "ACCEPTED")
+        except grpc.RpcError as e:
+            print(what, "refused:", e.details())
 """
 
 
@@ -224,6 +225,7 @@ def test_a_job_with_a_roster_trains_and_refuses_forged_reports_and_copied_ids(tm
     assert "unsigned refused: lowband gateway: not a member of this job: the call is not signed" in out, out
     assert "signed by another key refused" in out and "forged: not signed by node 0's key" in out, out
     assert "copy refused" in out and "not the process its member registered" in out, out
+    assert "full copy refused" in out and "calls over another connection" in out, out
     assert "ACCEPTED" not in out, out
     assert codes == {0: 0, 1: 0}, [(tmp_path / f"node{n}.log").read_text()[-3000:]
                                                                      for n in (0, 1)]

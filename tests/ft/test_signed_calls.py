@@ -94,6 +94,7 @@ def _admit(rid: str, key=None) -> bytes:
 def test_only_the_process_a_member_registered_with_its_key_passes_quorum_and_heartbeats(job, gate):
     secret, _, keys = job
     g, seen = gate
+    g.pin_idle_s = 0.0  # each call here opens a connection of its own; pinning: the test below
     rid = _member(secret, 1)
     quorum, beat = _admit(rid), string_field(1, rid.encode())
     assert UNREGISTERED in _call(g, QUORUM, quorum)  # no process of node 1 registered yet
@@ -200,3 +201,23 @@ def test_a_healer_takes_a_state_only_signed_by_its_source_member_and_only_from_i
     finally:
         for t in made:
             t.shutdown(wait=False)
+
+
+def test_the_registered_process_is_pinned_to_its_connection_until_it_falls_silent(job, gate):
+    """On one host every process has the member's address: a process that copied the registered full id (torchft's
+    status page, the node's store) is refused while the member's own connection is live."""
+    secret, _, keys = job
+    g, _ = gate
+    g.pin_idle_s = 0.3
+    rid = _member(secret, 0)
+    assert g.member_refusal(ADMIT, _admit(rid, keys[0]), "127.0.0.1") is None
+    quorum = _admit(rid)
+    assert g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40001") is None  # the first pins
+    assert g.member_refusal(HEARTBEAT, string_field(1, rid.encode()), "127.0.0.1", peer="ipv4:127.0.0.1:40001") is None
+    why = g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40002")
+    assert why.startswith("not the process its member registered") and "another connection" in why
+    time.sleep(0.4)  # the member's connection fell silent (it broke): a new one of it takes the pin
+    assert g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40003") is None
+    assert "another connection" in g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40001")
+    assert g.member_refusal(ADMIT, _admit(rid, keys[0]), "127.0.0.1") is None  # registered again: the next call pins
+    assert g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40004") is None
