@@ -7,6 +7,8 @@ interleaved (A B C, then C B A, ...) so that the machine's drift falls on all of
 - ``none``: no secret: an ungated Lighthouse, no tags, the papers' mean (the message checks are always on);
 - ``secret``: the job's secret: every member's tag checked at every quorum, the Lighthouse behind its gate
   (every quorum and heartbeat through it);
+- ``secret+roster``: and per-member keys (``lowband secret --nodes``, ``--key-file``, ``--roster``): each node's
+  process registered at the gate with a signed claim, every quorum and heartbeat checked against it;
 - ``secret+agree``: and ``aggregate=agree``.
 
 Every node's link is shaped in-process to the given bandwidth and latency (``--link-bandwidth``,
@@ -50,7 +52,7 @@ COMMON = ["--model", "t5-tiny", "--max-examples", "1500", "--val-size", "64", "-
 METHODS = {"flexdemo": ["--method", "flexdemo", "--topk", "2"],
            "diloco": ["--method", "diloco", "--sync-every", "10"],
            "sparseloco": ["--method", "sparseloco", "--sync-every", "10"]}
-VARIANTS = ("none", "secret", "secret+agree")
+VARIANTS = ("none", "secret", "secret+roster", "secret+agree")
 FLOOD_VARIANTS = ("secret", "secret+flood", "secret+hog")
 
 # An outsider that asks the gate for a quorum again and again until SIGTERM, then prints its CPU and wall time.
@@ -113,6 +115,7 @@ def run(variant: str, args, out: Path, side: dict) -> list[dict]:
     """One job of ``variant``; ``side`` carries the flooder's CPU share (a core's fraction) to the hog, and gets
     the side process's own record."""
     from lowband.cluster.ftjob import FaultTolerantJob
+    from lowband.trust.keys import write_keys
     from lowband.trust.secret import write_secret
 
     train = [*COMMON, *METHODS[args.method], "--steps", str(args.steps), "--link-bandwidth", str(args.bandwidth),
@@ -121,8 +124,10 @@ def run(variant: str, args, out: Path, side: dict) -> list[dict]:
         train += ["--aggregate", "agree"]
     out.mkdir(parents=True, exist_ok=True)
     secret = write_secret(out / "job.secret") if variant != "none" else None
+    if variant.endswith("+roster"):
+        write_keys(secret, 3)
     with FaultTolerantJob(train_args=train, nodes=3, ranks_per_node=1, out=out, min_nodes=3,
-                          secret_file=secret) as job:
+                          secret_file=secret, roster=variant.endswith("+roster")) as job:
         extra = (_side(FLOODER, job.address) if variant.endswith("+flood") else
                  _side(HOG, str(side.get("duty", 1.0))) if variant.endswith("+hog") else None)
         try:

@@ -273,7 +273,7 @@ class TrainConfig:
         hyper-parameters, the model, its precision and shards per node, the data by content (its token
         store's digest, computed when the store was written: the text is not read again), how it is cut
         and tokenised (columns, split, lengths, packing, the tokenizer by content or the trained one's
-        kind, size and sample), the schedule, the seed and the job's layout. Two nodes with the same
+        kind, size and sample), the schedule, the seed, the job's layout and its roster of keys. Two nodes with the same
         files under other paths agree; another job's node does not. A user's data not yet tokenised on
         this host is tokenised here (once: the run then opens the store)."""
 
@@ -292,7 +292,10 @@ class TrainConfig:
             content(d.tokenizer),
             None if d.tokenizer else (d.tokenizer_kind, d.vocab_size, d.tokenizer_sample_bytes if d.path else None),
             s.steps, s.batch_size, s.grad_accum, s.lr_schedule, s.warmup_steps, s.min_lr_ratio,
-            self.run.seed, ft.max_nodes, ft.quorum)
+            self.run.seed, ft.max_nodes, ft.quorum,
+            # A job with a roster signs its states and claims; its nodes and a node without one cannot heal from
+            # each other, so they are two jobs (only here when given: other jobs' fingerprints stay as they were).
+            *(("roster", content(ft.roster)) if ft.roster else ()))
 
     def ft_config(self, ranks_per_node: int | None = None):
         """The node's fault-tolerance configuration, or None (no ``fault_tolerance.lighthouse``)."""
