@@ -56,8 +56,8 @@ from lowband.trust.admission import claim_of, proves, same_host
 from lowband.trust.keys import MemberKey, ReplayCache, Roster, verify_call
 from lowband.trust.limits import SourceLimiter
 
-__all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "DONE", "HEARTBEAT", "KEPT_OUT", "PINNED", "UNREGISTERED", "MAX_FIELDS", "QUORUM", "REFUSED",
-           "LighthouseGateway", "StallBreaker", "accusation_request", "accuse_at_gate",
+__all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "DONE", "HEARTBEAT", "KEPT_OUT", "MAX_FIELDS", "PINNED", "QUORUM",
+           "REFUSED", "UNREGISTERED", "LighthouseGateway", "StallBreaker", "accusation_request", "accuse_at_gate",
            "admission_request", "ask_gate", "gate_reason", "parse_fields", "peer_host", "quorum_round", "refusal",
            "sign_request", "signed_parts", "string_field"]
 
@@ -113,8 +113,6 @@ def accusation_request(rid: str, address: str, store: str, accused: str, why: st
     ``key`` when given."""
     return sign_request(key, ACCUSE, admission_request(rid, address, store) + string_field(2, accused.encode())
                         + string_field(3, why.encode()[:300].decode("utf-8", "ignore").encode()))
-
-
 
 
 #: The kinds of refusal (each reason starts with one): what the gate counts, never the caller's text, which would grow.
@@ -521,12 +519,14 @@ class LighthouseGateway:
         Manager makes them all over one connection). An unsigned ``Admit`` only asks (whether the job is
         complete, whether the member is kept out; for a process, an id with torchft's ``:uuid``, also whether it is the
         registered one) and registers nothing."""
-        try:
+        try:  # a Quorum and a Heartbeat are torchft's: only their replica id is read (as refusal() read it)
             if method == HEARTBEAT:
                 rid, parts, (t, nonce, sig) = _string(parse_fields(request), 1), (), ("", "", "")
+            elif method == QUORUM:
+                rid, parts, (t, nonce, sig) = _string(parse_fields(parse_fields(request)[1][-1]), 1), (), ("", "", "")
             else:
                 rid, parts, (t, nonce, sig) = signed_parts(request)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
             return f"malformed request ({e})"
         claim = claim_of(rid)
         own = claim.manager.rsplit(":", 1)[0]

@@ -337,7 +337,8 @@ def test_signed_calls_random_mutated_or_replayed_are_refused_with_a_reason_of_a_
     key = load_key(key_files[0], 0, roster)
     rid = replica_id("f00d", 0, secret=secret, store="127.0.0.1:5000", manager="127.0.0.1:6000") + ":u0"
     other = replica_id("f00d", 1, secret=secret, store="127.0.0.1:5000", manager="127.0.0.1:6001") + ":u1"
-    gate = types.SimpleNamespace(roster=roster, replays=ReplayCache(), registered={}, _lock=threading.Lock())
+    gate = types.SimpleNamespace(roster=roster, replays=ReplayCache(), registered={}, pinned={}, pin_idle_s=3.0,
+                                 _lock=threading.Lock())
     rng = random.Random(44)
     genuine = {ADMIT: admission_request(rid, "http://127.0.0.1:6000", "127.0.0.1:5000", key=key),
                ACCUSE: accusation_request(rid, "http://127.0.0.1:6000", "127.0.0.1:5000", other, "bad", key=key)}
@@ -359,4 +360,7 @@ def test_signed_calls_random_mutated_or_replayed_are_refused_with_a_reason_of_a_
         if why is None:
             passed += 1
             assert req == genuine[method] or method == ADMIT, req  # a mutated report never passes
+        for torchfts in (QUORUM, HEARTBEAT):  # torchft's own calls, read for their id alone
+            why = LighthouseGateway.member_refusal(gate, torchfts, req, "127.0.0.1", peer=f"ipv4:127.0.0.1:{i % 7}")
+            assert why is None or why.startswith(REFUSAL_KINDS), (req[:80], why)
     assert 1 <= passed <= 2 + CASES // 50  # each genuine call once (an ADMIT whose mutation left what it signs intact aside)
