@@ -529,6 +529,8 @@ class LighthouseGateway:
         except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
             return f"malformed request ({e})"
         claim = claim_of(rid)
+        if claim is None:  # refusal() has refused it already; never raises if called alone
+            return f"replica id does not prove the job's secret ({rid[:80]!r})"
         own = claim.manager.rsplit(":", 1)[0]
         if not same_host(host, own):
             return (f"the call came from another address than its member's ({host[:60]}; its tag vouches for "
