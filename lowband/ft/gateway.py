@@ -54,7 +54,7 @@ from lowband.ft.protowire import (
 from lowband.ft.protowire import string_of as _string
 from lowband.trust.admission import claim_of, proves, same_host
 from lowband.trust.keys import MemberKey, ReplayCache, Roster, verify_call
-from lowband.trust.limits import SourceLimiter
+from lowband.trust.limits import SourceLimiter, Tarpit
 
 __all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "DONE", "HEARTBEAT", "KEPT_OUT", "MAX_FIELDS", "PINNED", "QUORUM",
            "REFUSED", "UNREGISTERED", "LighthouseGateway", "StallBreaker", "accusation_request", "accuse_at_gate",
@@ -381,10 +381,13 @@ class StallBreaker:
 # --------------------------------------------------------------------------- the gate
 #: How many refused hosts the gate names in its log (once each); past it the least recent are forgotten.
 NAMED_HOSTS = 1024
+#: The most calls at once over one connection (torchft's Manager makes its quorum request and heartbeats over one): a
+#: flooder cannot get past the tarpit (:class:`~lowband.trust.limits.Tarpit`) by many calls over one connection.
+MAX_STREAMS = 16
 #: The gRPC server's bounds: requests of at most :data:`MAX_REQUEST_BYTES`, headers of at most 8 KiB, no SO_REUSEPORT
 #: (gRPC's default on Linux: another process of the same user could bind the same port and take calls).
 SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES), ("grpc.max_metadata_size", 8 << 10),
-                  ("grpc.so_reuseport", 0)]
+                  ("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_STREAMS)]
 
 
 def _listen(server, bind: str, what: str) -> int:
@@ -430,6 +433,7 @@ class LighthouseGateway:
         self.pin_idle_s = pin_idle_s
         self.breaker = breaker if breaker is not None else StallBreaker()
         self.limiter = limiter if limiter is not None else SourceLimiter()
+        self.tarpit = Tarpit(slots=max(1, workers // 8))  # a refused connection waits; its members keep 7/8 of the pool
         self.refused: Counter[str] = Counter()
         self.completion = CompletionRecord()  # the job's end (lowband.ft.completion)
         self._named: OrderedDict[str, None] = OrderedDict()
@@ -456,18 +460,23 @@ class LighthouseGateway:
 
     def _handler(self, method: str):
         def handle(request: bytes, context) -> bytes:
-            host = peer_host(context.peer())
+            peer = context.peer()
+            host = peer_host(peer)
+            self.tarpit.wait(peer, context.time_remaining())  # a connection refused again and again waits first
             if self.limiter.over(host):  # unread; not a member's refusal (no REFUSED): a node retries, never leaves
                 self._note(REFUSAL_KINDS[-1], host, log_it=False)
+                self.tarpit.refused(peer)
                 context.abort(self._grpc.StatusCode.RESOURCE_EXHAUSTED, f"lowband gateway: {REFUSAL_KINDS[-1]}")
             why = refusal(self._secret, request, method if method in (QUORUM, HEARTBEAT) else QUORUM)
             if why is None and self.roster is not None:
                 why = self.member_refusal(method, request, host, peer=context.peer())
             if why is not None:
+                self.tarpit.refused(peer)
                 self.limiter.refused(host)
                 self._note(why, host)
                 context.abort(self._grpc.StatusCode.PERMISSION_DENIED, f"{REFUSED}: {why}")
             self.limiter.passed(host)
+            self.tarpit.passed(peer)
             if method == ACCUSE:
                 return self._accuse(request, context)
             if method == DONE:
