@@ -22,6 +22,8 @@ by at most 20 % beyond the CPU the flooder itself takes):
 - ``secret+flood``: and one more process on this machine that sends the Lighthouse's gate an outsider's Quorum
   request after another, as fast as it can, for the whole run (every one refused); its CPU time and wall time
   are recorded;
+  (``--flood-per-connection N``: over a new connection every N calls, as a flooder that would get past a limit
+  per connection does);
 - ``secret+hog``: and one CPU-bound process that burns as much CPU as the flooder did (its measured share of a
   core, in slices of a millisecond), so that what the flood costs beyond its own CPU use shows as flood against
   hog.
@@ -63,15 +65,20 @@ from lowband.ft.gateway import QUORUM, admission_request
 stop = []
 signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
 request = admission_request("lowband_f00d_node1:outsider", "http://127.0.0.1:1", "127.0.0.1:2")
+per_connection = int(sys.argv[2])  # calls over one connection before the next (0: one connection for all)
 calls, t0, cpu0 = 0, time.monotonic(), time.process_time()  # after the imports: the flood's own CPU only
-with grpc.insecure_channel(sys.argv[1].split("://", 1)[-1]) as channel:
-    call = channel.unary_unary(QUORUM)
-    while not stop:
-        try:
-            call(request, timeout=5)
-        except grpc.RpcError:
-            pass
-        calls += 1
+while not stop:
+    # a channel of its own (no subchannel shared with the last one): a new connection
+    with grpc.insecure_channel(sys.argv[1].split("://", 1)[-1], options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+        call = ch.unary_unary(QUORUM)
+        n = 0
+        while not stop and (per_connection == 0 or n < per_connection):
+            try:
+                call(request, timeout=5)
+            except grpc.RpcError:
+                pass
+            calls += 1
+            n += 1
 print(json.dumps({"calls": calls, "cpu_s": time.process_time() - cpu0, "wall_s": time.monotonic() - t0}), flush=True)
 """
 # A process that burns ``duty`` of one core (its CPU time kept at duty x its wall time, in slices of a millisecond)
@@ -128,7 +135,7 @@ def run(variant: str, args, out: Path, side: dict) -> list[dict]:
         write_keys(secret, 3)
     with FaultTolerantJob(train_args=train, nodes=3, ranks_per_node=1, out=out, min_nodes=3,
                           secret_file=secret, roster=variant.endswith("+roster")) as job:
-        extra = (_side(FLOODER, job.address) if variant.endswith("+flood") else
+        extra = (_side(FLOODER, job.address, str(args.flood_per_connection)) if variant.endswith("+flood") else
                  _side(HOG, str(side.get("duty", 1.0))) if variant.endswith("+hog") else None)
         try:
             job.start_all()
@@ -155,6 +162,9 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--flood", action="store_true",
                    help="compare a flood of refused calls to the gate with a CPU-bound process of the same CPU use")
+    p.add_argument("--flood-per-connection", type=int, default=0, metavar="N",
+                   help="with --flood: the flooder opens a new connection after every N calls (default 0: one "
+                        "connection for the whole flood)")
     args = p.parse_args()
     variants = FLOOD_VARIANTS if args.flood else VARIANTS
     root = args.out or Path(tempfile.mkdtemp(prefix="lowband-protection-"))

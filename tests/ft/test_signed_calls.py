@@ -221,3 +221,24 @@ def test_the_registered_process_is_pinned_to_its_connection_until_it_falls_silen
     assert "another connection" in g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40001")
     assert g.member_refusal(ADMIT, _admit(rid, keys[0]), "127.0.0.1") is None  # registered again: the next call pins
     assert g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40004") is None
+
+
+def test_an_outsider_that_keeps_calling_over_one_connection_waits_and_a_member_does_not(job, gate):
+    secret, _, keys = job
+    g, _ = gate
+    g.tarpit.delay_s = 0.6
+    outsider = admission_request(replica_id(FP, 1) + ":x", "http://127.0.0.1:6001", "127.0.0.1:5000")
+    with grpc.insecure_channel(g.address().split("://", 1)[-1]) as ch:
+        call = ch.unary_unary(QUORUM)
+        times = []
+        for _ in range(g.tarpit.free + 3):
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError):
+                call(outsider, timeout=10)
+            times.append(time.monotonic() - t0)
+    assert max(times[:g.tarpit.free]) < 0.5 and min(times[-2:]) >= 0.6  # refused at once, then slowed
+    assert g.tarpit.waited >= 2
+    rid = _member(secret, 0)
+    t0 = time.monotonic()
+    assert ask_gate(g.address(), rid, "http://127.0.0.1:6000", "127.0.0.1:5000", key=keys[0]) is None
+    assert time.monotonic() - t0 < 0.5  # a member, on its own connection, is not slowed

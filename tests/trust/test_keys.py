@@ -149,3 +149,24 @@ def test_torchfts_logs_never_carry_a_replica_id(monkeypatch, caplog):
     assert len(torchft) == 2 and all(full not in r.getMessage() and rid not in r.getMessage() for r in torchft)
     assert torchft[1].replica_id == "lowband_f00d_node3"
     assert caplog.records[-1].getMessage() == "0b5e2c7a-1c2d-4e5f-8a9b-0123456789ab"  # others' records untouched
+
+
+def test_a_connection_refused_again_and_again_waits_before_each_call_and_a_passing_call_clears_it():
+    from lowband.trust.limits import Tarpit
+
+    slept: list[float] = []
+    t = Tarpit(free=3, delay_s=1.0, slots=1, max_connections=4, sleep=slept.append)
+    for _ in range(3):
+        t.refused("ipv4:127.0.0.1:1")
+    assert t.wait("ipv4:127.0.0.1:1") == 0.0  # within its free refusals
+    t.refused("ipv4:127.0.0.1:1")
+    assert t.wait("ipv4:127.0.0.1:1") == 1.0 and t.wait("ipv4:127.0.0.1:2") == 0.0  # another connection: not slowed
+    assert t.wait("ipv4:127.0.0.1:1", remaining_s=1.5) == 0.5  # never past the caller's deadline (a second kept)
+    t._slots.acquire()  # every slot taken: the call goes on at once (the pool's threads are the members')
+    assert t.wait("ipv4:127.0.0.1:1") == 0.0
+    t._slots.release()
+    t.passed("ipv4:127.0.0.1:1")  # one call that passed clears it
+    assert t.wait("ipv4:127.0.0.1:1") == 0.0 and slept == [1.0, 0.5]
+    for i in range(10):
+        t.refused(f"ipv4:10.0.0.1:{i}")
+    assert len(t) == 4  # bounded, whoever calls
