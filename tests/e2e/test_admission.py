@@ -202,8 +202,9 @@ with grpc.insecure_channel(gate) as ch:
 
 def test_a_job_with_a_roster_trains_and_refuses_forged_reports_and_copied_ids(tmp_path):
     """Per-member keys (issue 44 item 5) end to end: 2 nodes with their own keys train together; reports and a slot's
-    claim made with the secret but without the member's key are refused at the gate, nobody is kept out, the nodes
-    end with the same parameters, and their logs carry no member's full replica id."""
+    claim made with the secret but without the member's key are refused at the gate, nobody is kept out; node 1,
+    killed and started again, registers its new process and heals from node 0's signed state; the nodes end with
+    the same parameters, and their logs carry no member's full replica id."""
     import re
 
     from lowband.cluster.ftjob import FaultTolerantJob
@@ -219,6 +220,10 @@ def test_a_job_with_a_roster_trains_and_refuses_forged_reports_and_copied_ids(tm
         job.wait_for_step(0, 5)
         forger = subprocess.run([sys.executable, "-c", FORGER, job.address, job.status], capture_output=True,
                                 text=True, timeout=60)
+        # node 1 dies and comes back: its new process registers with its key, and it heals from node 0's signed state
+        job.kill(1)
+        job.procs[1].wait(timeout=30)
+        job.start(1)
         codes = job.wait(timeout_s=200)
     out = forger.stdout
     assert forger.returncode == 0, forger.stderr[-2000:]
@@ -232,6 +237,7 @@ def test_a_job_with_a_roster_trains_and_refuses_forged_reports_and_copied_ids(tm
     assert "kept out" not in (tmp_path / "lighthouse.log").read_text()
     recs = [json.loads((tmp_path / f"node{n}" / "ft_rank0.json").read_text()) for n in (0, 1)]
     assert recs[0]["param_sha256"] == recs[1]["param_sha256"] and recs[0]["steps"] == 30
+    assert recs[1]["healed"], recs[1]  # it took node 0's state, signed by node 0's key
     for n in (0, 1):  # torchft's logs: no member's tag or process id (the Rust side at warnings, Python's redacted)
         log = (tmp_path / f"node{n}.log").read_text()
         assert not re.search(r"_t[0-9a-f]{32}_node[0-9]|node[0-9]+:[0-9a-f]{8}-[0-9a-f]{4}-", log), log[-3000:]
