@@ -59,26 +59,38 @@ FLOOD_VARIANTS = ("secret", "secret+flood", "secret+hog")
 
 # An outsider that asks the gate for a quorum again and again until SIGTERM, then prints its CPU and wall time.
 FLOODER = r"""
-import json, signal, sys, time
+import json, signal, sys, threading, time
 import grpc
 from lowband.ft.gateway import QUORUM, admission_request
 stop = []
 signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
 request = admission_request("lowband_f00d_node1:outsider", "http://127.0.0.1:1", "127.0.0.1:2")
 per_connection = int(sys.argv[2])  # calls over one connection before the next (0: one connection for all)
-calls, t0, cpu0 = 0, time.monotonic(), time.process_time()  # after the imports: the flood's own CPU only
+threads = int(sys.argv[3])  # threads calling at once, each over connections of its own
+counts = [0] * threads
+def flood(k):
+    while not stop:
+        # a channel of its own (no subchannel shared with another): a new connection
+        with grpc.insecure_channel(sys.argv[1].split("://", 1)[-1],
+                                   options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+            call = ch.unary_unary(QUORUM)
+            n = 0
+            while not stop and (per_connection == 0 or n < per_connection):
+                try:
+                    call(request, timeout=5)
+                except grpc.RpcError:
+                    pass
+                counts[k] += 1
+                n += 1
+t0, cpu0 = time.monotonic(), time.process_time()  # after the imports: the flood's own CPU only
+workers = [threading.Thread(target=flood, args=(k,), daemon=True) for k in range(threads)]
+for w in workers:
+    w.start()
 while not stop:
-    # a channel of its own (no subchannel shared with the last one): a new connection
-    with grpc.insecure_channel(sys.argv[1].split("://", 1)[-1], options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
-        call = ch.unary_unary(QUORUM)
-        n = 0
-        while not stop and (per_connection == 0 or n < per_connection):
-            try:
-                call(request, timeout=5)
-            except grpc.RpcError:
-                pass
-            calls += 1
-            n += 1
+    time.sleep(0.05)
+for w in workers:
+    w.join(10)
+calls = sum(counts)
 print(json.dumps({"calls": calls, "cpu_s": time.process_time() - cpu0, "wall_s": time.monotonic() - t0}), flush=True)
 """
 # A process that burns ``duty`` of one core (its CPU time kept at duty x its wall time, in slices of a millisecond)
@@ -135,7 +147,8 @@ def run(variant: str, args, out: Path, side: dict) -> list[dict]:
         write_keys(secret, 3)
     with FaultTolerantJob(train_args=train, nodes=3, ranks_per_node=1, out=out, min_nodes=3,
                           secret_file=secret, roster=variant.endswith("+roster")) as job:
-        extra = (_side(FLOODER, job.address, str(args.flood_per_connection)) if variant.endswith("+flood") else
+        extra = (_side(FLOODER, job.address, str(args.flood_per_connection), str(args.flood_threads))
+                 if variant.endswith("+flood") else
                  _side(HOG, str(side.get("duty", 1.0))) if variant.endswith("+hog") else None)
         try:
             job.start_all()
@@ -165,6 +178,8 @@ def main() -> int:
     p.add_argument("--flood-per-connection", type=int, default=0, metavar="N",
                    help="with --flood: the flooder opens a new connection after every N calls (default 0: one "
                         "connection for the whole flood)")
+    p.add_argument("--flood-threads", type=int, default=1, metavar="N",
+                   help="with --flood: N threads of the flooder call at once, each over connections of its own")
     args = p.parse_args()
     variants = FLOOD_VARIANTS if args.flood else VARIANTS
     root = args.out or Path(tempfile.mkdtemp(prefix="lowband-protection-"))
