@@ -170,3 +170,27 @@ def test_a_connection_refused_again_and_again_waits_before_each_call_and_a_passi
     for i in range(10):
         t.refused(f"ipv4:10.0.0.1:{i}")
     assert len(t) == 4  # bounded, whoever calls
+
+
+def test_lowband_train_refuses_keys_that_do_not_go_together_before_anything_starts(job):
+    from lowband.train.args import parse_train_args
+
+    secret_path, _, _, keys = job
+    base = ["--method", "flexdemo", "--steps", "2", "--ft-lighthouse", "http://127.0.0.1:1", "--ft-max-nodes", "3"]
+    roster = str(roster_path(secret_path))
+    cases = [
+        (["--ft-node", "0", "--key-file", str(keys[0])], "go together"),
+        (["--ft-node", "0", "--roster", roster, "--secret-file", str(secret_path)], "go together"),
+        (["--ft-node", "1", "--key-file", str(keys[0]), "--roster", roster, "--secret-file", str(secret_path)],
+         "is node 0's key"),
+        (["--ft-node", "0", "--key-file", str(keys[0]), "--roster", roster], "needs the job's secret"),
+    ]
+    for extra, needle in cases:
+        with pytest.raises(ValueError, match=needle):
+            parse_train_args([*base, *extra]).ft_config(1)
+    cfg = parse_train_args([*base, "--ft-node", "2", "--key-file", str(keys[2]), "--roster", roster,
+                            "--secret-file", str(secret_path)])
+    ft = cfg.ft_config(1)
+    assert ft.key.node == 2 and len(ft.roster) == 3 and "private" not in repr(ft)
+    plain = parse_train_args([*base, "--ft-node", "2", "--secret-file", str(secret_path)])
+    assert plain.fingerprint(1) != cfg.fingerprint(1)  # with a roster and without: two jobs
