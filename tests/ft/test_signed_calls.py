@@ -242,3 +242,30 @@ def test_an_outsider_that_keeps_calling_over_one_connection_waits_and_a_member_d
     t0 = time.monotonic()
     assert ask_gate(g.address(), rid, "http://127.0.0.1:6000", "127.0.0.1:5000", key=keys[0]) is None
     assert time.monotonic() - t0 < 0.5  # a member, on its own connection, is not slowed
+
+
+def test_a_node_whose_gate_forgot_it_registers_again_and_one_replaced_by_a_new_process_leaves(job, gate, monkeypatch):
+    """A restarted Lighthouse forgets the registrations: a node whose quorum waits asks the gate, learns it, and
+    registers again with its key. A process of the node that a newer one replaced is told so and leaves."""
+    from lowband.ft import quorum as ft_quorum
+    from lowband.ft.node import FaultTolerance, FaultToleranceConfig
+    from lowband.trust.admission import AdmissionRefused
+
+    secret, roster, keys = job
+    g, _ = gate
+    monkeypatch.setattr(ft_quorum, "GATE_POLL_S", 0.2)
+    ft = FaultTolerance.__new__(FaultTolerance)
+    ft.cfg = FaultToleranceConfig(lighthouse=g.address(), node=1, max_nodes=3, fingerprint=FP, secret=secret,
+                                  roster=roster, key=keys[1])
+    ft.replica_id = _member(secret, 1)
+    client = type("C", (), {})()
+    client._quorum = lambda **kw: (time.sleep(0.7), "the quorum")[1]
+    rec = ft_quorum.QuorumRecorder(client, ft)
+    assert 1 not in g.registered
+    assert rec._asked(step=0) == "the quorum"
+    assert g.registered[1] == ft.replica_id  # registered again, signed, while its quorum waited
+    assert ask_gate(g.address(), _member(secret, 1, uuid="new"), "http://127.0.0.1:6001", "127.0.0.1:5000",
+                    key=keys[1]) is None  # node 1 started again: its new process holds the slot
+    with pytest.raises(AdmissionRefused, match="registered another process.*registered last"):
+        rec._asked(step=1)
+    assert g.registered[1].endswith(":new1")  # the old process did not take it back
