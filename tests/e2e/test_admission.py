@@ -212,9 +212,9 @@ def test_a_job_with_a_roster_trains_and_refuses_forged_reports_and_copied_ids(tm
 
     secret = tmp_path / "job.secret"
     write_keys(secret, 2)
-    args = [*ARGS[:ARGS.index("--steps")], "--steps", "30", *ARGS[ARGS.index("--steps") + 2:]]
-    with FaultTolerantJob(train_args=args, nodes=2, ranks_per_node=1, out=tmp_path, min_nodes=2, secret_file=secret,
-                          roster=True) as job:
+    args = [*ARGS, "--stop-file", str(tmp_path / "stop")]  # the job runs until told: each phase has time
+    with FaultTolerantJob(train_args=args, nodes=2, ranks_per_node=1, out=tmp_path, min_nodes=1, start_nodes=2,
+                          secret_file=secret, roster=True) as job:
         job.start(0)
         job.start(1)
         job.wait_for_step(0, 5)
@@ -224,6 +224,10 @@ def test_a_job_with_a_roster_trains_and_refuses_forged_reports_and_copied_ids(tm
         job.kill(1)
         job.procs[1].wait(timeout=30)
         job.start(1)
+        deadline = time.monotonic() + 120
+        while "joined at step" not in (tmp_path / "node1.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        job.end_soon()
         codes = job.wait(timeout_s=200)
     out = forger.stdout
     assert forger.returncode == 0, forger.stderr[-2000:]
@@ -236,7 +240,7 @@ def test_a_job_with_a_roster_trains_and_refuses_forged_reports_and_copied_ids(tm
                                                                      for n in (0, 1)]
     assert "kept out" not in (tmp_path / "lighthouse.log").read_text()
     recs = [json.loads((tmp_path / f"node{n}" / "ft_rank0.json").read_text()) for n in (0, 1)]
-    assert recs[0]["param_sha256"] == recs[1]["param_sha256"] and recs[0]["steps"] == 30
+    assert recs[0]["param_sha256"] == recs[1]["param_sha256"] and recs[0]["steps"] == recs[1]["steps"]
     assert recs[1]["healed"], recs[1]  # it took node 0's state, signed by node 0's key
     for n in (0, 1):  # torchft's logs: no member's tag or process id (the Rust side at warnings, Python's redacted)
         log = (tmp_path / f"node{n}.log").read_text()
