@@ -27,9 +27,11 @@ refused by gRPC beyond it; at most :data:`MAX_FIELDS` fields a message), checks 
 anything else, and uses three strings of a ``Quorum`` request, one of a ``Heartbeat``: the request bytes are
 forwarded as they came, never deserialised into objects. It holds no state of the job, and no table that grows
 with what strangers send (refusals are counted by kind; the hosts it names and limits are bounded).
-What it does not do: a member of the job (it holds the secret) passes, whatever it does later; and a
-replica id copied from a member (its logs) passes with the member's own addresses (the requests that
-torchft's Manager makes carry nothing fresh to sign).
+What it does not do: a member of the job (it holds the secret) passes, whatever it does later; and with the secret
+alone a replica id copied from a member passes with the member's own addresses (the requests that torchft's Manager
+makes carry nothing fresh to sign). With a roster (per-member keys, :mod:`lowband.trust.keys`) the gate also takes a
+member's own calls only signed by its key, fresh and never replayed, and ``Quorum`` and ``Heartbeat`` only from the
+process the member's key registered, over its connection, from its address (:meth:`LighthouseGateway.member_refusal`).
 """
 
 from __future__ import annotations
