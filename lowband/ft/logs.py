@@ -6,8 +6,8 @@ quorum ...", "Received quorum request for replica ...") and its Python Manager i
 reads a log could then ask for quorums in that member's name (docs/internet.md). So before torchft is imported:
 
 - its Rust logger is kept at warnings (``RUST_LOG=warn``; it reads the variable once, when torchft is imported);
-- every record of a ``torchft*`` Python logger has each replica id cut to its job and slot (``lowband_FP_nodeN``),
-  in its message and in every text field (torchft's quorum and commit loggers pass the id as ``extra``).
+- every record of a ``torchft*`` Python logger has each replica id cut to its job and slot (``lowband_FP_nodeN``) in
+  its message, and so do the text fields that torchft's quorum, commit and error loggers pass as ``extra``.
 """
 
 from __future__ import annotations
