@@ -7,6 +7,8 @@ interleaved (A B C, then C B A, ...) so that the machine's drift falls on all of
 - ``none``: no secret: an ungated Lighthouse, no tags, the papers' mean (the message checks are always on);
 - ``secret``: the job's secret: every member's tag checked at every quorum, the Lighthouse behind its gate
   (every quorum and heartbeat through it);
+- ``secret+roster``: and per-member keys (``lowband secret --nodes``, ``--key-file``, ``--roster``): each node's
+  process registered at the gate with a signed claim, every quorum and heartbeat checked against it;
 - ``secret+agree``: and ``aggregate=agree``.
 
 Every node's link is shaped in-process to the given bandwidth and latency (``--link-bandwidth``,
@@ -20,6 +22,8 @@ by at most 20 % beyond the CPU the flooder itself takes):
 - ``secret+flood``: and one more process on this machine that sends the Lighthouse's gate an outsider's Quorum
   request after another, as fast as it can, for the whole run (every one refused); its CPU time and wall time
   are recorded;
+  (``--flood-per-connection N``: over a new connection every N calls, as a flooder that would get past a limit
+  per connection does);
 - ``secret+hog``: and one CPU-bound process that burns as much CPU as the flooder did (its measured share of a
   core, in slices of a millisecond), so that what the flood costs beyond its own CPU use shows as flood against
   hog.
@@ -50,26 +54,43 @@ COMMON = ["--model", "t5-tiny", "--max-examples", "1500", "--val-size", "64", "-
 METHODS = {"flexdemo": ["--method", "flexdemo", "--topk", "2"],
            "diloco": ["--method", "diloco", "--sync-every", "10"],
            "sparseloco": ["--method", "sparseloco", "--sync-every", "10"]}
-VARIANTS = ("none", "secret", "secret+agree")
+VARIANTS = ("none", "secret", "secret+roster", "secret+agree")
 FLOOD_VARIANTS = ("secret", "secret+flood", "secret+hog")
 
 # An outsider that asks the gate for a quorum again and again until SIGTERM, then prints its CPU and wall time.
 FLOODER = r"""
-import json, signal, sys, time
+import json, signal, sys, threading, time
 import grpc
 from lowband.ft.gateway import QUORUM, admission_request
 stop = []
 signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
 request = admission_request("lowband_f00d_node1:outsider", "http://127.0.0.1:1", "127.0.0.1:2")
-calls, t0, cpu0 = 0, time.monotonic(), time.process_time()  # after the imports: the flood's own CPU only
-with grpc.insecure_channel(sys.argv[1].split("://", 1)[-1]) as channel:
-    call = channel.unary_unary(QUORUM)
+per_connection = int(sys.argv[2])  # calls over one connection before the next (0: one connection for all)
+threads = int(sys.argv[3])  # threads calling at once, each over connections of its own
+counts = [0] * threads
+def flood(k):
     while not stop:
-        try:
-            call(request, timeout=5)
-        except grpc.RpcError:
-            pass
-        calls += 1
+        # a channel of its own (no subchannel shared with another): a new connection
+        with grpc.insecure_channel(sys.argv[1].split("://", 1)[-1],
+                                   options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+            call = ch.unary_unary(QUORUM)
+            n = 0
+            while not stop and (per_connection == 0 or n < per_connection):
+                try:
+                    call(request, timeout=5)
+                except grpc.RpcError:
+                    pass
+                counts[k] += 1
+                n += 1
+t0, cpu0 = time.monotonic(), time.process_time()  # after the imports: the flood's own CPU only
+workers = [threading.Thread(target=flood, args=(k,), daemon=True) for k in range(threads)]
+for w in workers:
+    w.start()
+while not stop:
+    time.sleep(0.05)
+for w in workers:
+    w.join(10)
+calls = sum(counts)
 print(json.dumps({"calls": calls, "cpu_s": time.process_time() - cpu0, "wall_s": time.monotonic() - t0}), flush=True)
 """
 # A process that burns ``duty`` of one core (its CPU time kept at duty x its wall time, in slices of a millisecond)
@@ -113,6 +134,7 @@ def run(variant: str, args, out: Path, side: dict) -> list[dict]:
     """One job of ``variant``; ``side`` carries the flooder's CPU share (a core's fraction) to the hog, and gets
     the side process's own record."""
     from lowband.cluster.ftjob import FaultTolerantJob
+    from lowband.trust.keys import write_keys
     from lowband.trust.secret import write_secret
 
     train = [*COMMON, *METHODS[args.method], "--steps", str(args.steps), "--link-bandwidth", str(args.bandwidth),
@@ -121,9 +143,12 @@ def run(variant: str, args, out: Path, side: dict) -> list[dict]:
         train += ["--aggregate", "agree"]
     out.mkdir(parents=True, exist_ok=True)
     secret = write_secret(out / "job.secret") if variant != "none" else None
+    if variant.endswith("+roster"):
+        write_keys(secret, 3)
     with FaultTolerantJob(train_args=train, nodes=3, ranks_per_node=1, out=out, min_nodes=3,
-                          secret_file=secret) as job:
-        extra = (_side(FLOODER, job.address) if variant.endswith("+flood") else
+                          secret_file=secret, roster=variant.endswith("+roster")) as job:
+        extra = (_side(FLOODER, job.address, str(args.flood_per_connection), str(args.flood_threads))
+                 if variant.endswith("+flood") else
                  _side(HOG, str(side.get("duty", 1.0))) if variant.endswith("+hog") else None)
         try:
             job.start_all()
@@ -150,6 +175,11 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--flood", action="store_true",
                    help="compare a flood of refused calls to the gate with a CPU-bound process of the same CPU use")
+    p.add_argument("--flood-per-connection", type=int, default=0, metavar="N",
+                   help="with --flood: the flooder opens a new connection after every N calls (default 0: one "
+                        "connection for the whole flood)")
+    p.add_argument("--flood-threads", type=int, default=1, metavar="N",
+                   help="with --flood: N threads of the flooder call at once, each over connections of its own")
     args = p.parse_args()
     variants = FLOOD_VARIANTS if args.flood else VARIANTS
     root = args.out or Path(tempfile.mkdtemp(prefix="lowband-protection-"))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from lowband.cluster._procs import descendants, kill_trees
 from lowband.ft.node import require_torchft
+from lowband.trust.keys import key_path, roster_path
 from lowband.trust.secret import ENV_SECRET, ENV_SECRET_FILE
 
 #: How long :meth:`FaultTolerantJob.run_plan` waits, once the job has ended, for an intruder still running.
@@ -53,13 +54,16 @@ class FaultTolerantJob:
             (never on a command line); :meth:`start` can give one node another. The Lighthouse gets it too,
             and then sits behind its gate (:mod:`lowband.ft.gateway`).
         lighthouse_args: more ``lowband lighthouse`` arguments (the gate's ``--probation``, ...).
+        roster: with ``secret_file``, a job with per-member keys (:mod:`lowband.trust.keys`, written beside the secret
+            by ``lowband secret --nodes``): the Lighthouse gets ``--roster``, node i ``--key-file`` and ``--roster``.
     """
 
     def __init__(self, *, train_args: list[str], nodes: int, ranks_per_node: int, out: str | Path,
                  heartbeat_timeout_s: float = 2.0, join_timeout_s: float = 10.0, ft_timeout_s: float = 5.0,
                  min_nodes: int = 1, start_nodes: int | None = None,
                  net=None, node_dirs: Path | None = None, log_dir: Path | None = None,
-                 secret_file: str | Path | None = None, lighthouse_args: list[str] | None = None) -> None:
+                 secret_file: str | Path | None = None, lighthouse_args: list[str] | None = None,
+                 roster: bool = False) -> None:
 
         require_torchft()
         if net is not None and net.num_nodes != nodes:
@@ -77,6 +81,9 @@ class FaultTolerantJob:
         self.ft_timeout_s = ft_timeout_s
         self.start_nodes = start_nodes
         self.secret_file = secret_file
+        self.roster = roster_path(secret_file) if roster and secret_file else None
+        if self.roster is not None:
+            lighthouse_args = [*(lighthouse_args or []), "--roster", str(self.roster)]
         # The Lighthouse runs as a process of its own, as on a cluster (and so that torchft's runtime
         # threads never live in a process that later forks).
         # In a network namespace setup it runs in node 0's namespace, reachable at node 0's address.
@@ -95,6 +102,8 @@ class FaultTolerantJob:
             argv, stdout=subprocess.PIPE, stderr=open(self.log_dir / "lighthouse.log", "w"), text=True,  # noqa: SIM115
             env=env, start_new_session=True)
         line = self.lighthouse.stdout.readline()
+        #: torchft's own status page behind the gate (on the Lighthouse's host only), when the job has a secret.
+        self.status = line.split("status page is at ", 1)[1].split()[0].rstrip(",") if "status page is at " in line else None
         if not line.startswith("lighthouse at "):
             self.lighthouse.kill()
             raise RuntimeError(f"the Lighthouse did not start: {line!r}; see {self.log_dir / 'lighthouse.log'}")
@@ -157,6 +166,8 @@ class FaultTolerantJob:
                "--ft-timeout", f"{self.ft_timeout_s}s", "--out", str(out), "--no-progress"]
         if self.start_nodes is not None:
             cmd += ["--ft-start-nodes", str(self.start_nodes)]
+        if self.roster is not None and secret_file is None:  # the job's own keys (a node given another secret: none)
+            cmd += ["--key-file", str(key_path(self.secret_file, node)), "--roster", str(self.roster)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    RUST_LOG=os.environ.get("RUST_LOG", "error"))
         secret = self.secret_file if secret_file is None else secret_file

@@ -6,6 +6,7 @@ import time
 
 from lowband.ft.lighthouse import start_lighthouse
 from lowband.trust.admission import check_bind, check_port, join_bind, split_bind
+from lowband.trust.keys import load_roster
 from lowband.trust.secret import load_secret
 from lowband.units import parse_duration
 
@@ -25,6 +26,11 @@ def add_arguments(p) -> None:
                    help="the job's secret (or LOWBAND_SECRET_FILE=PATH): only nodes that prove it reach the "
                         "Lighthouse, which then serves no status page and no kill route to the network "
                         "(docs/internet.md). Without one, whoever reaches the port can ask for quorums")
+    p.add_argument("--roster", default=None, metavar="PATH",
+                   help="the job's roster of members' public keys (`lowband secret PATH --nodes N` writes PATH.roster; "
+                        "needs --secret-file, which signs it): the gate then takes a member's reports and its claim to "
+                        "its node slot only signed by that member's own key, fresh, and from its own address "
+                        "(docs/internet.md, per-member keys)")
     p.add_argument("--min-nodes", type=int, default=1, help="a quorum needs at least this many nodes")
     p.add_argument("--stall-rounds", type=int, default=3, metavar="N",
                    help="with --secret-file: after N quorum rounds in a row with the same members and no commit, "
@@ -49,6 +55,7 @@ def main(args) -> int:
         raise ValueError(f"--stall-rounds must be >= 1 and --probation, --bench-time > 0; got {args.stall_rounds}, "
                          f"{args.probation:g} s, {args.bench_time:g} s")
     secret = load_secret(args.secret_file)  # --secret-file, else LOWBAND_SECRET_FILE or LOWBAND_SECRET
+    roster = None if args.roster is None else load_roster(args.roster, secret)
     host, port = split_bind(args.bind)
     check_port(port, flag="--bind")
     # What listens binds the checked address as an IP literal, never the spelling given (``[::ffff:0.0.0.0]``
@@ -57,12 +64,13 @@ def main(args) -> int:
                          trusted_network=args.trusted_network)
     server = start_lighthouse(bind=join_bind(address, port), min_nodes=args.min_nodes, join_timeout_s=args.join_timeout,
                               heartbeat_timeout_s=args.heartbeat_timeout, secret=secret,
-                              stall_rounds=args.stall_rounds, probation_s=args.probation, bench_s=args.bench_time)
+                              stall_rounds=args.stall_rounds, probation_s=args.probation, bench_s=args.bench_time,
+                              roster=roster)
     if secret is None:
         gate = ("no secret: whoever reaches it can ask for quorums, read its status page and stop a node; "
                 "give it the job's secret: --secret-file PATH")
     else:
-        gate = (f"only the job's members pass (its secret); torchft's status page is at "
+        gate = (f"only the job's members pass (its secret{'' if roster is None else f' and the roster of {len(roster)} keys'}); torchft's status page is at "
                 f"{server.status_address()}/status, on this host only")
     print(f"lighthouse at {server.address()} (pass --ft-lighthouse http://<this host's address>:<port> to "
           f"every node's `lowband train`; {gate}); Ctrl-C stops it", flush=True)

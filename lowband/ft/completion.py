@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from lowband.ft.protowire import call_gate, parse_fields, string_field, string_of
+from lowband.ft.protowire import call_gate, parse_fields, sign_request, string_field, string_of
 from lowband.trust.admission import claim_of
 
 __all__ = ["COMPLETE", "DONE", "MAX_WHERE_CHARS", "CompletionRecord", "JobComplete", "complete_reason", "done_fields",
@@ -42,12 +42,14 @@ class JobComplete(Exception):  # noqa: N818 - not an error: the job this node wo
     """The job this node would join is complete: it leaves without training (``lowband train`` exits 0)."""
 
 
-def done_request(rid: str, address: str, store: str, step: int, where: str) -> bytes:
+def done_request(rid: str, address: str, store: str, step: int, where: str, *, key=None) -> bytes:
     """The bytes of a :data:`DONE` call: the reporting member as in :func:`lowband.ft.gateway.admission_request`
-    (field 1), the job's last step it committed (field 2, decimal) and its final checkpoint's path (field 3)."""
+    (field 1), the job's last step it committed (field 2, decimal) and its final checkpoint's path (field 3); signed
+    with the member's ``key`` (a :class:`lowband.trust.keys.MemberKey`) when given."""
     member = string_field(1, rid.encode()) + string_field(2, address.encode()) + string_field(3, store.encode())
-    return (string_field(1, member) + string_field(2, str(int(step)).encode())
-            + string_field(3, where.encode()[:4 * MAX_WHERE_CHARS]))
+    body = (string_field(1, member) + string_field(2, str(int(step)).encode())
+            + string_field(3, where.encode()[:4 * MAX_WHERE_CHARS].decode("utf-8", "ignore").encode()))
+    return body if key is None else sign_request(key, DONE, body)
 
 
 def done_fields(request: bytes) -> tuple[str, int, str]:
@@ -128,12 +130,12 @@ def job_complete(lighthouse: str, answer: str) -> JobComplete:
                        "in those checkpoints (start a new job, with a new --out, to train on).")
 
 
-def report_done(lighthouse: str, rid: str, step: int, where: str, *, timeout_s: float = 10.0) -> str | None:
+def report_done(lighthouse: str, rid: str, step: int, where: str, *, timeout_s: float = 10.0, key=None) -> str | None:
     """Report to the gate at ``lighthouse`` that this member (replica id ``rid``, the node's rank 0) committed the
-    job's last ``step``, its final checkpoint at ``where``: None when the gate counted it, else why not (no gate:
-    torchft's own Lighthouse; unreachable; or the report was refused)."""
+    job's last ``step``, its final checkpoint at ``where`` (signed with the member's ``key`` when given): None when
+    the gate counted it, else why not (no gate: torchft's own Lighthouse; unreachable; or the report was refused)."""
     claim = claim_of(rid)
     if claim is None:
         return f"{rid[:80]!r} is not a lowband replica id"
-    return call_gate(lighthouse, DONE, done_request(rid, f"http://{claim.manager}", claim.store, step, where),
+    return call_gate(lighthouse, DONE, done_request(rid, f"http://{claim.manager}", claim.store, step, where, key=key),
                      timeout_s=timeout_s)

@@ -27,9 +27,11 @@ refused by gRPC beyond it; at most :data:`MAX_FIELDS` fields a message), checks 
 anything else, and uses three strings of a ``Quorum`` request, one of a ``Heartbeat``: the request bytes are
 forwarded as they came, never deserialised into objects. It holds no state of the job, and no table that grows
 with what strangers send (refusals are counted by kind; the hosts it names and limits are bounded).
-What it does not do: a member of the job (it holds the secret) passes, whatever it does later; and a
-replica id copied from a member (its logs) passes with the member's own addresses (the requests that
-torchft's Manager makes carry nothing fresh to sign).
+What it does not do: a member of the job (it holds the secret) passes, whatever it does later; and with the secret
+alone a replica id copied from a member passes with the member's own addresses (the requests that torchft's Manager
+makes carry nothing fresh to sign). With a roster (per-member keys, :mod:`lowband.trust.keys`) the gate also takes a
+member's own calls only signed by its key, fresh and never replayed, and ``Quorum`` and ``Heartbeat`` only from the
+process the member's key registered, over its connection, from its address (:meth:`LighthouseGateway.member_refusal`).
 """
 
 from __future__ import annotations
@@ -42,15 +44,24 @@ from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 from lowband.ft.completion import COMPLETE, DONE, CompletionRecord, complete_reason, done_fields, job_complete
-from lowband.ft.protowire import MAX_FIELDS, RESPONSE_FIELDS, call_gate, parse_fields, string_field
+from lowband.ft.protowire import (
+    MAX_FIELDS,
+    RESPONSE_FIELDS,
+    call_gate,
+    parse_fields,
+    sign_request,
+    signed_parts,
+    string_field,
+)
 from lowband.ft.protowire import string_of as _string
-from lowband.trust.admission import claim_of, proves
-from lowband.trust.limits import SourceLimiter
+from lowband.trust.admission import claim_of, proves, same_host
+from lowband.trust.keys import MemberKey, ReplayCache, Roster, verify_call
+from lowband.trust.limits import SourceLimiter, Tarpit
 
-__all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "DONE", "HEARTBEAT", "KEPT_OUT", "MAX_FIELDS", "QUORUM", "REFUSED",
-           "GatedManager", "LighthouseGateway", "ManagerGate", "StallBreaker", "accusation_request", "accuse_at_gate",
+__all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "DONE", "HEARTBEAT", "KEPT_OUT", "MAX_FIELDS", "PINNED", "QUORUM",
+           "REFUSED", "UNREGISTERED", "LighthouseGateway", "StallBreaker", "accusation_request", "accuse_at_gate",
            "admission_request", "ask_gate", "gate_reason", "parse_fields", "peer_host", "quorum_round", "refusal",
-           "string_field"]
+           "sign_request", "signed_parts", "string_field"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +81,10 @@ ACCUSE = f"/{GATE_SERVICE}/Accuse"
 REFUSED = "lowband gateway: not a member of this job"
 #: In the refusal of a member that the gate removed from the job (a node tells it from a refusal at admission).
 KEPT_OUT = "the Lighthouse's gate keeps node"
+#: In the refusal of a process of a job with a roster when no process of its slot is registered (the gate forgot it).
+UNREGISTERED = "registered no process"
+#: In the refusal of a call over another connection than the one the registered process of its slot calls over.
+PINNED = "calls over another connection"
 
 
 def gate_reason(message: str) -> str | None:
@@ -85,23 +100,28 @@ def gate_reason(message: str) -> str | None:
 #: bytes (its replica id, two addresses, a step), a ``Heartbeat`` less. gRPC refuses a larger one
 #: (RESOURCE_EXHAUSTED) from its length prefix, before the gate's code sees a byte of it.
 MAX_REQUEST_BYTES = 16 << 10
-def admission_request(rid: str, address: str, store: str) -> bytes:
+def admission_request(rid: str, address: str, store: str, *, key: MemberKey | None = None) -> bytes:
     """The bytes of a LighthouseQuorumRequest whose requester has replica id ``rid``, Manager ``address`` and
-    ``store``: what :data:`ADMIT` reads."""
+    ``store``: what :data:`ADMIT` reads. With ``key`` (the member's own), signed (:func:`sign_request`): in a job with
+    a roster, the gate then takes ``rid`` as the process that holds the member's node slot."""
     member = string_field(1, rid.encode()) + string_field(2, address.encode()) + string_field(3, store.encode())
-    return string_field(1, member)
+    return sign_request(key, ADMIT, string_field(1, member))
 
 
-def accusation_request(rid: str, address: str, store: str, accused: str, why: str) -> bytes:
+def accusation_request(rid: str, address: str, store: str, accused: str, why: str, *,
+                       key: MemberKey | None = None) -> bytes:
     """The bytes of an :data:`ACCUSE` call: the reporting member as in :func:`admission_request` (field 1), the
-    replica id of the member it reports (field 2) and what was wrong with its messages (field 3)."""
-    return (admission_request(rid, address, store) + string_field(2, accused.encode())
-            + string_field(3, why.encode()[:300]))
+    replica id of the member it reports (field 2) and what was wrong with its messages (field 3); signed with
+    ``key`` when given."""
+    return sign_request(key, ACCUSE, admission_request(rid, address, store) + string_field(2, accused.encode())
+                        + string_field(3, why.encode()[:300].decode("utf-8", "ignore").encode()))
 
 
 #: The kinds of refusal (each reason starts with one): what the gate counts, never the caller's text, which would grow.
 REFUSAL_KINDS = ("malformed request", "the request names no requester", "replica id does not prove the job's secret",
-                 "its addresses are not the ones its tag vouches for", "too many refused calls from this host")
+                 "its addresses are not the ones its tag vouches for", "the call came from another address than its "
+                 "member's", "the call is not signed by its member's key", "not the process its member registered",
+                 "too many refused calls from this host")
 
 
 def refusal_kind(why: str) -> str:
@@ -363,10 +383,13 @@ class StallBreaker:
 # --------------------------------------------------------------------------- the gate
 #: How many refused hosts the gate names in its log (once each); past it the least recent are forgotten.
 NAMED_HOSTS = 1024
+#: The most calls at once over one connection (torchft's Manager makes its quorum request and heartbeats over one): a
+#: flooder cannot get past the tarpit (:class:`~lowband.trust.limits.Tarpit`) by many calls over one connection.
+MAX_STREAMS = 16
 #: The gRPC server's bounds: requests of at most :data:`MAX_REQUEST_BYTES`, headers of at most 8 KiB, no SO_REUSEPORT
 #: (gRPC's default on Linux: another process of the same user could bind the same port and take calls).
 SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES), ("grpc.max_metadata_size", 8 << 10),
-                  ("grpc.so_reuseport", 0)]
+                  ("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_STREAMS)]
 
 
 def _listen(server, bind: str, what: str) -> int:
@@ -399,13 +422,20 @@ class LighthouseGateway:
     a refused host is written once per host, for at most :data:`NAMED_HOSTS` hosts."""
 
     def __init__(self, *, bind: str, backend: str, secret: bytes, workers: int = 256,
-                 breaker: StallBreaker | None = None, limiter: SourceLimiter | None = None) -> None:
+                 breaker: StallBreaker | None = None, limiter: SourceLimiter | None = None,
+                 roster: Roster | None = None, replays: ReplayCache | None = None, pin_idle_s: float = 3.0) -> None:
         import grpc  # optional dependency (the ft extra)
 
         self._grpc = grpc
         self._secret = secret
+        self.roster = roster
+        self.replays = replays if replays is not None else ReplayCache()
+        self.registered: dict[int, str] = {}  # with a roster: node slot -> the replica id its key last registered
+        self.pinned: dict[int, tuple[str, float]] = {}  # node slot -> (the connection its process calls over, when)
+        self.pin_idle_s = pin_idle_s
         self.breaker = breaker if breaker is not None else StallBreaker()
         self.limiter = limiter if limiter is not None else SourceLimiter()
+        self.tarpit = Tarpit(slots=max(1, workers // 8))  # a refused connection waits; its members keep 7/8 of the pool
         self.refused: Counter[str] = Counter()
         self.completion = CompletionRecord()  # the job's end (lowband.ft.completion)
         self._named: OrderedDict[str, None] = OrderedDict()
@@ -432,16 +462,23 @@ class LighthouseGateway:
 
     def _handler(self, method: str):
         def handle(request: bytes, context) -> bytes:
-            host = peer_host(context.peer())
+            peer = context.peer()
+            host = peer_host(peer)
+            self.tarpit.wait(peer, context.time_remaining())  # a connection refused again and again waits first
             if self.limiter.over(host):  # unread; not a member's refusal (no REFUSED): a node retries, never leaves
                 self._note(REFUSAL_KINDS[-1], host, log_it=False)
+                self.tarpit.refused(peer)
                 context.abort(self._grpc.StatusCode.RESOURCE_EXHAUSTED, f"lowband gateway: {REFUSAL_KINDS[-1]}")
             why = refusal(self._secret, request, method if method in (QUORUM, HEARTBEAT) else QUORUM)
+            if why is None and self.roster is not None:
+                why = self.member_refusal(method, request, host, peer=context.peer())
             if why is not None:
+                self.tarpit.refused(peer)
                 self.limiter.refused(host)
                 self._note(why, host)
                 context.abort(self._grpc.StatusCode.PERMISSION_DENIED, f"{REFUSED}: {why}")
             self.limiter.passed(host)
+            self.tarpit.passed(peer)
             if method == ACCUSE:
                 return self._accuse(request, context)
             if method == DONE:
@@ -482,6 +519,57 @@ class LighthouseGateway:
                     self.breaker.observe(*seen)
             return answer
         return handle
+
+    def member_refusal(self, method: str, request: bytes, host: str, *, peer: str = "") -> str | None:
+        """With a roster, what a call whose replica id proved the secret must also show (one of :data:`REFUSAL_KINDS`,
+        or None): it comes from the address its member's tag vouches for; a report (:data:`ACCUSE`, :data:`DONE`) is
+        signed by its member's own key, fresh and never seen before; an :data:`ADMIT` that is signed registers its
+        replica id as the process that holds the member's node slot (the latest one signed wins); a ``Quorum`` or
+        ``Heartbeat`` passes only for that registered process, over the connection (``peer``: gRPC's ``ipv4:HOST:PORT``)
+        its first such call after the registration came over, until that connection was idle ``pin_idle_s`` (torchft's
+        Manager makes them all over one connection). An unsigned ``Admit`` only asks (whether the job is
+        complete, whether the member is kept out; for a process, an id with torchft's ``:uuid``, also whether it is the
+        registered one) and registers nothing."""
+        try:  # a Quorum and a Heartbeat are torchft's: only their replica id is read (as refusal() read it)
+            if method == HEARTBEAT:
+                rid, parts, (t, nonce, sig) = _string(parse_fields(request), 1), (), ("", "", "")
+            elif method == QUORUM:
+                rid, parts, (t, nonce, sig) = _string(parse_fields(parse_fields(request)[1][-1]), 1), (), ("", "", "")
+            else:
+                rid, parts, (t, nonce, sig) = signed_parts(request)
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
+            return f"malformed request ({e})"
+        claim = claim_of(rid)
+        if claim is None:  # refusal() has refused it already; never raises if called alone
+            return f"replica id does not prove the job's secret ({rid[:80]!r})"
+        own = claim.manager.rsplit(":", 1)[0]
+        if not same_host(host, own):
+            return (f"the call came from another address than its member's ({host[:60]}; its tag vouches for "
+                    f"{own[:60]})")
+        if method in (QUORUM, HEARTBEAT) or (method == ADMIT and not sig and ":" in rid):
+            if self.registered.get(claim.node) != rid:
+                return (f"not the process its member registered: node {claim.node}'s key "
+                        f"{'registered another process' if claim.node in self.registered else UNREGISTERED} (a copied "
+                        "replica id, or a process of the node that another one replaced)")
+            if method == ADMIT or not peer:
+                return None
+            with self._lock:
+                now, pin = time.monotonic(), self.pinned.get(claim.node)
+                if pin is None or pin[0] == peer or now - pin[1] >= self.pin_idle_s:
+                    self.pinned[claim.node] = (peer, now)
+                    return None
+            return (f"not the process its member registered: node {claim.node}'s registered process {PINNED}, live "
+                    f"{now - pin[1]:.1f} s ago (its replica id used by another process)")
+        if method == ADMIT and not sig:  # a node's question before its Manager starts: whether it may pass at all
+            return None
+        why = verify_call(self.roster, self.replays, claim.node, sig, t, nonce, method, *parts)
+        if why is not None:
+            return f"the call is not signed by its member's key: {why}"
+        if method == ADMIT:
+            with self._lock:
+                self.registered[claim.node] = rid  # bounded: only slots of the roster get here
+                self.pinned.pop(claim.node, None)  # its next call pins the connection again
+        return None
 
     def _accuse(self, request: bytes, context) -> bytes:
         """A member's report of another's bad messages (:data:`ACCUSE`; the reporter is already admitted)."""
@@ -535,14 +623,6 @@ class LighthouseGateway:
         self._channel.close()
 
 
-# --------------------------------------------------------------------------- a node's Manager
-MANAGER_SERVICE = "torchft.ManagerService"
-#: What a node's Manager gate serves, and to whom: ``CheckpointMetadata`` (where to fetch a healing source's
-#: state) to every host of the job's network, ``Quorum`` and ``ShouldCommit`` (the node's own ranks) only to
-#: the node's own addresses. ``Kill`` is not served at all.
-MANAGER_METHODS = {"CheckpointMetadata": False, "Quorum": True, "ShouldCommit": True}
-
-
 def peer_host(peer: str) -> str:
     """The host of a gRPC peer string (``ipv4:10.0.0.2:5123``, ``ipv6:[::1]:5123``)."""
     kind, _, rest = peer.partition(":")
@@ -551,93 +631,31 @@ def peer_host(peer: str) -> str:
     return rest.rsplit(":", 1)[0] if kind == "ipv4" else ""
 
 
-class ManagerGate:
-    """A node's torchft Manager (its gRPC server) on loopback, behind this gate on the node's address and the
-    same port: the address the Manager advertises reaches the gate. torchft's Manager serves a ``Kill`` that
-    ends the node to whoever reaches it, and takes quorum requests and commit votes for any of the node's
-    ranks from anyone; the gate serves ``Kill`` to no one, and the node's own calls (``Quorum``,
-    ``ShouldCommit``) only to the node's own addresses (``own_hosts``). What it cannot tell apart: another
-    process on the node's own host."""
-
-    def __init__(self, *, bind: str, backend: str, own_hosts: set[str], workers: int = 16) -> None:
-        import grpc  # optional dependency (the ft extra)
-
-        self._grpc = grpc
-        self._own = set(own_hosts)
-        self._channel = grpc.insecure_channel(backend)
-        self.refused: Counter[str] = Counter()
-        handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name, own))
-                    for name, own in MANAGER_METHODS.items()}
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lowband-manager-gate"),
-                                   handlers=[grpc.method_handlers_generic_handler(MANAGER_SERVICE, handlers)],
-                                   options=SERVER_OPTIONS, maximum_concurrent_rpcs=4 * workers)
-        self.port = _listen(self._server, bind, "the Manager's gate")
-        self._server.start()
-
-    def _handler(self, name: str, own_only: bool):
-        forward = self._channel.unary_unary(f"/{MANAGER_SERVICE}/{name}")
-
-        def handle(request: bytes, context) -> bytes:
-            host = peer_host(context.peer())
-            if own_only and host not in self._own:
-                self.refused[name] += 1
-                context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
-                              f"lowband: {name} is served to this node's own ranks only, not to {host}")
-            try:
-                return forward(request, timeout=_timeout(context))
-            except self._grpc.RpcError as e:
-                context.abort(e.code(), e.details() or "")
-        return handle
-
-    def shutdown(self) -> None:
-        self._server.stop(grace=None)
-        self._channel.close()
-
-
-class GatedManager:
-    """torchft's ManagerServer on loopback with a :class:`~lowband.ft.gateway.ManagerGate` in front, on ``host``."""
-
-    def __init__(self, server, host: str, port: str) -> None:
-        self._server = server
-        loopback = "::1" if ":" in host else "127.0.0.1"
-        try:
-            self.gate = ManagerGate(bind=f"{f'[{host}]' if ':' in host else host}:{port}",
-                                    backend=f"{f'[{loopback}]' if ':' in host else loopback}:{port}",
-                                    own_hosts={host, loopback})
-        except BaseException:
-            server.shutdown()
-            raise
-
-    def address(self) -> str:
-        return self._server.address()
-
-    def shutdown(self) -> None:
-        self.gate.shutdown()
-        self._server.shutdown()
-
-
-def accuse_at_gate(lighthouse: str, rid: str, accused: str, why: str, *, timeout_s: float = 10.0) -> str | None:
+def accuse_at_gate(lighthouse: str, rid: str, accused: str, why: str, *, timeout_s: float = 10.0,
+                   key: MemberKey | None = None) -> str | None:
     """Report to the gate at ``lighthouse`` that the member with replica id ``accused`` sent this member (replica id
-    ``rid``) bad messages (``why``): None when the gate counted it, else why not (no gate: torchft's own
-    Lighthouse, which cannot remove a member; or the report was refused)."""
+    ``rid``) bad messages (``why``), signed with the member's ``key`` when given: None when the gate counted it,
+    else why not (no gate: torchft's own Lighthouse, which cannot remove a member; or the report was refused)."""
     claim = claim_of(rid)
     if claim is None:
         return f"{rid[:80]!r} is not a lowband replica id"
-    return call_gate(lighthouse, ACCUSE, accusation_request(rid, f"http://{claim.manager}", claim.store, accused, why),
-                     timeout_s=timeout_s)
+    return call_gate(lighthouse, ACCUSE, accusation_request(rid, f"http://{claim.manager}", claim.store, accused, why,
+                                                            key=key), timeout_s=timeout_s)
 
 
-def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: float = 10.0) -> str | None:
+def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: float = 10.0,
+             key: MemberKey | None = None) -> str | None:
     """Ask the gate at ``lighthouse`` (``http://HOST:PORT``) whether a member with replica id ``rid``, Manager
     ``address`` and ``store`` may pass: the gate's reason for refusing it, or None (it passes; or the Lighthouse
-    has no gate, or cannot be reached yet: torchft's Manager then finds out by itself). Raises
-    :class:`~lowband.ft.completion.JobComplete` when the gate says the job is complete."""
+    has no gate, or cannot be reached yet: torchft's Manager then finds out by itself). With the member's ``key``
+    the question is signed, and in a job with a roster registers ``rid`` as the process of the member's slot.
+    Raises :class:`~lowband.ft.completion.JobComplete` when the gate says the job is complete."""
     import grpc  # optional dependency (the ft extra)
 
     target = lighthouse.split("://", 1)[-1].rstrip("/")
     with grpc.insecure_channel(target) as channel:
         try:
-            channel.unary_unary(ADMIT)(admission_request(rid, address, store), timeout=timeout_s)
+            channel.unary_unary(ADMIT)(admission_request(rid, address, store, key=key), timeout=timeout_s)
         except grpc.RpcError as e:
             done = complete_reason(e.details() or "") if e.code() == grpc.StatusCode.FAILED_PRECONDITION else None
             if done is not None:

@@ -48,9 +48,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from lowband.ft.gateway import GatedManager, accuse_at_gate, ask_gate
+from lowband.ft.gateway import accuse_at_gate, ask_gate
+from lowband.ft.logs import quiet_torchft
+from lowband.ft.managergate import GatedManager
 from lowband.ft.quorum import ForeignJob, NodeSlotTaken, QuorumRecorder, gate_refusal  # noqa: F401  (callers' names)
-from lowband.ft.transport import StateTransport, TransferError
+from lowband.ft.transport import StateTransport, TransferError, member_source
 from lowband.trust.admission import (  # noqa: F401  (admit, member_of, replica_id: the names tests and callers use)
     AdmissionRefused,
     admit,
@@ -62,6 +64,7 @@ from lowband.trust.admission import (  # noqa: F401  (admit, member_of, replica_
     screen,
     split_bind,
 )
+from lowband.trust.keys import MemberKey, Roster, check_member
 from lowband.trust.secret import load_secret
 
 log = logging.getLogger(__name__)
@@ -76,7 +79,9 @@ __all__ = ["FaultToleranceConfig", "FaultTolerance", "check_heal", "local_state"
 
 
 def require_torchft():
-    """Import torchft, or say how to install it."""
+    """Import torchft, or say how to install it. Its logs are quieted first (:func:`lowband.ft.logs.quiet_torchft`:
+    they would name every member's replica id at every step)."""
+    quiet_torchft()
     try:
         import torchft  # noqa: F401
     except ImportError as e:
@@ -142,6 +147,8 @@ class FaultToleranceConfig:
     bind: str | None = None  # the job's network address the node's listeners bind (default: advertise)
     trusted_network: bool = False  # bind a public address all the same (every host that reaches it is trusted)
     steps: int | None = None  # the job's steps: a healing source at a step outside [0, steps] is refused
+    roster: Roster | None = field(default=None, repr=False)  # the job's roster of keys (lowband.trust.keys)
+    key: MemberKey | None = field(default=None, repr=False)  # this node's own private key
 
     def __post_init__(self) -> None:
         if not self.lighthouse.startswith(("http://", "https://")):
@@ -160,6 +167,7 @@ class FaultToleranceConfig:
             raise ValueError(f"--ft-start-nodes must be in [1, --ft-max-nodes = {self.max_nodes}], got {self.start_nodes}")
         if self.window_quorum and not self.async_quorum:
             raise ValueError("window_quorum needs async_quorum (the window's quorum forms in the background)")
+        check_member(self.node, key=self.key, roster=self.roster, secret=self.secret)
 
     @property
     def poll_rounds(self) -> int:
@@ -304,7 +312,8 @@ class FaultTolerance:
         # torchft's own transport unpickles what the peer sends); torchft checks the step, we the fingerprint.
         transport = state_transport(cfg, advertise=advertise, timeout=timeout, rank=rank, state_dict=state_dict,
                                     secret=cfg.secret, bind=bind_host, check=self._check_heal,
-                                    refuse_source=self._known_bad, on_poisoned=self._poisoned_source)
+                                    refuse_source=self._known_bad, on_poisoned=self._poisoned_source, key=cfg.key,
+                                    source_of=self._source_of if cfg.secret is not None else None)
         self.quorums = 0  # quorums this node took part in
         # Whether a quorum this node accepted ever held another member: until then the node is new to the job
         # (admission.screen), also after quorums of its own (a node that came up alone while the others had not
@@ -325,7 +334,14 @@ class FaultTolerance:
                        timeout_s=min(10.0, cfg.quorum_timeout_s)) if cfg.secret is not None or rank == 0 else None
         if why is not None and rank == 0:
             raise gate_refusal(cfg, why)
-        with _listening_on(bind_host):
+
+        def register(full_id: str) -> None:  # a roster's job: this process (torchft's id:uuid) claims its slot, signed
+            why = ask_gate(cfg.lighthouse, full_id, f"http://{advertise}:{port}", f"{store_host}:{store_port}",
+                           timeout_s=min(10.0, cfg.quorum_timeout_s), key=cfg.key)
+            if why is not None:
+                raise gate_refusal(cfg, why)
+
+        with _listening_on(bind_host, register=register if cfg.key is not None else None):
             self.manager = Manager(
                 pg=self.pg, load_state_dict=self._load, state_dict=state_dict, min_replica_size=1,
                 use_async_quorum=cfg.async_quorum, timeout=timeout,
@@ -355,6 +371,11 @@ class FaultTolerance:
     def _source(self, src_rank: int) -> str | None:
         ids = self.replica_ids
         return ids[src_rank] if isinstance(src_rank, int) and 0 <= src_rank < len(ids) else None
+
+    def _source_of(self, src_rank: int):
+        """:func:`lowband.ft.transport.member_source` of the quorum's member ``src_rank``."""
+        rid = self._source(src_rank)
+        return member_source(rid, self.cfg.roster) if rid is not None else None
 
     def _known_bad(self, src_rank: int) -> str | None:
         """Why this node does not fetch from the quorum's member ``src_rank`` (it served a poisoned state before)."""
@@ -525,7 +546,7 @@ class FaultTolerance:
             self.reported[rid] = "pending"
 
             def report(rid: str = rid, why: str = f"{why}; {what}") -> None:
-                self.reported[rid] = accuse_at_gate(self.cfg.lighthouse, self.replica_id, rid, why)
+                self.reported[rid] = accuse_at_gate(self.cfg.lighthouse, self.replica_id, rid, why, key=self.cfg.key)
                 log.warning("rank %d: node %s reported to the Lighthouse's gate for %s: %s", self.rank,
                             member_of(rid)[1], why, self.reported[rid] or "counted")
             threading.Thread(target=report, daemon=True, name="lowband-report").start()
@@ -574,10 +595,9 @@ class FaultTolerance:
 
 
 @contextlib.contextmanager
-def _listening_on(host: str):
-    """While torchft's Manager is built: its gRPC server and its HTTP state server bind ``host`` (torchft
-    0.2 binds both on every interface, ``[::]``), so that only the job's network reaches them."""
-
+def _listening_on(host: str, *, register: Callable[[str], None] | None = None):
+    """While torchft's Manager is built: its gRPC and HTTP servers bind ``host`` (torchft 0.2 binds both on ``[::]``);
+    ``register`` gets the full replica id torchft gives its Manager server, before that server starts."""
     import torchft.checkpointing.http_transport as http_transport  # optional dependency (the ft extra)
     import torchft.manager as manager  # optional dependency (the ft extra)
 
@@ -591,6 +611,8 @@ def _listening_on(host: str):
         return _Server((host, address[1]), handler)
 
     def manager_server(*, bind: str, **kwargs):
+        if register is not None:
+            register(kwargs["replica_id"])
         port = split_bind(bind)[1]
         if ipaddress.ip_address(host).is_loopback or not port or port == "0":
             return server_cls(bind=f"{f'[{host}]' if ipv6 else host}:{port}", **kwargs)

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
-__all__ = ["MAX_FIELDS", "RESPONSE_FIELDS", "call_gate", "encode_varint", "parse_fields", "string_field", "string_of"]
+from lowband.trust.keys import MemberKey, sign_call
+
+__all__ = ["MAX_FIELDS", "RESPONSE_FIELDS", "SIGNED_FIELDS", "call_gate", "encode_varint", "parse_fields", "sign_request",
+           "signed_parts", "string_field", "string_of"]
 
 #: The most fields :func:`parse_fields` reads in one message of a request (a QuorumMember has 8), and in the
 #: Lighthouse's own answer to a quorum request (one field per member).
@@ -78,6 +81,36 @@ def encode_varint(n: int) -> bytes:
 def string_field(number: int, value: bytes) -> bytes:
     """A length-delimited protobuf field: its key (``number``, wire type 2), its length, then ``value``."""
     return encode_varint(number << 3 | 2) + encode_varint(len(value)) + value
+
+
+#: The fields of a call signed by its member (:func:`sign_request`): its time, nonce and Ed25519 signature.
+SIGNED_FIELDS = (4, 5, 6)
+
+
+def signed_parts(request: bytes) -> tuple[str, tuple[str, ...], tuple[str, str, str]]:
+    """(the caller's replica id, what a signature of ``request`` covers, (time, nonce, signature)) of one of the gate's
+    own calls (``Admit``, ``Accuse``, ``Done`` of :mod:`lowband.ft.gateway`): the requester's replica id, Manager and store addresses
+    (field 1), fields 2 and 3 (the report), and the fields of :data:`SIGNED_FIELDS` ("" where absent). A ValueError
+    or UnicodeDecodeError when malformed."""
+    fields = parse_fields(request)
+    member = (fields.get(1) or [b""])[-1]
+    if not isinstance(member, bytes):
+        raise ValueError("the request names no requester")
+    m = parse_fields(member)
+    rid = string_of(m, 1)
+    parts = (rid, string_of(m, 2), string_of(m, 3), string_of(fields, 2), string_of(fields, 3))
+    t, nonce, sig = (string_of(fields, n) for n in SIGNED_FIELDS)
+    return rid, parts, (t, nonce, sig)
+
+
+def sign_request(key: MemberKey | None, method: str, request: bytes) -> bytes:
+    """``request`` (a gate's own call ``method``) with the member's signature appended (:data:`SIGNED_FIELDS`): over
+    the method, what :func:`signed_parts` reads of it, the time and a fresh nonce. Unchanged without ``key``."""
+    if key is None:
+        return request
+    _, parts, _ = signed_parts(request)
+    t, nonce, sig = sign_call(key, method, *parts)
+    return request + b"".join(string_field(n, v.encode()) for n, v in zip(SIGNED_FIELDS, (t, nonce, sig), strict=True))
 
 
 def call_gate(lighthouse: str, method: str, request: bytes, *, timeout_s: float = 10.0) -> str | None:

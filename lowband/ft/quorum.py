@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from lowband.ft.completion import JobComplete, complete_reason, job_complete
-from lowband.ft.gateway import KEPT_OUT, ask_gate, gate_reason
+from lowband.ft.gateway import KEPT_OUT, PINNED, UNREGISTERED, ask_gate, gate_reason
 from lowband.trust.admission import AdmissionRefused, RemovedFromJob, admit, claim_of, member_of, screen
 
 __all__ = ["GATE_POLL_S", "ForeignJob", "NodeSlotTaken", "QuorumRecorder", "gate_refusal"]
@@ -35,6 +35,12 @@ def gate_refusal(cfg: Any, why: str) -> AdmissionRefused:
     if KEPT_OUT in why:  # a member the gate removed from the job (it stalled it, or sent bad messages)
         return RemovedFromJob(f"node {cfg.node} is removed from the job at {cfg.lighthouse}: {why}. This node "
                               "leaves; the running job goes on without it.")
+    if why.startswith(("not the process its member registered", "the call is not signed by its member's key",
+                       "the call came from another address")):  # a job with a roster (lowband.trust.keys)
+        return AdmissionRefused(f"node {cfg.node} is refused by the job at {cfg.lighthouse}: {why}. In a job with a "
+                                "roster each node signs with its own key (--key-file, the roster's for its --ft-node) "
+                                "and calls from the address it advertises; a node slot is held by the process that "
+                                "registered last. This node leaves; the running job goes on.")
     return AdmissionRefused(f"node {cfg.node} is refused by the job at {cfg.lighthouse}: its Lighthouse admits only "
                             f"the job's members, and {why}. {SAME_SECRET}")
 
@@ -81,6 +87,11 @@ class QuorumRecorder:
             try:
                 why = ask_gate(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
                                timeout_s=GATE_POLL_S)
+                if why is not None and cfg.key is not None and UNREGISTERED in why:
+                    # A gate that forgot this process (the Lighthouse was restarted): registered again, signed. A
+                    # process that another one of the node replaced is told so and leaves (it does not take it back).
+                    why = ask_gate(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
+                                   timeout_s=GATE_POLL_S, key=cfg.key)
             except JobComplete:
                 self._ft.removed = True  # leave now: torchft's Manager would wait out its refused quorum request
                 raise
@@ -107,6 +118,14 @@ class QuorumRecorder:
                 why = gate_reason(str(e))
                 if why is None:
                     raise
+                claim = claim_of(me)
+                if ((UNREGISTERED in why or PINNED in why) and cfg.key is not None and claim is not None
+                        and rounds < max_rounds):  # the gate forgot this process (a restarted Lighthouse), or its
+                    why = ask_gate(cfg.lighthouse, me, f"http://{claim.manager}", claim.store,  # connection broke
+                                   timeout_s=GATE_POLL_S, key=cfg.key)  # and another took it: registered again
+                    if why is None:
+                        rounds += 1
+                        continue
                 raise self._refused(why) from None
             step = kwargs.get("step")
             behind = bool(result.heal) or (step is not None and int(result.max_step) > int(step))

@@ -68,6 +68,7 @@ from lowband.ft.wire import (  # noqa: F401  (the wire format's names, as caller
     MAX_HEADER,
     MAX_REQUEST_LINE,
     MIN_RATE_BPS,
+    SIGNATURE,
     TRAILER,
     PoisonedState,
     TransferError,
@@ -81,12 +82,14 @@ from lowband.ft.wire import (  # noqa: F401  (the wire format's names, as caller
     receive_limit,
     template_of,
 )
+from lowband.trust.admission import claim_of
+from lowband.trust.admission import same_host as _same_host
 from lowband.trust.limits import SourceLimiter
 from lowband.trust.secret import tag, verify
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORMAT", "PoisonedState", "StateTransport", "TransferError", "check_values", "decode_header",
+__all__ = ["FORMAT", "PoisonedState", "StateTransport", "TransferError", "member_source", "check_values", "decode_header",
            "encode_state", "header_limit", "parse_request", "read_state", "receive_limit", "template_of"]
 
 MAX_CONNECTIONS = 32  # the state server's connections at once
@@ -94,6 +97,19 @@ MAX_PER_HOST = 16  # ... from one host (the healing ranks of several nodes on on
 
 
 # --------------------------------------------------------------------------- the transport
+def member_source(rid: str, roster=None):
+    """What :class:`StateTransport`'s ``source_of`` answers for the quorum member with replica id ``rid``: the host its
+    tag vouches for and, with a roster (:class:`lowband.trust.keys.Roster`), the check of a state's signature by that
+    member's key; None for an id lowband did not make."""
+    claim = claim_of(rid)
+    if claim is None:
+        return None
+    host = claim.manager.rsplit(":", 1)[0].strip("[]")
+    if roster is None:
+        return host, None
+    return host, lambda signature, *parts: roster.verify(claim.node, signature, "lowband-state-source", *parts)
+
+
 class _Capped(io.RawIOBase):
     """A connection's reader that ends after ``limit`` bytes: a request (a GET, no body) is never read past it."""
 
@@ -133,13 +149,20 @@ class StateTransport:
         on_poisoned: ``on_poisoned(src_rank, why)``: a source's state failed a check of what it holds
             (:class:`PoisonedState`).
         node, rank: this rank's place (named in its requests).
+        key: this node's own private key (:class:`lowband.trust.keys.MemberKey`, a job with a roster): the state it
+            serves is signed with it (over the healer's nonce and the state's hashes).
+        source_of: ``source_of(src_rank)``: where the quorum's member ``src_rank`` may serve a state from (the host its
+            tag vouches for) and, in a job with a roster, ``verify(signature, nonce, header_sha, digest)`` with its
+            public key (else None); None when ``src_rank`` is no member. A source elsewhere is not fetched from.
     """
 
     def __init__(self, *, advertise: str, timeout: timedelta, fingerprint: str, secret: bytes | None = None,
                  template: Callable[[], Any] | None = None, node: int = 0, rank: int = 0, port: int = 0,
                  bind: str | None = None, check: Callable[[int, Any, Any], None] | None = None,
                  refuse_source: Callable[[int], str | None] | None = None,
-                 on_poisoned: Callable[[int, str], None] | None = None) -> None:
+                 on_poisoned: Callable[[int, str], None] | None = None, key=None,
+                 source_of: Callable[[int], tuple[str, Callable | None] | None] | None = None) -> None:
+        self._key, self._source_of = key, source_of
         self._timeout = timeout.total_seconds()
         self._fingerprint, self._secret, self._template = fingerprint, secret, template
         self._check, self._refuse_source, self._on_poisoned = check, refuse_source, on_poisoned
@@ -308,7 +331,8 @@ class StateTransport:
                       else _NO_TAG)
         h.send_response(200)
         h.send_header("Content-Type", "application/octet-stream")
-        h.send_header("Content-Length", str(8 + HEADER_TAG + len(header) + payload + TRAILER))
+        signature = SIGNATURE if self._key is not None else 0
+        h.send_header("Content-Length", str(8 + HEADER_TAG + len(header) + payload + TRAILER + signature))
         h.end_headers()
         h.wfile.write(struct.pack(">Q", len(header)) + header_mac.encode("ascii") + header)
         hasher = hashlib.sha256()
@@ -325,6 +349,8 @@ class StateTransport:
         mac = (tag(self._secret, "lowband-state-response", nonce, header_sha, digest)
                if self._secret is not None else _NO_TAG)
         h.wfile.write((digest + mac).encode("ascii"))
+        if self._key is not None:  # a job with a roster: which member serves it, and to this request only (the nonce)
+            h.wfile.write(self._key.sign("lowband-state-source", nonce, header_sha, digest).encode("ascii"))
         h.wfile.flush()
 
     # ---------------------------------------------------------------- receiving
@@ -351,6 +377,15 @@ class StateTransport:
         if url.scheme != "http" or not url.hostname or not url.port or url.path != "/state/":
             raise TransferError(f"the source's state address {metadata[:100]!r} is not a lowband state server "
                                 "(every node must run the same lowband version)")
+        signed_by = None
+        if self._source_of is not None:
+            source = self._source_of(src_rank)
+            if source is None:
+                raise TransferError(f"healing from {where} (step {step}): the quorum names no member as the source")
+            host, signed_by = source
+            if not _same_host(url.hostname, host):
+                raise TransferError(f"healing from {where} (step {step}): not fetched: the state's address is not the "
+                                    f"host its member's tag vouches for ({host[:60]}); another process gave it")
         stall = min(self._timeout, timeout.total_seconds()) if timeout else self._timeout
         own = self._template() if self._template is not None else None
         template = template_of(own) if own is not None else None
@@ -384,7 +419,7 @@ class StateTransport:
                 raise TransferError(f"the source at {where} refused the state transfer: {resp.status} "
                                     f"{str(resp.reason)[:100]}")
             length = resp.getheader("Content-Length") or ""
-            bound = limit + header_limit(template) + 8 + HEADER_TAG + TRAILER
+            bound = limit + header_limit(template) + 8 + HEADER_TAG + TRAILER + SIGNATURE
             if not re.fullmatch(r"[0-9]{1,20}", length, re.ASCII) or int(length) > bound:
                 raise TransferError(f"the source announced {length[:40]!r} bytes, more than this node accepts ({limit} "
                                     "payload bytes: a multiple of its own state), or no length")
@@ -392,7 +427,7 @@ class StateTransport:
             deadline.extend(stall)
             state = read_state(resp, step=int(step), fingerprint=self._fingerprint, limit=limit, template=template,
                                stall_s=stall, content_length=int(length), sock=sock, secret=self._secret,
-                               nonce=nonce, deadline=deadline)
+                               nonce=nonce, deadline=deadline, signed_by=signed_by)
         except TransferError as e:
             raise TransferError(f"healing from {where} (step {step}): {e}") from None
         finally:

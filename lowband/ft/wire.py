@@ -16,6 +16,7 @@ import struct
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from lowband.trust.secret import verify
 
-__all__ = ["DTYPES", "FORMAT", "HEADER_TAG", "MAX_HEADER", "MAX_REQUEST_LINE", "MIN_RATE_BPS", "TRAILER",
+__all__ = ["DTYPES", "FORMAT", "HEADER_TAG", "MAX_HEADER", "MAX_REQUEST_LINE", "MIN_RATE_BPS", "SIGNATURE", "TRAILER",
            "PoisonedState", "TransferError", "check_values", "decode_header", "encode_state", "header_limit",
            "parse_request", "read_state", "receive_limit", "template_of"]
 
@@ -32,6 +33,7 @@ MIN_RATE_BPS = 1 << 20  # a transfer slower than 1 MiB/s over its whole length c
 MAX_HEADER = 64 << 20  # the header's bound whatever the healer's state (see header_limit)
 HEADER_TAG = 32
 TRAILER = 96
+SIGNATURE = 128  # in a job with a roster: the source member's Ed25519 signature (hex) after the trailer
 MAX_DIMS = 32  # a tensor's dimensions, at most
 MAX_DIM = 1 << 40  # one dimension's extent, at most (a zero-sized tensor may not name an absurd shape)
 MAX_REQUEST_LINE = 2048  # a healer's request line is about 200 bytes
@@ -310,29 +312,35 @@ def _read_exact(f, buf: memoryview, deadline: _Deadline, what: str, hasher=None)
 
 def read_state(f, *, step: int, fingerprint: str, limit: int, template: dict | None, stall_s: float,
                content_length: int | None = None, sock: socket.socket | None = None, secret: bytes | None = None,
-               nonce: str = "", deadline: _Deadline | None = None, max_header: int | None = None) -> Any:
+               nonce: str = "", deadline: _Deadline | None = None, max_header: int | None = None,
+               signed_by: Callable[[str, str, str, str], bool] | None = None) -> Any:
     """Read one state from a stream in the wire format; every check of the module docstring but those of what the
-    state holds (:func:`check_values`), no pickle. A TransferError for anything wrong, never another exception."""
+    state holds (:func:`check_values`), no pickle. A TransferError for anything wrong, never another exception.
+    ``signed_by(signature, nonce, header_sha, digest)``: in a job with a roster, whether the source member's own key
+    signed the state (a :data:`SIGNATURE` after the trailer, checked before the state is decoded)."""
     own_deadline = deadline is None
     if own_deadline:
         deadline = _Deadline(sock, stall_s, stall_s)
     try:
         return _read_state(f, step=step, fingerprint=fingerprint, limit=limit, template=template,
                            content_length=content_length, secret=secret, nonce=nonce, deadline=deadline,
-                           max_header=header_limit(template) if max_header is None else max_header)
+                           max_header=header_limit(template) if max_header is None else max_header,
+                           signed_by=signed_by)
     finally:
         if own_deadline:
             deadline.close()
 
 
-def _read_state(f, *, step, fingerprint, limit, template, content_length, secret, nonce, deadline, max_header):
+def _read_state(f, *, step, fingerprint, limit, template, content_length, secret, nonce, deadline, max_header,
+                signed_by=None):
+    end = TRAILER + (SIGNATURE if signed_by is not None else 0)
     head = bytearray(8 + HEADER_TAG)
     _read_exact(f, memoryview(head), deadline, "the header's length")
     (hlen,) = struct.unpack(">Q", head[:8])
     if hlen > max_header:
         raise TransferError(f"the source announced a {hlen}-byte header, more than this node reads ({max_header}: "
                             "in proportion to its own state's tensors)")
-    if content_length is not None and 8 + HEADER_TAG + hlen + TRAILER > content_length:
+    if content_length is not None and 8 + HEADER_TAG + hlen + end > content_length:
         raise TransferError(f"the source announced {content_length} bytes over HTTP, fewer than its header needs")
     deadline.extend(hlen / MIN_RATE_BPS)
     raw = bytearray(hlen)
@@ -345,9 +353,10 @@ def _read_state(f, *, step, fingerprint, limit, template, content_length, secret
                             "not read")
     h = decode_header(bytes(raw), step=step, fingerprint=fingerprint, limit=limit, template=template)
     total = h["payload_bytes"]
-    if content_length is not None and content_length != 8 + HEADER_TAG + hlen + total + TRAILER:
+    if content_length is not None and content_length != 8 + HEADER_TAG + hlen + total + end:
         raise TransferError(f"the source announced {content_length} bytes over HTTP, its header "
-                            f"{8 + HEADER_TAG + hlen + total + TRAILER}")
+                            f"{8 + HEADER_TAG + hlen + total + end}" + ("" if signed_by is None else
+                                                                        " with its member's signature"))
     deadline.extend(total / MIN_RATE_BPS)
     hasher = hashlib.sha256()
     tensors = []
@@ -356,14 +365,18 @@ def _read_state(f, *, step, fingerprint, limit, template, content_length, secret
         if t.numel():
             _read_exact(f, memoryview(t.reshape(-1).view(torch.uint8).numpy()), deadline, s["name"][:80], hasher)
         tensors.append(t)
-    trailer = bytearray(TRAILER)
+    trailer = bytearray(end)
     _read_exact(f, memoryview(trailer), deadline, "the trailer")
     digest, mac = bytes(trailer[:64]).decode("ascii", "replace"), bytes(trailer[64:]).decode("ascii", "replace")
     if digest != hasher.hexdigest():
         raise TransferError("the state's payload does not match its SHA-256: corrupted or tampered with")
+    mac, signature = mac[:32], mac[32:]
     if secret is not None and not verify(secret, mac, "lowband-state-response", nonce, header_sha, digest):
         raise TransferError("the source's state is not signed with this job's secret: a node that is not a member "
                             "of this job answered (check that every node has the same secret)")
+    if signed_by is not None and not signed_by(signature, nonce, header_sha, digest):
+        raise TransferError("the source's state is not signed by the key the job's roster names for the source "
+                            "member: another process answered at its address (nothing of it was loaded)")
     return _decode(h["tree"], tensors)
 
 

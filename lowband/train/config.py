@@ -47,6 +47,7 @@ from lowband.train.methods import METHODS, MethodConfig, method_config
 from lowband.train.models import resolve_model
 from lowband.train.pretrained import data_config_for
 from lowband.train.trackers import check_trackers
+from lowband.trust.keys import load_key, load_roster
 from lowband.trust.secret import load_secret
 from lowband.units import parse_bandwidth, parse_duration, split_list
 from lowband.util import file_digest
@@ -202,6 +203,15 @@ class FaultToleranceJob:
         "or LOWBAND_SECRET): every member of every quorum proves it, bound to its job, slot and address; a node "
         "without it is refused. Never give the secret itself on a command line (docs/internet.md)",
         flag="--secret-file", metavar="PATH")
+    key_file: str | None = option(
+        None, "this node's own private key (`lowband secret PATH --nodes N` writes PATH.node{i}.key for --ft-node i; "
+        "mode 0600, on this node only); with --roster, the node signs its reports, its claim to its slot and the "
+        "state it serves with it, and a job with a roster refuses what is not signed so (docs/internet.md)",
+        flag="--key-file", metavar="PATH")
+    roster: str | None = option(
+        None, "the job's roster of members' public keys (PATH.roster of `lowband secret PATH --nodes N`, signed by "
+        "the secret; the same file on every node and on the Lighthouse); needs --secret-file and --key-file",
+        flag="--roster", metavar="PATH")
     bind: str | None = option(
         None, "the job's network address this node's listeners (torchft Manager, state server, gloo) bind: loopback "
         "or a VPN address of this machine, in any spelling (a host name: every address it resolves to); a wildcard "
@@ -263,7 +273,7 @@ class TrainConfig:
         hyper-parameters, the model, its precision and shards per node, the data by content (its token
         store's digest, computed when the store was written: the text is not read again), how it is cut
         and tokenised (columns, split, lengths, packing, the tokenizer by content or the trained one's
-        kind, size and sample), the schedule, the seed and the job's layout. Two nodes with the same
+        kind, size and sample), the schedule, the seed, the job's layout and its roster of keys. Two nodes with the same
         files under other paths agree; another job's node does not. A user's data not yet tokenised on
         this host is tokenised here (once: the run then opens the store)."""
 
@@ -282,7 +292,10 @@ class TrainConfig:
             content(d.tokenizer),
             None if d.tokenizer else (d.tokenizer_kind, d.vocab_size, d.tokenizer_sample_bytes if d.path else None),
             s.steps, s.batch_size, s.grad_accum, s.lr_schedule, s.warmup_steps, s.min_lr_ratio,
-            self.run.seed, ft.max_nodes, ft.quorum)
+            self.run.seed, ft.max_nodes, ft.quorum,
+            # A job with a roster signs its states and claims; its nodes and a node without one cannot heal from
+            # each other, so they are two jobs (only here when given: other jobs' fingerprints stay as they were).
+            *(("roster", content(ft.roster)) if ft.roster else ()))
 
     def ft_config(self, ranks_per_node: int | None = None):
         """The node's fault-tolerance configuration, or None (no ``fault_tolerance.lighthouse``)."""
@@ -291,13 +304,19 @@ class TrainConfig:
             return None
 
         spec = METHODS[self.method.name]
+        if (ft.key_file is None) != (ft.roster is None):
+            raise ValueError("--key-file and --roster go together: a node signs with its own key (--key-file) what the "
+                             "others check against the job's roster (--roster); give both, or neither")
+        secret = load_secret(ft.secret_file)
+        roster = None if ft.roster is None else load_roster(ft.roster, secret)
         return FaultToleranceConfig(
             lighthouse=ft.lighthouse, node=ft.node, max_nodes=ft.max_nodes, timeout_s=ft.timeout_s,
             async_quorum=ft.quorum == "async" and spec.ft_quorum != "outer",
             window_quorum=ft.quorum == "async" and spec.ft_quorum == "window",
             start_nodes=ft.max_nodes if ft.start_nodes is None else ft.start_nodes,
-            fingerprint=self.fingerprint(ranks_per_node), secret=load_secret(ft.secret_file), bind=ft.bind,
-            trusted_network=ft.trusted_network, steps=self.schedule.steps,
+            fingerprint=self.fingerprint(ranks_per_node), secret=secret, bind=ft.bind,
+            trusted_network=ft.trusted_network, steps=self.schedule.steps, roster=roster,
+            key=None if roster is None else load_key(ft.key_file, ft.node, roster),
         )
 
     def validate(self) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from lowband.trust.secret import tag, verify
 
 __all__ = ["Address", "AdmissionRefused", "BindRefused", "Claim", "RemovedFromJob", "admit", "check_bind", "check_port",
-           "claim_of", "is_public", "job_address", "join_bind", "member_of", "replica_id", "screen"]
+           "claim_of", "is_public", "job_address", "join_bind", "member_of", "replica_id", "same_host", "screen"]
 
 
 class AdmissionRefused(ValueError):
@@ -355,6 +355,17 @@ def check_bind(host: str, *, what: str, flag: str, secret: bool, trusted_network
         f"job's network instead: {flag} 127.0.0.1{':' + port if port else ''} (one machine) or this host's VPN "
         "address (e.g. WireGuard's 10.0.0.x, see docs/internet.md); or, if every host that can reach it is trusted, "
         "pass --trusted-network")
+
+
+def same_host(a: str, b: str) -> bool:
+    """Whether two spellings of a host are one address (an IPv4-mapped IPv6 address is its IPv4 one)."""
+    def norm(h: str) -> str:
+        try:
+            ip = ipaddress.ip_address(h.strip("[]").split("%", 1)[0])
+        except ValueError:
+            return h
+        return str(ip.ipv4_mapped or ip) if ip.version == 6 else str(ip)
+    return norm(a) == norm(b)
 
 
 def gloo_interface(host: str) -> str | None:

@@ -12,7 +12,7 @@ import threading
 import time
 from collections import OrderedDict
 
-__all__ = ["SourceLimiter"]
+__all__ = ["SourceLimiter", "Tarpit"]
 
 
 def _loopback(host: str) -> bool:
@@ -69,3 +69,52 @@ class SourceLimiter:
 
     def __len__(self) -> int:
         return len(self._tokens) + len(self._members)
+
+
+class Tarpit:
+    """Slows a connection whose calls keep being refused, so that a process that floods a listener over it waits
+    instead of costing the listener's host a call's work as fast as it can send.
+
+    A connection (gRPC's peer, ``ipv4:HOST:PORT``: one per client channel) refused more than ``free`` times since its
+    last call that passed has each of its next calls wait ``delay_s`` (never past its deadline) before the call is read
+    and checked; the first that passes clears it. The calls are still checked, so a member whose connection was
+    refused for a while (a gate that restarted and forgot it) is slowed, never shut out. At most ``slots`` calls wait
+    at once (each holds a worker thread of the gate's pool, which its members need): the others go on at once. At
+    most ``max_connections`` connections are remembered, the least recent forgotten first."""
+
+    def __init__(self, *, free: int = 10, delay_s: float = 1.0, slots: int = 32, max_connections: int = 4096,
+                 sleep=time.sleep) -> None:
+        self.free, self.delay_s, self.max_connections = free, delay_s, max_connections
+        self._slots = threading.BoundedSemaphore(slots)
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._refused: OrderedDict[str, int] = OrderedDict()  # connection -> refusals since a call passed
+        self.waited = 0  # calls slowed so far
+
+    def wait(self, peer: str, remaining_s: float | None = None) -> float:
+        """Before a call from ``peer`` is read: wait if its connection is slowed (and a slot is free). Returns the
+        seconds waited."""
+        with self._lock:
+            slowed = self._refused.get(peer, 0) > self.free
+        if not slowed or not self._slots.acquire(blocking=False):
+            return 0.0
+        try:
+            delay = self.delay_s if remaining_s is None else max(0.0, min(self.delay_s, remaining_s - 1.0))
+            self._sleep(delay)
+            self.waited += 1
+            return delay
+        finally:
+            self._slots.release()
+
+    def refused(self, peer: str) -> None:
+        with self._lock:
+            self._refused[peer] = self._refused.pop(peer, 0) + 1
+            while len(self._refused) > self.max_connections:
+                self._refused.popitem(last=False)
+
+    def passed(self, peer: str) -> None:
+        with self._lock:
+            self._refused.pop(peer, None)
+
+    def __len__(self) -> int:
+        return len(self._refused)

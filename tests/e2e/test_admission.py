@@ -165,3 +165,83 @@ def test_outsiders_and_a_wrong_secret_are_refused_without_a_dropped_step_and_a_s
     recs = [json.loads((tmp_path / f"node{n}" / "ft_rank0.json").read_text()) for n in (0, 1)]
     assert recs[0]["param_sha256"] == recs[1]["param_sha256"]
     assert recs[0]["dropped_steps"] >= 1, recs[0]  # the silent member did stall the job, for a while
+
+
+# Someone on the job's machine who holds the job's secret but no member's key (a local user who read it, or a member
+# that would speak for another): it reads the members' full replica ids from torchft's status page (on the
+# Lighthouse's host), then reports node 1 in node 0's name (unsigned, and signed with a key of its own) and
+# heartbeats in node 1's name under another process's id, and under node 1's own full id.
+FORGER = r"""
+import re, sys, urllib.request, grpc
+from lowband.ft.gateway import ACCUSE, HEARTBEAT, accusation_request, string_field
+from lowband.ft.protowire import sign_request
+from lowband.trust.admission import claim_of
+from lowband.trust.keys import MemberKey, _ed25519
+gate, status = sys.argv[1].split("://", 1)[1], sys.argv[2]
+page = urllib.request.urlopen(status, timeout=5).read().decode(errors="replace")
+ids = {claim_of(r).node: r for r in set(re.findall(r"lowband_[0-9a-zA-Z_]+_node[0-9]+:[0-9a-f-]{36}", page))}
+mine = MemberKey(0, _ed25519().Ed25519PrivateKey.generate())
+calls = {"unsigned": accusation_request(ids[0], "http://" + claim_of(ids[0]).manager, claim_of(ids[0]).store, ids[1],
+                                        "index out of range")}
+calls["signed by another key"] = sign_request(mine, ACCUSE, calls["unsigned"])
+with grpc.insecure_channel(gate) as ch:
+    for what, req in calls.items():
+        try:
+            ch.unary_unary(ACCUSE)(req, timeout=10)
+            print(what, "ACCEPTED")
+        except grpc.RpcError as e:
+            print(what, "refused:", e.details())
+    for what, rid in (("copy", ids[1].split(":")[0] + ":another-process"), ("full copy", ids[1])):
+        try:  # node 1's id with another process's uuid; then its full id, uuid and all (from the status page)
+            ch.unary_unary(HEARTBEAT)(string_field(1, rid.encode()), timeout=10)
+            print(what, "ACCEPTED")
+        except grpc.RpcError as e:
+            print(what, "refused:", e.details())
+"""
+
+
+def test_a_job_with_a_roster_trains_and_refuses_forged_reports_and_copied_ids(tmp_path):
+    """Per-member keys (issue 44 item 5) end to end: 2 nodes with their own keys train together; reports and a slot's
+    claim made with the secret but without the member's key are refused at the gate, nobody is kept out; node 1,
+    killed and started again, registers its new process and heals from node 0's signed state; the nodes end with
+    the same parameters, and their logs carry no member's full replica id."""
+    import re
+
+    from lowband.cluster.ftjob import FaultTolerantJob
+    from lowband.trust.keys import write_keys
+
+    secret = tmp_path / "job.secret"
+    write_keys(secret, 2)
+    args = [*ARGS, "--stop-file", str(tmp_path / "stop")]  # the job runs until told: each phase has time
+    with FaultTolerantJob(train_args=args, nodes=2, ranks_per_node=1, out=tmp_path, min_nodes=1, start_nodes=2,
+                          secret_file=secret, roster=True) as job:
+        job.start(0)
+        job.start(1)
+        job.wait_for_step(0, 5)
+        forger = subprocess.run([sys.executable, "-c", FORGER, job.address, job.status], capture_output=True,
+                                text=True, timeout=60)
+        # node 1 dies and comes back: its new process registers with its key, and it heals from node 0's signed state
+        job.kill(1)
+        job.procs[1].wait(timeout=30)
+        job.start(1)
+        deadline = time.monotonic() + 120
+        while "joined at step" not in (tmp_path / "node1.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        job.end_soon()
+        codes = job.wait(timeout_s=200)
+    out = forger.stdout
+    assert forger.returncode == 0, forger.stderr[-2000:]
+    assert "unsigned refused: lowband gateway: not a member of this job: the call is not signed" in out, out
+    assert "signed by another key refused" in out and "forged: not signed by node 0's key" in out, out
+    assert "copy refused" in out and "not the process its member registered" in out, out
+    assert "full copy refused" in out and "calls over another connection" in out, out
+    assert "ACCEPTED" not in out, out
+    assert codes == {0: 0, 1: 0}, [(tmp_path / f"node{n}.log").read_text()[-3000:]
+                                                                     for n in (0, 1)]
+    assert "kept out" not in (tmp_path / "lighthouse.log").read_text()
+    recs = [json.loads((tmp_path / f"node{n}" / "ft_rank0.json").read_text()) for n in (0, 1)]
+    assert recs[0]["param_sha256"] == recs[1]["param_sha256"] and recs[0]["steps"] == recs[1]["steps"]
+    assert recs[1]["healed"], recs[1]  # it took node 0's state, signed by node 0's key
+    for n in (0, 1):  # torchft's logs: no member's tag or process id (the Rust side at warnings, Python's redacted)
+        log = (tmp_path / f"node{n}.log").read_text()
+        assert not re.search(r"_t[0-9a-f]{32}_node[0-9]|node[0-9]+:[0-9a-f]{8}-[0-9a-f]{4}-", log), log[-3000:]

@@ -21,12 +21,10 @@ from lowband.ft.gateway import (  # noqa: E402
     COMMITTED_SCALE,
     HEARTBEAT,
     KEPT_OUT,
-    MANAGER_SERVICE,
     QUORUM,
     REFUSED,
     SERVICE,
     LighthouseGateway,
-    ManagerGate,
     StallBreaker,
     accusation_request,
     accuse_at_gate,
@@ -38,6 +36,7 @@ from lowband.ft.gateway import (  # noqa: E402
     refusal,
     string_field,
 )
+from lowband.ft.managergate import MANAGER_SERVICE, ManagerGate  # noqa: E402
 from lowband.trust.admission import replica_id  # noqa: E402
 
 SECRET = b"s" * 32

@@ -316,3 +316,51 @@ def test_state_request_paths_random_and_mutated_are_read_or_refused_never_raise(
         assert got is None or (isinstance(got[0], int) and 0 <= got[0] < 10 ** 20 and isinstance(got[1], dict))
     for path in ("/state/" + "9" * 5000, "/state/²", "/state/7?" + "a=b&" * 100, "/state/-1", None, "/state/7" * 999):
         assert parse_request(path) is None
+
+
+# ----------------------------------------------------------------------------- signed calls (a job with a roster)
+def test_signed_calls_random_mutated_or_replayed_are_refused_with_a_reason_of_a_fixed_kind_never_raise(tmp_path):
+    """The gate's checks of a job with a roster (LighthouseGateway.member_refusal) on signed calls whose bytes were
+    mutated, truncated, replayed or are random: a refusal of one of REFUSAL_KINDS, never an exception; only the
+    genuine call passes, and only once."""
+    import threading
+    import types
+
+    pytest.importorskip("cryptography")
+    from lowband.ft.gateway import ACCUSE, ADMIT, accusation_request
+    from lowband.trust.keys import ReplayCache, load_key, load_roster, write_keys
+    from lowband.trust.secret import load_secret
+
+    roster_file, key_files = write_keys(tmp_path / "job.secret", 2)
+    secret = load_secret(tmp_path / "job.secret")
+    roster = load_roster(roster_file, secret)
+    key = load_key(key_files[0], 0, roster)
+    rid = replica_id("f00d", 0, secret=secret, store="127.0.0.1:5000", manager="127.0.0.1:6000") + ":u0"
+    other = replica_id("f00d", 1, secret=secret, store="127.0.0.1:5000", manager="127.0.0.1:6001") + ":u1"
+    gate = types.SimpleNamespace(roster=roster, replays=ReplayCache(), registered={}, pinned={}, pin_idle_s=3.0,
+                                 _lock=threading.Lock())
+    rng = random.Random(44)
+    genuine = {ADMIT: admission_request(rid, "http://127.0.0.1:6000", "127.0.0.1:5000", key=key),
+               ACCUSE: accusation_request(rid, "http://127.0.0.1:6000", "127.0.0.1:5000", other, "bad", key=key)}
+    passed = 0
+    for i in range(CASES):
+        method = (ADMIT, ACCUSE)[i % 2]
+        raw = bytearray(genuine[method])
+        if i % 3 == 0:
+            for _ in range(rng.randint(1, 3)):
+                j = rng.randrange(len(raw))
+                raw[j] = rng.randrange(256) if rng.randrange(2) else raw[j] ^ (1 << rng.randrange(8))
+        elif i % 3 == 1:
+            raw = bytearray(_random_message(rng))
+        req = bytes(raw[:rng.choice([len(raw), len(raw), rng.randrange(len(raw) + 1)])])
+        if refusal(secret, req, QUORUM) is not None:  # the gate's first check (the secret's tag, the addresses)
+            continue
+        why = LighthouseGateway.member_refusal(gate, method, req, rng.choice(["127.0.0.1", "127.0.0.1", "10.0.0.9"]))
+        assert why is None or (isinstance(why, str) and why.startswith(REFUSAL_KINDS)), (req[:80], why)
+        if why is None:
+            passed += 1
+            assert req == genuine[method] or method == ADMIT, req  # a mutated report never passes
+        for torchfts in (QUORUM, HEARTBEAT):  # torchft's own calls, read for their id alone
+            why = LighthouseGateway.member_refusal(gate, torchfts, req, "127.0.0.1", peer=f"ipv4:127.0.0.1:{i % 7}")
+            assert why is None or why.startswith(REFUSAL_KINDS), (req[:80], why)
+    assert 1 <= passed <= 2 + CASES // 50  # each genuine call once (an ADMIT whose mutation left what it signs intact aside)

@@ -299,7 +299,7 @@ def test_ftjob_gives_nodes_the_secret_by_environment_not_argv(tmp_path, monkeypa
     monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: launched.update(cmd=cmd, env=kw["env"]))
     job = FaultTolerantJob.__new__(FaultTolerantJob)
     job.__dict__.update(train_args=[], ranks_per_node=1, address="http://127.0.0.1:1", nodes=2, ft_timeout_s=5,
-                        start_nodes=None, net=None, secret_file=tmp_path / "job.secret")
+                        start_nodes=None, net=None, secret_file=tmp_path / "job.secret", roster=None)
     monkeypatch.setenv("LOWBAND_SECRET", "this shell's own secret, not the job's")
     job._launch(0, tmp_path / "n0", tmp_path / "n0.log")
     assert launched["env"]["LOWBAND_SECRET_FILE"] == str(tmp_path / "job.secret")
