@@ -4,7 +4,8 @@ Each block is compiled in place (:meth:`torch.nn.Module.compile`), as torchtitan
 TransformerBlock: after activation checkpointing is applied and before FSDP2 shards the block
 (:func:`lowband.distributed.sharding.shard_model` keeps that order). The blocks of a model repeat, so
 one compiled graph serves every block of a kind (T5: the encoder's and the decoder's, the first of
-each with its relative-position bias apart); the embeddings, the head, the loss and the optimizers
+each with its relative-position bias apart), for any batch length where batches are padded to their
+longest example (their shapes change from step to step); the embeddings, the head, the loss and the optimizers
 stay eager, so every method trains a compiled model the same way. In place, parameter names are
 unchanged: checkpoints load with and without ``--compile``.
 
@@ -82,8 +83,14 @@ def check_compile(backend: str = "inductor", device_type: str | None = None) -> 
                              "--compile out")
 
 
-def compile_blocks(blocks: Iterable[nn.Module], backend: str = "inductor") -> list[nn.Module]:
+def compile_blocks(blocks: Iterable[nn.Module], backend: str = "inductor", *, dynamic: bool | None = True
+                   ) -> list[nn.Module]:
     """Compile each block in place with ``torch.compile`` (``backend``: one of :data:`BACKENDS`); return them.
+
+    ``dynamic``: torch.compile's. True (the default) compiles graphs for any batch length from the start:
+    batches padded to their longest example change length from step to step, and the static graphs of the
+    first shapes would be compiled only to be dropped. None, for data of one shape (packed blocks): static
+    graphs, which compile faster, and dynamic ones only where a shape does change (a last, smaller batch).
 
     Call it after activation checkpointing and before FSDP2 (:func:`lowband.distributed.sharding.shard_model`
     does). Compilation itself happens at each block's first call, and again where its inputs' shapes or
@@ -99,9 +106,9 @@ def compile_blocks(blocks: Iterable[nn.Module], backend: str = "inductor") -> li
     if backend not in BACKENDS:
         raise ValueError(f"compile backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     # Every block runs the same Python function (the model's block forward), and TorchDynamo counts its
-    # recompilations per function: each kind of block (T5: first or later, encoder or decoder) in training
-    # and in validation, static shapes and then dynamic ones once a batch's length changes, soon pass the
-    # default limit of 8, beyond which the blocks would silently run eager.
+    # recompilations per function: each kind of block (T5: first or later, encoder or decoder), in training
+    # and in validation, and the sizes dynamic shapes still specialise on (a batch of one), reach the default
+    # limit of 8, beyond which the blocks would silently run eager.
     import torch._dynamo.config as dynamo_config  # heavy: only a run with --compile pays
 
     limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
@@ -109,7 +116,7 @@ def compile_blocks(blocks: Iterable[nn.Module], backend: str = "inductor") -> li
     # fallback_random: eager's dropout masks (see the module docstring); an inductor-only option.
     options = {"fallback_random": True} if backend == "inductor" else None
     for block in blocks:
-        block.compile(backend=backend, options=options)
+        block.compile(backend=backend, options=options, dynamic=dynamic)
     log.info("compiling %d transformer blocks with torch.compile (backend %s) at their first call", len(blocks),
              backend)
     return blocks

@@ -96,6 +96,7 @@ def shard_model(
     activation_checkpointing: bool = False,
     tied_embedding_memory: bool = True,
     compile_backend: str | None = None,
+    compile_dynamic: bool | None = True,
 ) -> nn.Module:
     """Apply FSDP2 over the node's ranks (S > 1); return the model unchanged when S = 1 in fp32.
 
@@ -112,6 +113,8 @@ def shard_model(
             vocabulary rows outside FSDP2 (see the module docstring).
         compile_backend: compile each block with ``torch.compile`` on this backend ("inductor", or
             "aot_eager" for tests); None: eager.
+        compile_dynamic: :func:`~lowband.distributed.compile.compile_blocks`'s ``dynamic``: True for batches
+            whose length changes (padded), None for data of one shape (packed blocks).
 
     Raises:
         ValueError: an unknown precision or compile backend; several shards (or bf16) without a process
@@ -125,7 +128,7 @@ def shard_model(
         for block in blocks:
             checkpoint(block)
     if compile_backend is not None:
-        compile_blocks(blocks, compile_backend)
+        compile_blocks(blocks, compile_backend, dynamic=compile_dynamic)
     one_rank = topology.shards == 1 or topology.world_size == 1
     if one_rank and policy is None:
         return model

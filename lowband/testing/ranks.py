@@ -275,8 +275,9 @@ def train_reverse_task(rank: int, *, method: str, hp: dict, steps: int, batch_si
     topology = Topology.from_env(shards=method_shards(method, Topology.from_env().ranks_per_node, None))
     world = topology.world_size
     net = build_model(model, vocab_size=REVERSE_VOCAB, seed=seed).model
+    # One shape for every batch (as packed data have): static graphs, as lowband train compiles for such data.
     net = shard_model(net, topology, blocks=transformer_blocks(net), compile_backend=compile_backend,
-                      activation_checkpointing=activation_checkpointing)
+                      compile_dynamic=None, activation_checkpointing=activation_checkpointing)
     link = Link(topology)
     opt = build_optimizer(method, net.named_parameters(), link=link, hp=hp, model=net)
     losses = []
