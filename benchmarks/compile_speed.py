@@ -12,11 +12,13 @@ backward, optimizer step with its communication) and the real (non-padding) toke
 the time of the first validation (the hook is this script's, in the node's entry point; the library
 is unchanged). Per run:
 
-- **tokens/s**: the real tokens of every rank over steps ``--warmup-steps``.. (the first steps, which
-  compile the blocks and recompile them once the batch length changes, left out), divided by rank 0's
+- **tokens/s**: the real tokens of every rank over the steps from ``--warmup-steps`` on that compiled
+  nothing (a step compiles where TorchDynamo captured a new graph on some rank: the first step, and a
+  later one where a batch's shape meets a case the dynamic graphs specialise on), divided by rank 0's
   time for those steps (the ranks step in lockstep);
-- **compile s**: what the first ``--warmup-steps`` steps and the first validation took beyond the eager
-  run's (the one-off cost of ``--compile``: the training clock counts the first part);
+- **compile s**: what the steps that compiled took beyond a median step, plus what the validations
+  took beyond the eager run's (the first one compiles the validation graphs): the one-off cost of
+  ``--compile`` (the training clock counts the steps' part);
 - **max |Δ loss|**: the largest difference of rank 0's training loss at any step between the compiled
   run and the eager one of the same round (inductor keeps eager's dropout masks, so they follow one
   trajectory up to float noise), and of the final validation loss.
@@ -48,22 +50,25 @@ RECORD = "compile_speed_rank{rank}.json"
 # --------------------------------------------------------------------------- inside a node
 def _node_main(argv: list[str]) -> int:
     """A node's rank: ``lowband train`` with each step's time and real tokens recorded."""
+    from torch._dynamo.utils import counters
+
     from lowband.train.loop import Trainer
 
     steps, evals = [], []
     train_step, evaluate, summarize = Trainer.train_step, Trainer.evaluate, Trainer.summarize
 
     def timed_step(self, step, *args, **kwargs):
-        tokens0, t0 = self.clock["tokens"], time.perf_counter()
+        tokens0, graphs0, t0 = self.clock["tokens"], counters["stats"]["unique_graphs"], time.perf_counter()
         loss = train_step(self, step, *args, **kwargs)
         steps.append({"step": step, "time_s": time.perf_counter() - t0, "tokens": self.clock["tokens"] - tokens0,
-                      "loss": loss})
+                      "loss": loss, "compiled": counters["stats"]["unique_graphs"] > graphs0})
         return loss
 
     def timed_evaluate(self, step, *args, **kwargs):
-        t0 = time.perf_counter()
+        graphs0, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
         loss = evaluate(self, step, *args, **kwargs)
-        evals.append({"step": step, "time_s": time.perf_counter() - t0, "val_loss": loss})
+        evals.append({"step": step, "time_s": time.perf_counter() - t0, "val_loss": loss,
+                      "compiled": counters["stats"]["unique_graphs"] > graphs0})
         return loss
 
     def write_record(self, *args, **kwargs):
@@ -94,14 +99,20 @@ def _run(a, method: str, compiled: bool, out: Path, cache: Path) -> dict:
     result.raise_for_failure()
     world = a.nodes * a.ranks_per_node
     ranks = [json.loads((out / "job" / RECORD.format(rank=r)).read_text()) for r in range(world)]
+    # Timed: the steps after the first ones that compiled no graph on any rank (a later step compiles where a
+    # batch's shape meets a case the dynamic graphs specialise on).
     k = a.warmup_steps
-    timed = ranks[0]["steps"][k:]
+    compiling = {i for r in ranks for i, s in enumerate(r["steps"]) if s["compiled"]}
+    timed = [i for i in range(k, len(ranks[0]["steps"])) if i not in compiling]
+    median_s = statistics.median(ranks[0]["steps"][i]["time_s"] for i in timed)
     return {
-        "tokens": sum(s["tokens"] for r in ranks for s in r["steps"][k:]),
-        "time_s": sum(s["time_s"] for s in timed),
-        "first_steps_s": sum(s["time_s"] for s in ranks[0]["steps"][:k]),
-        "first_val_s": ranks[0]["evals"][0]["time_s"],
-        "median_step_s": statistics.median(s["time_s"] for s in timed),
+        "tokens": sum(r["steps"][i]["tokens"] for r in ranks for i in timed),
+        "time_s": sum(ranks[0]["steps"][i]["time_s"] for i in timed),
+        "compiling_steps": sorted(compiling),
+        # What the steps that compiled took beyond a median step (rank 0), and the validations' times.
+        "step_compile_s": sum(ranks[0]["steps"][i]["time_s"] - median_s for i in compiling),
+        "val_s": [e["time_s"] for e in ranks[0]["evals"]],
+        "median_step_s": median_s,
         "losses": [s["loss"] for s in ranks[0]["steps"]],
         "val_loss": ranks[0]["evals"][-1]["val_loss"],
         "wall_s": result.wall_time_s,
@@ -111,15 +122,16 @@ def _run(a, method: str, compiled: bool, out: Path, cache: Path) -> dict:
 # --------------------------------------------------------------------------- the report
 def _table(rounds: list[dict], methods: list[str]) -> list[str]:
     lines = [f"{'method':<12} {'round':>5} {'eager tok/s':>12} {'compiled tok/s':>15} {'speed-up':>9} "
-             f"{'compile s':>10} {'inductor cache':>15} {'max |Δ loss|':>13} {'|Δ val|':>9}"]
+             f"{'compile s':>10} {'inductor cache':>15} {'max |Δ loss|':>13} {'|Δ val|':>9}  steps that compiled"]
     for method in methods:
         for i, r in enumerate(rounds):
             e, c = r[method]["eager"], r[method]["compiled"]
             tps_e, tps_c = e["tokens"] / e["time_s"], c["tokens"] / c["time_s"]
-            compile_s = c["first_steps_s"] + c["first_val_s"] - e["first_steps_s"] - e["first_val_s"]
+            compile_s = c["step_compile_s"] + sum(x - y for x, y in zip(c["val_s"], e["val_s"], strict=True))
             dloss = max(abs(x - y) for x, y in zip(e["losses"], c["losses"], strict=True))
             lines.append(f"{method:<12} {i + 1:>5} {tps_e:>12.0f} {tps_c:>15.0f} {tps_c / tps_e:>8.2f}x "
-                         f"{compile_s:>10.1f} {c['cache']:>15} {dloss:>13.2e} {abs(e['val_loss'] - c['val_loss']):>9.2e}")
+                         f"{compile_s:>10.1f} {c['cache']:>15} {dloss:>13.2e} {abs(e['val_loss'] - c['val_loss']):>9.2e}  "
+                         f"{','.join(map(str, c['compiling_steps']))}")
         ratios = [r[method]["compiled"]["tokens"] / r[method]["compiled"]["time_s"]
                   / (r[method]["eager"]["tokens"] / r[method]["eager"]["time_s"]) for r in rounds]
         lines.append(f"{method:<12} {'all':>5} {'':>12} {'':>15} {statistics.median(ratios):>8.2f}x (median)")
@@ -134,7 +146,8 @@ def main() -> int:
     p.add_argument("--methods", default="adamw,flexdemo", help="comma list (default adamw,flexdemo)")
     p.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
     p.add_argument("--warmup-steps", type=int, default=5,
-                   help="first steps left out of tokens/s: they compile (default 5)")
+                   help="first steps left out of tokens/s (allocator warm-up), besides every step that compiled "
+                        "(default 5)")
     p.add_argument("--rounds", type=int, default=2, help="eager/compiled pairs per method (default 2)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--val-batches", type=int, default=4)
