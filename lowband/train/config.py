@@ -84,9 +84,10 @@ class ModelConfig:
     activation_checkpointing: bool = option(False, "recompute each transformer block's activations in backward "
                                             "(less memory, about one more forward)")
     compile: bool = option(False, "compile each transformer block with torch.compile (inductor, as torchtitan "
-                           "does) for faster steps, after a one-off compilation at the first step and the first "
-                           "validation (seconds to minutes, counted in the training clock); needs a C++ compiler "
-                           "on the CPU, Triton on a GPU (docs/configuration.md)")
+                           "does): fused kernels in each block, meant for GPUs (no gain measured on a CPU), after "
+                           "a one-off compilation at the first step and the first validation (seconds to minutes, "
+                           "counted in the training clock); needs a C++ compiler on the CPU, Triton on a GPU "
+                           "(docs/configuration.md)")
     shards: int | None = option(None, "ranks sharding one model copy (default: all ranks of a node; demo: 1)")
 
 
