@@ -33,6 +33,7 @@ from lowband.bench.timebudget import (
     parse_time_budget,
     reference_first,
 )
+from lowband.distributed.compile import check_compile
 from lowband.distributed.topology import Topology
 from lowband.ft.node import require_torchft
 from lowband.optim.outer.schedule import unmerged_tail_note
@@ -387,6 +388,8 @@ def _check_train_settings(specs: Sequence[BenchMethod], train: Mapping[str, Mapp
         except ValueError as e:
             raise ValueError(f"--train-args {user!r} with method {spec}: {e}. A hyper-parameter that only some "
                              f"methods have goes in their specs (e.g. diloco:H=10), not in --train-args") from None
+    if train_config is not None and train_config.model.compile:
+        check_compile("inductor")  # every run would fail at its start: said once, before any starts
     if data is not None and train_config is not None:
         _check_data_columns(data, model, train_config)
 

@@ -1,4 +1,4 @@
-"""The layout of ranks: nodes × ranks as a DeviceMesh, FSDP2 sharding inside a node, tied embeddings."""
+"""The layout of ranks: nodes × ranks as a DeviceMesh, FSDP2 sharding inside a node, tied embeddings, compiled blocks."""
 
 from lowband.distributed.sharding import PRECISIONS, mixed_precision_policy, set_gradient_sync, shard_model
 from lowband.distributed.tied_embedding import (

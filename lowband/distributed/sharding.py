@@ -34,6 +34,10 @@ Activation checkpointing (``activation_checkpointing=True``) is torch's composab
 ``checkpoint`` on every transformer block, applied before ``fully_shard``: a block keeps only its
 inputs from forward and recomputes its activations in backward (RNG state restored, so dropout
 masks repeat). Parameter names are unchanged, so checkpoints load with or without it.
+
+Compilation (``compile_backend="inductor"``, ``lowband train --compile``) is ``torch.compile`` on every
+transformer block (:mod:`lowband.distributed.compile`), applied after activation checkpointing and
+before ``fully_shard``, in torchtitan's order.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from lowband.distributed.compile import compile_blocks
 from lowband.distributed.tied_embedding import shard_tied_embedding
 from lowband.distributed.topology import Topology
 
@@ -90,6 +95,8 @@ def shard_model(
     precision: str = "fp32",
     activation_checkpointing: bool = False,
     tied_embedding_memory: bool = True,
+    compile_backend: str | None = None,
+    compile_dynamic: bool | None = True,
 ) -> nn.Module:
     """Apply FSDP2 over the node's ranks (S > 1); return the model unchanged when S = 1 in fp32.
 
@@ -104,9 +111,14 @@ def shard_model(
         activation_checkpointing: recompute each block's activations in backward.
         tied_embedding_memory: with tied input/output embeddings and S > 1, shard their weight by
             vocabulary rows outside FSDP2 (see the module docstring).
+        compile_backend: compile each block with ``torch.compile`` on this backend ("inductor", or
+            "aot_eager" for tests); None: eager.
+        compile_dynamic: :func:`~lowband.distributed.compile.compile_blocks`'s ``dynamic``: True for batches
+            whose length changes (padded), None for data of one shape (packed blocks).
 
     Raises:
-        ValueError: an unknown precision; several shards (or bf16) without a process group.
+        ValueError: an unknown precision or compile backend; several shards (or bf16) without a process
+            group; checkpointing or compilation without blocks.
     """
     blocks = list(blocks)
     policy = mp_policy if mp_policy is not None else mixed_precision_policy(precision)
@@ -115,6 +127,8 @@ def shard_model(
             raise ValueError("activation checkpointing is per transformer block, but no blocks were given")
         for block in blocks:
             checkpoint(block)
+    if compile_backend is not None:
+        compile_blocks(blocks, compile_backend, dynamic=compile_dynamic)
     one_rank = topology.shards == 1 or topology.world_size == 1
     if one_rank and policy is None:
         return model

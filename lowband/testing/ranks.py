@@ -256,14 +256,17 @@ def reverse_task_batch(*, rank: int, step: int, world_size: int, batch_size: int
 
 
 def train_reverse_task(rank: int, *, method: str, hp: dict, steps: int, batch_size: int = 8, seed: int = 0,
-                       model: str = "t5-tiny", length: int = REVERSE_LEN) -> list[float]:
+                       model: str = "t5-tiny", length: int = REVERSE_LEN, compile_backend: str | None = None,
+                       activation_checkpointing: bool = False) -> list[float]:
     """Train ``method`` on the reversing task on this rank; return the mean loss over all ranks per step.
 
     The library's own pipeline, as ``lowband train`` runs it: the named model built from ``seed``,
     FSDP2 over the node's ranks (``method_shards``), the link, ``build_optimizer`` from the method
     registry, dropout seeded per (seed, step, rank). Only the data differ: generated, not loaded.
     Call it on every rank of a running process group (e.g. from :func:`run_ranks`); several calls
-    in one launch are independent (each builds its own topology and groups).
+    in one launch are independent (each builds its own topology and groups). ``compile_backend`` and
+    ``activation_checkpointing``: :func:`~lowband.distributed.sharding.shard_model`'s, as ``--compile`` and
+    ``--activation-checkpointing`` set them.
     """
     import torch  # heavy: a command that does not train must not pay for it
     import torch.distributed as dist  # heavy: a command that does not train must not pay for it
@@ -272,7 +275,9 @@ def train_reverse_task(rank: int, *, method: str, hp: dict, steps: int, batch_si
     topology = Topology.from_env(shards=method_shards(method, Topology.from_env().ranks_per_node, None))
     world = topology.world_size
     net = build_model(model, vocab_size=REVERSE_VOCAB, seed=seed).model
-    net = shard_model(net, topology, blocks=transformer_blocks(net))
+    # One shape for every batch (as packed data have): static graphs, as lowband train compiles for such data.
+    net = shard_model(net, topology, blocks=transformer_blocks(net), compile_backend=compile_backend,
+                      compile_dynamic=None, activation_checkpointing=activation_checkpointing)
     link = Link(topology)
     opt = build_optimizer(method, net.named_parameters(), link=link, hp=hp, model=net)
     losses = []

@@ -4,7 +4,7 @@
 
     TrainConfig
       method           RunMethod: name, hp (the method's typed MethodConfig, lowband.train.methods)
-      model            ModelConfig: name, precision, activation_checkpointing, shards
+      model            ModelConfig: name, precision, activation_checkpointing, compile, shards
       data             DataConfig (lowband.train.data): files, columns, token lengths, vocabulary, split
       schedule         ScheduleConfig: steps, batch_size, grad_accum, lr_schedule, warmup_steps, min_lr_ratio,
                        time_budget_s
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowband.distributed.compile import check_compile
 from lowband.distributed.sharding import PRECISIONS
 from lowband.ft.node import FaultToleranceConfig, fingerprint, require_torchft
 from lowband.train.data import check_data_file, data_digest
@@ -83,6 +84,11 @@ class ModelConfig:
                             "reduction, fp32 optimizer state)", choices=("fp32", "bf16"))
     activation_checkpointing: bool = option(False, "recompute each transformer block's activations in backward "
                                             "(less memory, about one more forward)")
+    compile: bool = option(False, "compile each transformer block with torch.compile (inductor, as torchtitan "
+                           "does): fused kernels in each block, meant for GPUs (no gain measured on a CPU), after "
+                           "a one-off compilation at the first step and the first validation (seconds to minutes, "
+                           "counted in the training clock); needs a C++ compiler on the CPU, Triton on a GPU "
+                           "(docs/configuration.md)")
     shards: int | None = option(None, "ranks sharding one model copy (default: all ranks of a node; demo: 1)")
 
 
@@ -338,6 +344,8 @@ class TrainConfig:
 
         if self.model.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.model.precision!r}")
+        if self.model.compile:
+            check_compile("inductor")  # no C++ compiler (CPU) or Triton (GPU): said now, not at the first step
         if s.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"--schedule must be 'constant' or 'cosine', got {s.lr_schedule!r}")
         if self.link.bandwidth_bps is not None and not self.link.bandwidth_bps > 0:

@@ -238,7 +238,9 @@ class Trainer:
         model = self.spec.model.to(self.device)
         self.model = shard_model(model, self.topology, blocks=transformer_blocks(model),
                                  precision=cfg.model.precision,
-                                 activation_checkpointing=cfg.model.activation_checkpointing)
+                                 activation_checkpointing=cfg.model.activation_checkpointing,
+                                 compile_backend="inductor" if cfg.model.compile else None,
+                                 compile_dynamic=None if self.data.packed else True)
         # The sharded parameters, held apart: FSDP2 swaps a module's attributes for the unsharded ones
         # during forward and backward, and a peer may copy this node's state then (async quorum).
         self._shards = dict(self.model.named_parameters())

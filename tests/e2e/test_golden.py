@@ -5,6 +5,15 @@ GOLDEN_STEPS steps of the reversing task (:func:`lowband.testing.ranks.train_rev
 library's sharding, link and optimizers, generated data) at its registry defaults, fp32, and
 compares the mean loss over the ranks at every step with tests/e2e/golden/losses.json.
 
+The same launch trains with ``--compile``'s wiring (torch.compile on each block, after checkpointing,
+before FSDP2) one config of each method, DiLoCo with Muon inner steps and AdamW with activation
+checkpointing, for COMPILE_STEPS steps: their losses must stay within the goldens' tolerance (DiLoCo with
+Muon: of its own uncompiled run, which the golden has not). The backend there is aot_eager, not inductor:
+inductor's C++ compilation of the blocks on four ranks sharing two cores takes about a minute. aot_eager
+captures the same graphs (TorchDynamo, AOTAutograd's forward and backward, FSDP2's and checkpointing's
+hooks) and runs them with eager kernels; benchmarks/compile_speed.py compares inductor's kernels with eager
+ones, losses and speed.
+
 Updating the golden is deliberate: ``LOWBAND_UPDATE_GOLDEN=1 pytest tests/e2e/test_golden.py`` rewrites
 the file (the test then skips, saying so); commit it on its own with a message that says which change
 moved the trajectories and why that is intended.
@@ -61,17 +70,41 @@ ATOL: dict[str, float] = {
 }
 
 
-def _run_all(rank: int, configs: dict, steps: int) -> dict:
+COMPILE_STEPS = 10  # two outer steps of DiLoCo, NoLoCo and SparseLoCo at H=5
+_MUON = ("diloco", {"H": 5, "inner": "muon"})
+# name -> (method, hp, activation checkpointing, the golden config or the eager run it must follow)
+COMPILED: dict[str, tuple[str, dict, bool, str]] = {
+    **{name: (*CONFIGS[name], False, name) for name in ("adamw", "deto-full", "demo", "flexdemo:topk=1",
+                                                        "diloco:H=5", "noloco:H=5", "sparseloco:H=5")},
+    "adamw+activation_checkpointing": ("adamw", {}, True, "adamw"),
+    "diloco:H=5,inner=muon": (*_MUON, False, "diloco:H=5,inner=muon eager"),
+}
+
+
+def _run_all(rank: int, configs: dict, steps: int, compiled: dict, compile_steps: int) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    return {name: train_reverse_task(rank, method=method, hp=hp, steps=steps)
-            for name, (method, hp) in configs.items()}
+    eager = {name: train_reverse_task(rank, method=method, hp=hp, steps=steps)
+             for name, (method, hp) in configs.items()}
+    if compiled:
+        eager["diloco:H=5,inner=muon eager"] = train_reverse_task(rank, method=_MUON[0], hp=_MUON[1],
+                                                                  steps=compile_steps)
+    import torch._dynamo.utils
+
+    runs = {name: train_reverse_task(rank, method=method, hp=hp, steps=compile_steps, compile_backend="aot_eager",
+                                     activation_checkpointing=ac) for name, (method, hp, ac, _) in compiled.items()}
+    # aot_eager computes as eager does: that the blocks ran compiled is shown by the graphs captured.
+    return {"eager": eager, "compiled": runs, "graphs": torch._dynamo.utils.counters["aot_autograd"]["ok"]}
 
 
-def run_golden_configs(configs: dict = CONFIGS, steps: int = GOLDEN_STEPS) -> dict[str, list[float]]:
-    """Every config's per-step mean loss, from one 2 × 2 launch (rank 0's copy of the all-reduced means)."""
-    return run_ranks(_run_all, world_size=4, ranks_per_node=2, args=(configs, steps), timeout_s=600)[0]
+def run_golden_configs(configs: dict = CONFIGS, steps: int = GOLDEN_STEPS, compiled: dict | None = None,
+                       compile_steps: int = COMPILE_STEPS) -> dict[str, dict[str, list[float]]]:
+    """Every config's per-step mean loss, from one 2 × 2 launch (rank 0's copy of the all-reduced means):
+    ``{"eager": {name: losses}, "compiled": {name: losses}, "graphs": compiled graphs}`` (``compiled``: the
+    COMPILED configs to run)."""
+    return run_ranks(_run_all, world_size=4, ranks_per_node=2, args=(configs, steps, compiled or {}, compile_steps),
+                     timeout_s=600)[0]
 
 
 def _write_golden(losses: dict[str, list[float]]) -> None:
@@ -90,8 +123,10 @@ def _write_golden(losses: dict[str, list[float]]) -> None:
 
 @pytest.mark.multiprocess
 def test_every_method_follows_its_golden_trajectory():
-    losses = run_golden_configs()
-    if os.environ.get("LOWBAND_UPDATE_GOLDEN") == "1":
+    updating = os.environ.get("LOWBAND_UPDATE_GOLDEN") == "1"
+    runs = run_golden_configs(compiled=None if updating else COMPILED)
+    losses = runs["eager"]
+    if updating:
         _write_golden(losses)
         pytest.skip(f"LOWBAND_UPDATE_GOLDEN=1: rewrote {GOLDEN}; commit it saying why the trajectories moved")
     assert GOLDEN.exists(), f"{GOLDEN} is missing; create it with LOWBAND_UPDATE_GOLDEN=1 pytest {__file__}"
@@ -101,6 +136,8 @@ def test_every_method_follows_its_golden_trajectory():
         {n: (m, hp) for n, (m, hp) in CONFIGS.items()}, "the configs changed: update the golden deliberately"
     moved = {}
     for name, got in losses.items():
+        if name not in CONFIGS:
+            continue  # the eager twin of a compiled config, checked below
         want = golden["configs"][name]["losses"]
         assert len(got) == len(want) == GOLDEN_STEPS
         worst = max(range(GOLDEN_STEPS), key=lambda i: abs(got[i] - want[i]))
@@ -108,3 +145,15 @@ def test_every_method_follows_its_golden_trajectory():
             moved[name] = f"step {worst + 1}: {got[worst]:.6f} vs golden {want[worst]:.6f} (atol {ATOL[name]})"
     assert not moved, (f"trajectories moved beyond float noise: {moved}; if intended, "
                        "LOWBAND_UPDATE_GOLDEN=1 pytest tests/e2e/test_golden.py and commit saying why")
+
+    # --compile (see the module docstring): the first COMPILE_STEPS losses of each compiled config.
+    assert runs["graphs"] >= 2, f"--compile captured {runs['graphs']} graphs: the blocks ran eager"
+    left = {}
+    for name, (_, _, _, follows) in COMPILED.items():
+        got = runs["compiled"][name]
+        want = golden["configs"][follows]["losses"] if follows in CONFIGS else losses[follows]
+        tol = ATOL[follows if follows in CONFIGS else "diloco:H=5"]
+        worst = max(range(COMPILE_STEPS), key=lambda i: abs(got[i] - want[i]))
+        if not abs(got[worst] - want[worst]) <= tol:
+            left[name] = f"step {worst + 1}: {got[worst]:.6f} vs {want[worst]:.6f} ({follows}, atol {tol})"
+    assert not left, f"with --compile's torch.compile per block, trajectories left the uncompiled ones: {left}"
