@@ -31,6 +31,10 @@ def add_arguments(p) -> None:
                         "needs --secret-file, which signs it): the gate then takes a member's reports and its claim to "
                         "its node slot only signed by that member's own key, fresh, and from its own address "
                         "(docs/internet.md, per-member keys)")
+    p.add_argument("--completion-file", default=None, metavar="PATH",
+                   help="with --secret-file: keep the job's completion record in PATH (written when the job's members "
+                        "report its last step), so that a Lighthouse started again still tells a node that comes back "
+                        "that the job is complete; delete it to run the job again")
     p.add_argument("--min-nodes", type=int, default=1, help="a quorum needs at least this many nodes")
     p.add_argument("--stall-rounds", type=int, default=3, metavar="N",
                    help="with --secret-file: after N quorum rounds in a row with the same members and no commit, "
@@ -65,7 +69,7 @@ def main(args) -> int:
     server = start_lighthouse(bind=join_bind(address, port), min_nodes=args.min_nodes, join_timeout_s=args.join_timeout,
                               heartbeat_timeout_s=args.heartbeat_timeout, secret=secret,
                               stall_rounds=args.stall_rounds, probation_s=args.probation, bench_s=args.bench_time,
-                              roster=roster)
+                              roster=roster, completion_file=args.completion_file)
     if secret is None:
         gate = ("no secret: whoever reaches it can ask for quorums, read its status page and stop a node; "
                 "give it the job's secret: --secret-file PATH")

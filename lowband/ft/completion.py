@@ -10,7 +10,8 @@ one member alone (a liar with the secret could claim any step: the gate does not
 job of two or more, and a member of the last round that died after its commit does not hold the end back where the
 others are a majority. In a round of two both must report; where one died after the last commit the job is not
 marked complete, and a node that returns trains alone as it did before. Later reports of the same step add their
-checkpoints to the answer.
+checkpoints to the answer. With ``lowband lighthouse --completion-file PATH`` the record is kept in a file, and a
+Lighthouse started again reads it back.
 
 After that the gate answers a node's admission question (and its quorum requests) with :data:`COMPLETE` and the
 step and checkpoints; the node raises :class:`JobComplete`, which ``lowband train`` turns into exit 0 with that
@@ -19,13 +20,16 @@ message. A node alone *during* the job trains on, as before. Without a secret th
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
+from pathlib import Path
 
 from lowband.ft.protowire import call_gate, parse_fields, sign_request, string_field, string_of
 from lowband.trust.admission import claim_of
 
-__all__ = ["COMPLETE", "DONE", "MAX_WHERE_CHARS", "CompletionRecord", "JobComplete", "complete_reason", "done_fields",
+__all__ = ["COMPLETE", "DONE", "MAX_WHERE_CHARS", "RECORD_FORMAT", "CompletionRecord", "JobComplete", "complete_reason", "done_fields",
            "done_request", "job_complete", "report_done"]
 
 log = logging.getLogger(__name__)
@@ -67,15 +71,49 @@ def done_fields(request: bytes) -> tuple[str, int, str]:
     return rid, int(step), "".join(c if c.isprintable() else "?" for c in where[:MAX_WHERE_CHARS])
 
 
+#: The format of a completion record kept in a file (``lowband lighthouse --completion-file``).
+RECORD_FORMAT = "lowband-completion/1"
+#: The largest record file read back: a step, a fingerprint and a path per slot fit in far less.
+MAX_RECORD_BYTES = 1 << 20
+
+
 class CompletionRecord:
     """The gate's record of the job's end: the step at which it is complete, and where each reporting node's final
-    checkpoint is (slot -> path). Bounded: one report per slot of the round (a later one replaces it)."""
+    checkpoint is (slot -> path). Bounded: one report per slot of the round (a later one replaces it).
 
-    def __init__(self) -> None:
+    ``path``: a file that keeps the record, so that a Lighthouse started again still knows the job ended (written
+    when the job is complete, read back at start; the record then applies to the job's fingerprint only). A file
+    that is not such a record is refused at start with what to do, never guessed at."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
         self._lock = threading.Lock()
         self.step: int | None = None
         self.where: dict[int, str] = {}
+        self.fingerprint: str | None = None  # the job's, once it is complete
         self._reports: dict[int, tuple[int, str]] = {}  # slot -> (step, where), before the job is complete
+        self.path = Path(path) if path is not None else None
+        if self.path is not None and self.path.exists():
+            self.step, self.where, self.fingerprint = _read_record(self.path)
+            log.warning("the Lighthouse's gate: the job %s is complete at step %d (record %s): a node of it that "
+                        "asks is told so and leaves; delete the file to run the job again", self.fingerprint,
+                        self.step, self.path)
+
+    def applies_to(self, fingerprint: str | None) -> bool:
+        """Whether the job is complete for a node whose replica id claims the job ``fingerprint`` (the record read
+        from a file is one job's: another job that shares the secret and the file is not told it is complete)."""
+        return self.step is not None and (self.fingerprint is None or fingerprint == self.fingerprint)
+
+    def _save(self) -> None:
+        """Keep the record in :attr:`path` (a temporary file renamed over it, readable by its owner only)."""
+        if self.path is None:
+            return
+        body = json.dumps({"format": RECORD_FORMAT, "fingerprint": self.fingerprint, "step": self.step,
+                           "where": {str(s): w for s, w in sorted(self.where.items())}})
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(body + "\n")
+        os.replace(tmp, self.path)
 
     def done(self, reporter: str, host: str, step: int, where: str, members: dict[int, tuple[str, int]]) -> str | None:
         """A member's report that it committed the job's last ``step`` (its final checkpoint at ``where``), from the
@@ -95,12 +133,14 @@ class CompletionRecord:
                 if step != self.step:
                     return f"the job is already complete at step {self.step}"
                 self.where[claim.node] = where
+                self._save()
                 return None
             self._reports = {s: r for s, r in self._reports.items() if s in members}
             self._reports[claim.node] = (step, where)
             agree = {s: w for s, (at_step, w) in self._reports.items() if at_step == step}
             if 2 * len(agree) > len(members):
-                self.step, self.where = step, agree
+                self.step, self.where, self.fingerprint = step, agree, claim.fingerprint
+                self._save()
                 log.warning("the Lighthouse's gate: the job is complete at step %d (%d of the round's %d members "
                             "reported it; final checkpoints %s); a node that comes back now is told so and leaves",
                             step, len(agree), len(members), agree)
@@ -115,6 +155,27 @@ class CompletionRecord:
         with self._lock:
             where = ", ".join(f"node{slot} at {path}" for slot, path in sorted(self.where.items()))
             return f"at step {self.step}; final checkpoints: {where}"
+
+
+def _read_record(path: Path) -> tuple[int, dict[int, str], str]:
+    """(step, {slot: final checkpoint}, fingerprint) of a record file; a ValueError that names the file otherwise."""
+    fix = f"delete {path} (or pass another --completion-file) to run the job again"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RECORD_BYTES + 1)
+        if len(raw) > MAX_RECORD_BYTES:
+            raise ValueError(f"over {MAX_RECORD_BYTES} bytes")
+        record = json.loads(raw.decode("utf-8"))
+        if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+            raise ValueError(f"not a {RECORD_FORMAT} record")
+        step, fp, where = record.get("step"), record.get("fingerprint"), record.get("where")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1 or not isinstance(fp, str) or not fp \
+                or not isinstance(where, dict) or len(where) > 4096:
+            raise ValueError("its step, fingerprint or checkpoints are not what a record holds")
+        slots = {int(k): str(v)[:MAX_WHERE_CHARS] for k, v in where.items() if str(k).isdigit() and len(str(k)) <= 9}
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"the job's completion record {path} cannot be read: {e}; {fix}") from None
+    return step, slots, fp
 
 
 def complete_reason(message: str) -> str | None:

@@ -419,11 +419,13 @@ class LighthouseGateway:
     What a caller can make it do: a request over :data:`MAX_REQUEST_BYTES` is refused by gRPC from its length
     prefix; at most ``workers`` calls run at once (more are refused by gRPC, RESOURCE_EXHAUSTED); a host refused
     more than its budget (:class:`SourceLimiter`) is refused before its request is read; the warning that names
-    a refused host is written once per host, for at most :data:`NAMED_HOSTS` hosts."""
+    a refused host is written once per host, for at most :data:`NAMED_HOSTS` hosts. ``completion_file``: where the
+    job's completion record is kept (:class:`~lowband.ft.completion.CompletionRecord`)."""
 
     def __init__(self, *, bind: str, backend: str, secret: bytes, workers: int = 256,
                  breaker: StallBreaker | None = None, limiter: SourceLimiter | None = None,
-                 roster: Roster | None = None, replays: ReplayCache | None = None, pin_idle_s: float = 3.0) -> None:
+                 roster: Roster | None = None, replays: ReplayCache | None = None, pin_idle_s: float = 3.0,
+                 completion_file=None) -> None:
         import grpc  # optional dependency (the ft extra)
 
         self._grpc = grpc
@@ -437,7 +439,7 @@ class LighthouseGateway:
         self.limiter = limiter if limiter is not None else SourceLimiter()
         self.tarpit = Tarpit(slots=max(1, workers // 8))  # a refused connection waits; its members keep 7/8 of the pool
         self.refused: Counter[str] = Counter()
-        self.completion = CompletionRecord()  # the job's end (lowband.ft.completion)
+        self.completion = CompletionRecord(completion_file)  # the job's end (lowband.ft.completion)
         self._named: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self._channel = grpc.insecure_channel(backend)
@@ -483,9 +485,11 @@ class LighthouseGateway:
                 return self._accuse(request, context)
             if method == DONE:
                 return self._done(request, context)
-            if method in (ADMIT, QUORUM) and self.completion.complete:  # a node back after the job ended: it leaves
+            claim = self._claim(request, HEARTBEAT if method == HEARTBEAT else QUORUM)
+            slot = claim.node if claim is not None else None
+            if method in (ADMIT, QUORUM) and self.completion.applies_to(claim.fingerprint if claim else None):
+                # a node back after the job ended: it leaves
                 context.abort(self._grpc.StatusCode.FAILED_PRECONDITION, f"{COMPLETE} {self.completion.answer()}")
-            slot = self._slot(request, HEARTBEAT if method == HEARTBEAT else QUORUM)
             held = self.breaker.held(slot) if slot is not None else None
             if held is not None and method == HEARTBEAT:
                 return b""  # not passed on: the Lighthouse counts the member dead and forms quorums without it
@@ -596,16 +600,15 @@ class LighthouseGateway:
         return b""
 
     @staticmethod
-    def _slot(request: bytes, method: str) -> int | None:
-        """The node slot the (already admitted) request's replica id claims."""
+    def _claim(request: bytes, method: str):
+        """What the (already admitted) request's replica id claims (:class:`lowband.trust.admission.Claim`), or None."""
         try:
             fields = parse_fields(request)
             if method == QUORUM:
                 fields = parse_fields((fields.get(1) or [b""])[-1])  # the requester
-            claim = claim_of(_string(fields, 1))
+            return claim_of(_string(fields, 1))
         except (ValueError, UnicodeDecodeError, TypeError):
             return None
-        return None if claim is None else claim.node
 
     def _note(self, why: str, host: str, *, log_it: bool = True) -> None:
         with self._lock:

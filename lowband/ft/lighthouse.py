@@ -14,7 +14,8 @@ __all__ = ["GatedLighthouse", "start_lighthouse"]
 
 def start_lighthouse(*, bind: str = "127.0.0.1:0", min_nodes: int = 1, join_timeout_s: float = 10.0,
                      heartbeat_timeout_s: float = 3.0, quorum_tick_s: float = 0.05, secret: bytes | None = None,
-                     stall_rounds: int = 3, probation_s: float = 30.0, bench_s: float = 600.0, roster=None):
+                     stall_rounds: int = 3, probation_s: float = 30.0, bench_s: float = 600.0, roster=None,
+                     completion_file=None):
     """Start a torchft Lighthouse in this process; returns the server (``.address()``, ``.shutdown()``).
 
     Args:
@@ -34,9 +35,15 @@ def start_lighthouse(*, bind: str = "127.0.0.1:0", min_nodes: int = 1, join_time
             (:class:`~lowband.ft.gateway.StallBreaker`).
         roster: the job's roster of members' public keys (:class:`lowband.trust.keys.Roster`; needs ``secret``): the
             gate then takes reports and claims to a node slot only signed by the member's own key.
+        completion_file: with the gate, a file that keeps the job's completion record
+            (:class:`~lowband.ft.completion.CompletionRecord`): a Lighthouse started again still tells a node
+            that comes back after the job's end that it is complete.
     """
     if roster is not None and secret is None:
         raise ValueError("--roster needs the job's secret (--secret-file), which signs it")
+    if completion_file is not None and secret is None:
+        raise ValueError("--completion-file needs the job's secret (--secret-file): without it there is no gate to "
+                         "record the job's end")
     # Here: ft.node imports torch, which the Lighthouse's host need not pay for.
     from lowband.ft.node import require_torchft
 
@@ -53,7 +60,7 @@ def start_lighthouse(*, bind: str = "127.0.0.1:0", min_nodes: int = 1, join_time
 
     breaker = StallBreaker(stall_rounds=stall_rounds, probation_s=probation_s, bench_s=bench_s)
     return GatedLighthouse(lighthouse("127.0.0.1:0"), bind=bind, secret=secret, breaker=breaker, roster=roster,
-                           pin_idle_s=heartbeat_timeout_s)
+                           pin_idle_s=heartbeat_timeout_s, completion_file=completion_file)
 
 
 class GatedLighthouse:
@@ -61,13 +68,14 @@ class GatedLighthouse:
     address: ``address()`` is the gate's (what nodes are given), ``status_address()`` torchft's own
     (its status page and kill route: this host only)."""
 
-    def __init__(self, server, *, bind: str, secret: bytes, breaker=None, roster=None, pin_idle_s: float = 3.0) -> None:
+    def __init__(self, server, *, bind: str, secret: bytes, breaker=None, roster=None, pin_idle_s: float = 3.0,
+                 completion_file=None) -> None:
 
         self._server = server
         self._backend = f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
         try:
             self.gate = LighthouseGateway(bind=bind, backend=self._backend, secret=secret, breaker=breaker, roster=roster,
-                                          pin_idle_s=pin_idle_s)
+                                          pin_idle_s=pin_idle_s, completion_file=completion_file)
         except BaseException:
             server.shutdown()
             raise

@@ -508,6 +508,34 @@ def test_the_gate_records_the_jobs_end_only_from_a_member_of_the_round_that_reac
     assert r.answer() == "at step 700; final checkpoints: node1 at /out1/checkpoints/step_000700, node2 at /out2"
 
 
+def test_a_completion_record_kept_in_a_file_survives_the_gate_and_is_its_jobs_only(tmp_path):
+    """With --completion-file the record is written when the job is complete (the owner's only) and read back by a
+    gate started again, which then answers the job's nodes, not another job's; a file that is not a record stops
+    the start with what to do."""
+    from lowband.ft.completion import CompletionRecord
+    from lowband.trust.admission import claim_of
+
+    b = StallBreaker()
+    ids = {s: _member(s, f"10.0.0.{s + 1}") for s in range(3)}
+    b.observe((1, 0), {s: q(699, 699) for s in ids}, ids)
+    path = tmp_path / "job.complete"
+    r = CompletionRecord(path)
+    assert r.done(ids[1], "10.0.0.2", 700, "/out1", b.round_members()) is None
+    assert not path.exists()  # one report is not the end
+    assert r.done(ids[2], "10.0.0.3", 700, "/out2", b.round_members()) is None
+    assert path.stat().st_mode & 0o777 == 0o600
+    fp = claim_of(ids[1]).fingerprint
+    again = CompletionRecord(path)  # a Lighthouse started again
+    assert again.step == 700 and again.applies_to(fp) and not again.applies_to("another-job")
+    assert again.answer() == r.answer() == "at step 700; final checkpoints: node1 at /out1, node2 at /out2"
+    assert not CompletionRecord(tmp_path / "none").applies_to(fp)  # no file yet: nothing recorded
+    for text in ("", "{", '{"format": "lowband-completion/1", "step": 0, "fingerprint": "x", "where": {}}',
+                 '{"format": "other"}', "[" * 100_000):
+        path.write_text(text)
+        with pytest.raises(ValueError, match="delete .*job.complete"):
+            CompletionRecord(path)
+
+
 def test_a_node_that_asks_after_the_job_is_complete_is_told_so_and_leaves_and_a_forged_report_is_refused(gate):
     from lowband.ft.completion import DONE, JobComplete, done_request, report_done
 

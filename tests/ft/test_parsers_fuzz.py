@@ -182,8 +182,8 @@ def test_gate_requests_random_and_mutated_are_refused_with_a_reason_of_a_fixed_k
             fields = None
         assert fields is None or sum(map(len, fields.values())) <= MAX_FIELDS
         assert quorum_round(req) is None or isinstance(quorum_round(req), tuple)
-        slot = LighthouseGateway._slot(req, QUORUM)
-        assert slot is None or isinstance(slot, int)
+        claim = LighthouseGateway._claim(req, QUORUM)
+        assert claim is None or (isinstance(claim.node, int) and isinstance(claim.fingerprint, str))
     # a mutation that leaves the requester's three fields intact still passes (an unknown field changed):
     # the rest are refused, and every one of them with a reason
     assert passed < CASES // 4
