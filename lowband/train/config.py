@@ -227,6 +227,11 @@ class FaultToleranceJob:
                                    "reach it is trusted", flag="--trusted-network")
 
 
+# Method options that change how a step is computed on this host, not what it computes: nodes (a CPU one and a GPU
+# one) may differ in them, and a checkpoint resumes with either.
+_LAYOUT_ONLY = frozenset({"blocks"})
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """One training run: a table per concern (see the module's docstring)."""
@@ -291,7 +296,8 @@ class TrainConfig:
             return None if path is None else file_digest(path) if Path(path).exists() else f"missing {path}"
 
         return fingerprint(
-            self.method.name, sorted(self.method.hp.as_dict().items()), self.model.name, self.model.precision,
+            self.method.name, sorted((k, v) for k, v in self.method.hp.as_dict().items() if k not in _LAYOUT_ONLY),
+            self.model.name, self.model.precision,
             self.model.shards or ranks_per_node, self.model.activation_checkpointing,
             data_digest(data_config_for(self.model.name, d)), d.source_column, d.target_column,
             d.text_column, d.val_size, d.max_source_len, d.max_target_len, d.max_len, d.packing, d.max_examples,

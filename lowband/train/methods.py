@@ -44,7 +44,7 @@ from lowband.compress.sparse import SPARSE_VALUE_FORMATS
 from lowband.compress.wire import VALUE_FORMATS
 from lowband.optim import AdamWFullSync, DetoFull, DiLoCo, FlexDeMo, MuonFullSync, NoLoCo, SparseLoCo
 from lowband.optim._common import NONFINITE_POLICIES
-from lowband.optim.flexdemo.optimizer import OVERLAP_APPLY
+from lowband.optim.flexdemo.optimizer import BLOCK_LAYOUTS, OVERLAP_APPLY
 from lowband.optim.muon import (
     INNER_OPTIMIZERS,
     MuonAdamW,
@@ -284,6 +284,10 @@ class FlexDeMoConfig(MethodConfig):
     tile: int = option(_signature_default(FlexDeMo, "tile"), "t > 0: 2-D DCT over t x t tiles of each matrix "
                        "shard, topk per tile, chunk unused (1-D params: chunks of t^2); 0: 1-D chunks", minimum=0)
     aggregate: str = option("mean", _AGGREGATE_HELP + " (mean, clip, agree)", choices=("mean", "clip", "agree"))
+    blocks: str = option(_signature_default(FlexDeMo, "blocks"), "how a step cuts a param group's chunk rows: group "
+                         "(a few large kernels per step, for GPUs; temporaries about 3x the group's size), cache "
+                         "(blocks of 2^20 elements that stay in a CPU's caches), auto (group on a GPU, cache on the "
+                         "CPU); the same bytes either way", choices=BLOCK_LAYOUTS)
 
     def check(self) -> None:
         if self.tile:

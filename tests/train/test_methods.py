@@ -223,3 +223,19 @@ def test_tile_is_a_method_hyperparameter():
         check_hyperparameters("flexdemo", {"tile": 4, "topk": 17})
     with pytest.raises(ValueError, match="tile"):
         check_hyperparameters("flexdemo", {"tile": -1})
+
+
+def test_flexdemo_blocks_reach_the_optimizer_and_leave_the_fingerprint_alone():
+    # How a step is cut into blocks changes the kernels, not the bytes: a GPU node and a CPU node (each with its
+    # own "auto") train one job, and a run resumes whichever layout it takes.
+    from lowband.train.config import TrainConfig
+
+    def config(**hp):
+        return TrainConfig.from_tables({"method": {"name": "flexdemo", **hp}, "model": {"name": "t5-tiny"}})
+
+    opt = config(blocks="group").method.hp.build([torch.nn.Parameter(torch.zeros(4))], link=None)
+    assert opt.blocks == "group"
+    assert config(blocks="cache").fingerprint(ranks_per_node=1) == config().fingerprint(ranks_per_node=1)
+    assert config(topk=2).fingerprint(ranks_per_node=1) != config().fingerprint(ranks_per_node=1)
+    with pytest.raises(ValueError, match="blocks"):
+        config(blocks="whole")
