@@ -153,6 +153,28 @@ def _equivalences(rank: int) -> dict:
     out["flex_delta_is_dtensor_2d"] = type(opt.state[next(iter(model.parameters()))]["delta"]).__name__
     out["moved"] = max((x - y).abs().max().item() for x, y in zip(full_params(model), full_params(make_model()), strict=True))
 
+    # (c') The GPU's layout (blocks="group") against the CPU's cut in small blocks, on the same FSDP2 shards (uneven,
+    # the verdict agreed over the shard group): the same parameters after every step.
+    import lowband.optim.flexdemo.optimizer as fd
+
+    runs = {}
+    for blocks in ("cache", "group"):
+        sizes = fd._BLOCK_ELEMENTS, fd._VIEW_MIN_ELEMENTS
+        fd._BLOCK_ELEMENTS, fd._VIEW_MIN_ELEMENTS = 256, 64  # the cache layout in blocks and views, as on a CPU
+        try:
+            m, lk = sharded(topo), Link(topo)
+            o = FlexDeMo(m.named_parameters(), lr=LR, topk=2, chunk=16, weight_decay=0.01, link=lk, blocks=blocks)
+            for step in range(3):
+                o.zero_grad()
+                loss_of(m, rank, step).backward()
+                o.step()
+                lk.end_step()
+            runs[blocks] = full_params(m)
+        finally:
+            fd._BLOCK_ELEMENTS, fd._VIEW_MIN_ELEMENTS = sizes
+    out["group_vs_cache_maxdiff"] = max((x - y).abs().max().item()
+                                        for x, y in zip(runs["group"], runs["cache"], strict=True))
+
     # (d) Deto-Full: sign-SGD on the mean gradient over all W ranks.
     model = sharded(topo)
     link = Link(topo)
@@ -186,6 +208,7 @@ def test_equivalences_and_bytes_on_2x2_mesh():
         assert all(r["flex_replicas_equal"]), r["flex_replicas_equal"]
         assert r["moved"] > 1e-3
         assert r["flex_delta_is_dtensor_2d"] == "DTensor"
+        assert r["group_vs_cache_maxdiff"] <= 1e-7, r["group_vs_cache_maxdiff"]
         # Deto-Full: equal up to sign flips of near-zero gradient elements.
         assert r["deto_mismatched"] <= 0.01 * r["deto_numel"], r["deto_mismatched"]
         # Bytes, R = 2 (ring): one all-gather of (payload + 1 flag byte), (R-1)·(payload + 1); nothing else.
