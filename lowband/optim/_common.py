@@ -101,32 +101,27 @@ def state_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """True if no tensor holds NaN or Inf: one min-max reduction per tensor, one host sync in all.
-
-    min and max of a tensor are both finite exactly when every element is (NaN propagates into
-    both, +Inf into the max, -Inf into the min; neither can overflow, unlike a sum of squares).
-    ``torch.aminmax`` reads each element once without a temporary, which makes it much cheaper on
-    the CPU than the infinity norm. Empty tensors are finite.
-    """
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
-        return True
-    ends = [end for t in tensors for end in torch.aminmax(t)]
-    if len({e.dtype for e in ends}) == 1:
-        return bool(torch.isfinite(torch.stack(ends)).all())
-    return all(bool(torch.isfinite(e)) for e in ends)
+    """True if no tensor holds NaN or Inf: :func:`nonfinite_flag`, read once. Empty tensors are finite."""
+    device = tensors[0].device if tensors else torch.device("cpu")
+    return not bool(nonfinite_flag(tensors, device).item())
 
 
 def nonfinite_flag(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """:func:`all_finite`'s verdict left on the device: a one-element uint8 tensor, 1 where some tensor
-    holds NaN or Inf, read by nobody here (it travels in the message, and is read with the exchange)."""
+    """Whether some tensor holds NaN or Inf, left on the device: a one-element uint8 tensor (1: some does), read
+    by nobody here (it travels in a message and is read with the exchange, or by :func:`all_finite`).
+
+    On the CPU each tensor's min and max (``torch.aminmax``: both are finite exactly when every element is; it
+    reads each element once without a temporary, much cheaper there than the infinity norm); elsewhere one
+    multi-tensor infinity norm for all (NaN and ±Inf make a tensor's largest |x| NaN or Inf), which launches
+    one kernel instead of one per tensor. The ends are compared in float64, which holds every float's value.
+    """
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros(1, dtype=torch.uint8, device=device)
-    if device.type == "cpu":  # a reduction per tensor costs nothing to launch here, and aminmax is the cheapest
-        ends = torch.stack([end.float() for t in tensors for end in torch.aminmax(t)])
-    else:  # one multi-tensor kernel for all (NaN and ±Inf make a tensor's largest |x| NaN or Inf)
-        ends = torch.stack([n.float() for n in torch._foreach_norm(tensors, float("inf"))])
+    if device.type == "cpu":
+        ends = torch.stack([end.double() for t in tensors for end in torch.aminmax(t)])
+    else:
+        ends = torch.stack([n.double() for n in torch._foreach_norm(tensors, float("inf"))])
     return (~torch.isfinite(ends).all()).to(torch.uint8).reshape(1)
 
 

@@ -28,3 +28,12 @@ def test_grads_nonfinite_sees_nan_and_inf_in_any_gradient_of_one_process():
             grads = [g.clone() for g in ok]
             grads[at][-1] = bad
             assert grads_nonfinite(grads, None), (bad, at)
+
+
+def test_a_large_finite_float64_is_finite_to_the_checks():
+    # The checks compare the tensors' ends in float64: a finite float64 beyond float32's range is not Inf.
+    from lowband.optim._common import all_finite, nonfinite_flag
+
+    big = torch.tensor([1e300, -1e300], dtype=torch.float64)
+    assert all_finite([big]) and int(nonfinite_flag([big], big.device)) == 0
+    assert not all_finite([big, torch.tensor([float("-inf")], dtype=torch.bfloat16)])
