@@ -39,7 +39,10 @@ class Screened(NamedTuple):
 
     def without(self, flag: int) -> Screened:
         """The same, less the rows with ``flag``."""
-        keep = [i for i, f in enumerate(self.flags) if f != flag]
+        return self.select([i for i, f in enumerate(self.flags) if f != flag])
+
+    def select(self, keep: list[int]) -> Screened:
+        """The same, only the rows ``keep`` (in that order)."""
         if len(keep) == len(self.flags):
             return self
         index = torch.tensor(keep, dtype=torch.long, device=self.rows.device)
@@ -102,13 +105,7 @@ class ScreenMixin:
         self.skipped_steps += int(skip_own)
         senders = {b.sender for b in bad} | ({mine} if skip_own else set())
         self._senders = [r for r in range(replicas) if r not in senders]
-        screened = Screened(gathered, flags, decoded, own)
-        if len(self._senders) < replicas:
-            index = torch.tensor(self._senders, dtype=torch.long, device=gathered.device)
-            screened = Screened(gathered.index_select(0, index), [flags[r] for r in self._senders],
-                                None if decoded is None else [(i.index_select(0, index), v.index_select(0, index))
-                                                              for i, v in decoded], own)
-        return screened
+        return Screened(gathered, flags, decoded, own).select(self._senders)
 
     def _refused(self, flags: list[int]) -> bool:
         """True if any replica flagged its step; every rank sees the same flags, so all agree."""

@@ -168,19 +168,22 @@ class SparseLoCo(OuterStepOptimizer):
                                          quant_block=self.wire.block)
 
     # ------------------------------------------------------------------ outer step
+    def _places(self, params: list) -> dict:
+        """Each parameter's elements in the flat (N, c) chunk matrix: every parameter zero-padded to whole chunks."""
+        places, offset = {}, 0
+        for p in params:
+            n = local(p).numel()
+            places[p] = slice(offset, offset + n)
+            offset += num_chunks(n, self.wire.chunk) * self.wire.chunk
+        return places
+
     def _chunks_of(self, params: list, dtype: torch.dtype) -> torch.Tensor:
         """v = (φ − θ) + β·e of every parameter, each zero-padded to whole chunks, in one (N, c) matrix.
 
         A few multi-tensor ops whatever the number of parameters: the matrix is zeroed once and each
         parameter's rows are views of it."""
-        chunk = self.wire.chunk
-        n_chunks = sum(self._rows())
-        x = torch.zeros(n_chunks, chunk, dtype=dtype, device=local(params[0]).device)
-        views, offset = {}, 0
-        for p in params:
-            n = local(p).numel()
-            views[p] = x.view(-1)[offset:offset + n]
-            offset += num_chunks(n, chunk) * chunk
+        x = torch.zeros(sum(self._rows()), self.wire.chunk, dtype=dtype, device=local(params[0]).device)
+        views = {p: x.view(-1)[place] for p, place in self._places(params).items()}
         torch._foreach_copy_(list(views.values()), [state_view(self.state[p]["slow"]).reshape(-1) for p in params])
         torch._foreach_sub_(list(views.values()), [local(p).reshape(-1) for p in params])
         for group in self.param_groups:
@@ -238,14 +241,10 @@ class SparseLoCo(OuterStepOptimizer):
         if own is None:
             own = self._decode_dense(flight.message, n_chunks)
         params = self._params()
-        chunk, replicas = self.wire.chunk, len(kept)
+        replicas = len(kept)
         err = (v - own.to(v.dtype)).view(-1)
         mean = mean.view(-1)
-        rows, offset = {}, 0
-        for p in params:
-            n = local(p).numel()
-            rows[p] = slice(offset, offset + n)
-            offset += num_chunks(n, chunk) * chunk
+        rows = self._places(params)
         errors = [state_view(self.state[p]["error"]) for p in params]
         torch._foreach_copy_(errors, [err[rows[p]].view_as(e) for p, e in zip(params, errors, strict=True)])
         for group in self.param_groups:
@@ -271,8 +270,10 @@ class SparseLoCo(OuterStepOptimizer):
             kept = self._kept_senders(result, nbytes=nbytes, payload=sparse_problems(self.wire, n_chunks))
             return kept, False, None
         # Its own row holds what it sent (the all-gather's bytes), unless a hook changed what it sent.
-        mine = getattr(self.link, "group_rank", None) if self.outgoing_hook is None and self.link is not None else None
-        mine = 0 if self.link is None and self.outgoing_hook is None else mine
+        if self.outgoing_hook is not None:
+            mine = None
+        else:
+            mine = 0 if self.link is None else getattr(self.link, "group_rank", None)
         own = None
         decoded = [self.wire.decode(result[r, :-1], n_chunks) for r in range(replicas)]
         faults = torch.stack([payload_faults(i.unsqueeze(0), v.unsqueeze(0), self.wire.chunk)[0] for i, v in decoded])
