@@ -122,7 +122,8 @@ class FlexDeMo(OverlapMixin, ScreenMixin, Optimizer):
     of the values to send, and the decoding (:meth:`lowband.compress.WireFormat.encode_many`: the
     same bytes as the tensors' payloads one by one). Both layouts give the same bytes and updates
     (up to the rounding of a BLAS kernel chosen by a block's size). The step reads the device once:
-    after the exchange, the flags, the checks of the received messages and its own verdict together. The momentum is computed once, over the gradient (see below), and the
+    after the exchange, the flags, the checks of the received messages and its own verdict together.
+    The momentum is computed once, over the gradient (see below), and the
     picks compare magnitudes as integers (:func:`lowband.compress.topk_per_chunk`). What step()
     costs against AdamW's (``benchmarks/step_cost.py``) is in docs/algorithms.md.
 
