@@ -113,16 +113,19 @@ def nonfinite_flag(tensors: list[torch.Tensor], device: torch.device) -> torch.T
     On the CPU each tensor's min and max (``torch.aminmax``: both are finite exactly when every element is; it
     reads each element once without a temporary, much cheaper there than the infinity norm); elsewhere one
     multi-tensor infinity norm for all (NaN and ±Inf make a tensor's largest |x| NaN or Inf), which launches
-    one kernel instead of one per tensor. The ends are compared in float64, which holds every float's value.
+    one kernel instead of one per tensor. Ends of several dtypes are compared in float64, which holds every
+    float's value.
     """
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros(1, dtype=torch.uint8, device=device)
     if device.type == "cpu":
-        ends = torch.stack([end.double() for t in tensors for end in torch.aminmax(t)])
+        ends = [end for t in tensors for end in torch.aminmax(t)]
     else:
-        ends = torch.stack([n.double() for n in torch._foreach_norm(tensors, float("inf"))])
-    return (~torch.isfinite(ends).all()).to(torch.uint8).reshape(1)
+        ends = list(torch._foreach_norm(tensors, float("inf")))
+    if len({e.dtype for e in ends}) > 1:
+        ends = [e.double() for e in ends]
+    return (~torch.isfinite(torch.stack(ends)).all()).to(torch.uint8).reshape(1)
 
 
 def grads_nonfinite(grads: list[torch.Tensor], link: Link | None, *, shard_group=None) -> bool:
