@@ -31,7 +31,8 @@ What it does not do: a member of the job (it holds the secret) passes, whatever 
 alone a replica id copied from a member passes with the member's own addresses (the requests that torchft's Manager
 makes carry nothing fresh to sign). With a roster (per-member keys, :mod:`lowband.trust.keys`) the gate also takes a
 member's own calls only signed by its key, fresh and never replayed, and ``Quorum`` and ``Heartbeat`` only from the
-process the member's key registered, over its connection, from its address (:meth:`LighthouseGateway.member_refusal`).
+process the member's key registered, over the connections that process named, signed, from its address
+(:meth:`LighthouseGateway.member_refusal`, :mod:`lowband.ft.pins`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 from lowband.ft.completion import COMPLETE, DONE, CompletionRecord, complete_reason, done_fields, job_complete
+from lowband.ft.pins import endpoint_of_peer, parse_pins, spell_pins
 from lowband.ft.protowire import (
     MAX_FIELDS,
     RESPONSE_FIELDS,
@@ -100,12 +102,13 @@ def gate_reason(message: str) -> str | None:
 #: bytes (its replica id, two addresses, a step), a ``Heartbeat`` less. gRPC refuses a larger one
 #: (RESOURCE_EXHAUSTED) from its length prefix, before the gate's code sees a byte of it.
 MAX_REQUEST_BYTES = 16 << 10
-def admission_request(rid: str, address: str, store: str, *, key: MemberKey | None = None) -> bytes:
+def admission_request(rid: str, address: str, store: str, *, key: MemberKey | None = None, pins: str = "") -> bytes:
     """The bytes of a LighthouseQuorumRequest whose requester has replica id ``rid``, Manager ``address`` and
     ``store``: what :data:`ADMIT` reads. With ``key`` (the member's own), signed (:func:`sign_request`): in a job with
-    a roster, the gate then takes ``rid`` as the process that holds the member's node slot."""
+    a roster, the gate then takes ``rid`` as the process that holds the member's node slot, calling over the
+    connections ``pins`` names (field 2, :func:`lowband.ft.pins.spell_pins`; none named: the first to call)."""
     member = string_field(1, rid.encode()) + string_field(2, address.encode()) + string_field(3, store.encode())
-    return sign_request(key, ADMIT, string_field(1, member))
+    return sign_request(key, ADMIT, string_field(1, member) + (string_field(2, pins.encode()) if pins else b""))
 
 
 def accusation_request(rid: str, address: str, store: str, accused: str, why: str, *,
@@ -434,6 +437,7 @@ class LighthouseGateway:
         self.replays = replays if replays is not None else ReplayCache()
         self.registered: dict[int, str] = {}  # with a roster: node slot -> the replica id its key last registered
         self.pinned: dict[int, tuple[str, float]] = {}  # node slot -> (the connection its process calls over, when)
+        self.named: dict[int, frozenset] = {}  # node slot -> the connections its registered process named (signed)
         self.pin_idle_s = pin_idle_s
         self.breaker = breaker if breaker is not None else StallBreaker()
         self.limiter = limiter if limiter is not None else SourceLimiter()
@@ -529,9 +533,11 @@ class LighthouseGateway:
         or None): it comes from the address its member's tag vouches for; a report (:data:`ACCUSE`, :data:`DONE`) is
         signed by its member's own key, fresh and never seen before; an :data:`ADMIT` that is signed registers its
         replica id as the process that holds the member's node slot (the latest one signed wins); a ``Quorum`` or
-        ``Heartbeat`` passes only for that registered process, over the connection (``peer``: gRPC's ``ipv4:HOST:PORT``)
-        its first such call after the registration came over, until that connection was idle ``pin_idle_s`` (torchft's
-        Manager makes them all over one connection). An unsigned ``Admit`` only asks (whether the job is
+        ``Heartbeat`` passes only for that registered process, over the connections (``peer``: gRPC's ``ipv4:HOST:PORT``)
+        its latest registration named (:mod:`lowband.ft.pins`); where it named none, or a NAT stands between (the
+        named ends are on another address than the call's), over the connection its first such call after the
+        registration came over, until that connection was idle ``pin_idle_s`` (torchft's Manager makes them all over
+        one connection). An unsigned ``Admit`` only asks (whether the job is
         complete, whether the member is kept out; for a process, an id with torchft's ``:uuid``, also whether it is the
         registered one) and registers nothing."""
         try:  # a Quorum and a Heartbeat are torchft's: only their replica id is read (as refusal() read it)
@@ -557,6 +563,12 @@ class LighthouseGateway:
                         "replica id, or a process of the node that another one replaced)")
             if method == ADMIT or not peer:
                 return None
+            named, here = self.named.get(claim.node), endpoint_of_peer(peer)
+            if named and here is not None and any(same_host(str(ip), str(here[0])) for ip, _ in named):
+                if here in named:  # no NAT between: the connection is one its process named, signed
+                    return None
+                return (f"not the process its member registered: node {claim.node}'s registered process {PINNED} "
+                        f"(it named {spell_pins(named)[:120]}; this one is {peer[:60]})")
             with self._lock:
                 now, pin = time.monotonic(), self.pinned.get(claim.node)
                 if pin is None or pin[0] == peer or now - pin[1] >= self.pin_idle_s:
@@ -570,9 +582,14 @@ class LighthouseGateway:
         if why is not None:
             return f"the call is not signed by its member's key: {why}"
         if method == ADMIT:
+            try:
+                named = parse_pins(parts[3])
+            except ValueError as e:
+                return f"malformed request ({e})"
             with self._lock:
                 self.registered[claim.node] = rid  # bounded: only slots of the roster get here
-                self.pinned.pop(claim.node, None)  # its next call pins the connection again
+                self.named[claim.node] = named
+                self.pinned.pop(claim.node, None)  # unless it named its connections, its next call pins one again
         return None
 
     def _accuse(self, request: bytes, context) -> bytes:
@@ -647,18 +664,18 @@ def accuse_at_gate(lighthouse: str, rid: str, accused: str, why: str, *, timeout
 
 
 def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: float = 10.0,
-             key: MemberKey | None = None) -> str | None:
+             key: MemberKey | None = None, pins: str = "") -> str | None:
     """Ask the gate at ``lighthouse`` (``http://HOST:PORT``) whether a member with replica id ``rid``, Manager
     ``address`` and ``store`` may pass: the gate's reason for refusing it, or None (it passes; or the Lighthouse
     has no gate, or cannot be reached yet: torchft's Manager then finds out by itself). With the member's ``key``
-    the question is signed, and in a job with a roster registers ``rid`` as the process of the member's slot.
-    Raises :class:`~lowband.ft.completion.JobComplete` when the gate says the job is complete."""
+    the question is signed, and in a job with a roster registers ``rid`` as the process of the member's slot, calling
+    over the connections ``pins`` names. Raises :class:`~lowband.ft.completion.JobComplete` when the gate says the job is complete."""
     import grpc  # optional dependency (the ft extra)
 
     target = lighthouse.split("://", 1)[-1].rstrip("/")
     with grpc.insecure_channel(target) as channel:
         try:
-            channel.unary_unary(ADMIT)(admission_request(rid, address, store, key=key), timeout=timeout_s)
+            channel.unary_unary(ADMIT)(admission_request(rid, address, store, key=key, pins=pins), timeout=timeout_s)
         except grpc.RpcError as e:
             done = complete_reason(e.details() or "") if e.code() == grpc.StatusCode.FAILED_PRECONDITION else None
             if done is not None:

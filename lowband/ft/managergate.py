@@ -3,12 +3,18 @@ that ends the node, and quorum requests and commit votes for any of the node's r
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
+import socket
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from http.server import ThreadingHTTPServer
 
 from lowband.ft.gateway import SERVER_OPTIONS, _listen, _timeout, peer_host
+from lowband.trust.admission import split_bind
 
-__all__ = ["MANAGER_METHODS", "MANAGER_SERVICE", "GatedManager", "ManagerGate"]
+__all__ = ["MANAGER_METHODS", "MANAGER_SERVICE", "GatedManager", "ManagerGate", "listening_on"]
 
 MANAGER_SERVICE = "torchft.ManagerService"
 #: What a node's Manager gate serves, and to whom: ``CheckpointMetadata`` (where to fetch a healing source's
@@ -80,3 +86,37 @@ class GatedManager:
     def shutdown(self) -> None:
         self.gate.shutdown()
         self._server.shutdown()
+
+
+@contextlib.contextmanager
+def listening_on(host: str, *, register: Callable[[str], object] | None = None):
+    """While torchft's Manager is built: its gRPC and HTTP servers bind ``host`` (torchft 0.2 binds both on ``[::]``);
+    ``register`` gets the full replica id torchft gives its Manager server, before that server starts."""
+    import torchft.checkpointing.http_transport as http_transport  # optional dependency (the ft extra)
+    import torchft.manager as manager  # optional dependency (the ft extra)
+
+    ipv6 = ":" in host
+    family = socket.AF_INET6 if ipv6 else socket.AF_INET
+
+    class _Server(ThreadingHTTPServer):
+        address_family = family
+
+    def http_server(address, handler):
+        return _Server((host, address[1]), handler)
+
+    def manager_server(*, bind: str, **kwargs):
+        if register is not None:
+            register(kwargs["replica_id"])
+        port = split_bind(bind)[1]
+        if ipaddress.ip_address(host).is_loopback or not port or port == "0":
+            return server_cls(bind=f"{f'[{host}]' if ipv6 else host}:{port}", **kwargs)
+        # On the job's network: torchft's Manager on loopback, its gate on the job's address and the same port
+        # (the address the Manager advertises), which serves no Kill and the node's own calls to it only.
+        return GatedManager(server_cls(bind=f"{'[::1]' if ipv6 else '127.0.0.1'}:{port}", **kwargs), host, port)
+
+    server_cls, http_cls = manager.ManagerServer, http_transport._IPv6HTTPServer
+    manager.ManagerServer, http_transport._IPv6HTTPServer = manager_server, http_server
+    try:
+        yield
+    finally:
+        manager.ManagerServer, http_transport._IPv6HTTPServer = server_cls, http_cls

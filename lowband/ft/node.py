@@ -30,19 +30,15 @@ see :class:`FaultTolerance` only.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import ipaddress
 import logging
 import math
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 import torch
@@ -50,7 +46,8 @@ from torch.distributed.tensor import DTensor
 
 from lowband.ft.gateway import accuse_at_gate, ask_gate
 from lowband.ft.logs import quiet_torchft
-from lowband.ft.managergate import GatedManager
+from lowband.ft.managergate import listening_on
+from lowband.ft.pins import PinKeeper
 from lowband.ft.quorum import ForeignJob, NodeSlotTaken, QuorumRecorder, gate_refusal  # noqa: F401  (callers' names)
 from lowband.ft.transport import StateTransport, TransferError, member_source
 from lowband.trust.admission import (  # noqa: F401  (admit, member_of, replica_id: the names tests and callers use)
@@ -299,6 +296,7 @@ class FaultTolerance:
         self.quorum_heals = False  # whether the last quorum heals this node (torchft's result)
         self.quorum_max_step = 0  # the newest step in the last quorum (torchft's, see quorum_step)
         self._errored_this_step = False
+        self.pins: PinKeeper | None = None  # rank 0 of a job with a roster: names its connections to the gate
         advertise = cfg.advertise or os.environ.get("LOWBAND_FT_ADVERTISE") or "127.0.0.1"
         # The job's network: every listener of this node binds this checked address (an IP literal), and none
         # starts elsewhere (the advertised address may be another: a NAT's).
@@ -335,13 +333,17 @@ class FaultTolerance:
         if why is not None and rank == 0:
             raise gate_refusal(cfg, why)
 
-        def register(full_id: str) -> None:  # a roster's job: this process (torchft's id:uuid) claims its slot, signed
+        def register(full_id: str, pins: str = "") -> str | None:  # a roster's job: this process (torchft's id:uuid)
             why = ask_gate(cfg.lighthouse, full_id, f"http://{advertise}:{port}", f"{store_host}:{store_port}",
-                           timeout_s=min(10.0, cfg.quorum_timeout_s), key=cfg.key)
-            if why is not None:
-                raise gate_refusal(cfg, why)
+                           timeout_s=min(10.0, cfg.quorum_timeout_s), key=cfg.key, pins=pins)
+            if not pins:  # claims its slot, signed; then names the connections it calls the gate over (ft.pins)
+                if why is not None:
+                    raise gate_refusal(cfg, why)
+                self.pins = PinKeeper(*split_bind(cfg.lighthouse.split("://", 1)[-1].rstrip("/")),
+                                      lambda named: register(full_id, named))
+            return why
 
-        with _listening_on(bind_host, register=register if cfg.key is not None else None):
+        with listening_on(bind_host, register=register if cfg.key is not None else None):
             self.manager = Manager(
                 pg=self.pg, load_state_dict=self._load, state_dict=state_dict, min_replica_size=1,
                 use_async_quorum=cfg.async_quorum, timeout=timeout,
@@ -589,43 +591,11 @@ class FaultTolerance:
         return committed_of(self.manager.current_step())
 
     def shutdown(self) -> None:
+        if self.pins is not None:
+            self.pins.stop()
         if self.removed:  # torchft's Manager server would wait out its last quorum request (refused at the gate,
             return  # retried until its timeout, 2 min); the process leaves now (lowband.cli), which frees it all
         self.manager.shutdown(wait=False)
-
-
-@contextlib.contextmanager
-def _listening_on(host: str, *, register: Callable[[str], None] | None = None):
-    """While torchft's Manager is built: its gRPC and HTTP servers bind ``host`` (torchft 0.2 binds both on ``[::]``);
-    ``register`` gets the full replica id torchft gives its Manager server, before that server starts."""
-    import torchft.checkpointing.http_transport as http_transport  # optional dependency (the ft extra)
-    import torchft.manager as manager  # optional dependency (the ft extra)
-
-    ipv6 = ":" in host
-    family = socket.AF_INET6 if ipv6 else socket.AF_INET
-
-    class _Server(ThreadingHTTPServer):
-        address_family = family
-
-    def http_server(address, handler):
-        return _Server((host, address[1]), handler)
-
-    def manager_server(*, bind: str, **kwargs):
-        if register is not None:
-            register(kwargs["replica_id"])
-        port = split_bind(bind)[1]
-        if ipaddress.ip_address(host).is_loopback or not port or port == "0":
-            return server_cls(bind=f"{f'[{host}]' if ipv6 else host}:{port}", **kwargs)
-        # On the job's network: torchft's Manager on loopback, its gate on the job's address and the same port
-        # (the address the Manager advertises), which serves no Kill and the node's own calls to it only.
-        return GatedManager(server_cls(bind=f"{'[::1]' if ipv6 else '127.0.0.1'}:{port}", **kwargs), host, port)
-
-    server_cls, http_cls = manager.ManagerServer, http_transport._IPv6HTTPServer
-    manager.ManagerServer, http_transport._IPv6HTTPServer = manager_server, http_server
-    try:
-        yield
-    finally:
-        manager.ManagerServer, http_transport._IPv6HTTPServer = server_cls, http_cls
 
 
 def watch_agent(poll_s: float = 1.0) -> None:

@@ -337,10 +337,12 @@ def test_signed_calls_random_mutated_or_replayed_are_refused_with_a_reason_of_a_
     key = load_key(key_files[0], 0, roster)
     rid = replica_id("f00d", 0, secret=secret, store="127.0.0.1:5000", manager="127.0.0.1:6000") + ":u0"
     other = replica_id("f00d", 1, secret=secret, store="127.0.0.1:5000", manager="127.0.0.1:6001") + ":u1"
-    gate = types.SimpleNamespace(roster=roster, replays=ReplayCache(), registered={}, pinned={}, pin_idle_s=3.0,
+    gate = types.SimpleNamespace(roster=roster, replays=ReplayCache(), registered={}, pinned={}, named={},
+                                 pin_idle_s=3.0,
                                  _lock=threading.Lock())
     rng = random.Random(44)
-    genuine = {ADMIT: admission_request(rid, "http://127.0.0.1:6000", "127.0.0.1:5000", key=key),
+    genuine = {ADMIT: admission_request(rid, "http://127.0.0.1:6000", "127.0.0.1:5000", key=key,
+                                        pins="127.0.0.1:40001 [::1]:40002"),
                ACCUSE: accusation_request(rid, "http://127.0.0.1:6000", "127.0.0.1:5000", other, "bad", key=key)}
     passed = 0
     for i in range(CASES):
@@ -361,6 +363,41 @@ def test_signed_calls_random_mutated_or_replayed_are_refused_with_a_reason_of_a_
             passed += 1
             assert req == genuine[method] or method == ADMIT, req  # a mutated report never passes
         for torchfts in (QUORUM, HEARTBEAT):  # torchft's own calls, read for their id alone
-            why = LighthouseGateway.member_refusal(gate, torchfts, req, "127.0.0.1", peer=f"ipv4:127.0.0.1:{i % 7}")
+            peer = rng.choice([f"ipv4:127.0.0.1:{40000 + i % 3}", "ipv6:[::1]:40002", "unix:/x", "ipv4:127.0.0.1:x",
+                               "ipv4:::", ""])
+            why = LighthouseGateway.member_refusal(gate, torchfts, req, "127.0.0.1", peer=peer)
             assert why is None or why.startswith(REFUSAL_KINDS), (req[:80], why)
     assert 1 <= passed <= 2 + CASES // 50  # each genuine call once (an ADMIT whose mutation left what it signs intact aside)
+
+
+def test_named_connections_random_and_mutated_are_read_or_refused_never_raise():
+    """A registration's list of connections (lowband.ft.pins.parse_pins) and gRPC's peer strings: read as written or a
+    ValueError (parse_pins) / None (endpoint_of_peer), never another exception."""
+    from lowband.ft.pins import MAX_PINS, endpoint_of_peer, parse_pins, spell_pins
+
+    rng = random.Random(4401)
+    genuine = "127.0.0.1:40001 [::1]:40002 [::ffff:10.0.0.2]:5"
+    assert spell_pins(parse_pins(genuine)) == "10.0.0.2:5 127.0.0.1:40001 [::1]:40002"  # mapped read as IPv4
+    alphabet = "0123456789abcdef:.[] f%x\x00"
+    read = 0
+    for i in range(CASES):
+        if i % 3 == 0:
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(60)))
+        elif i % 3 == 1:
+            raw = list(genuine)
+            for _ in range(rng.randint(1, 4)):
+                raw[rng.randrange(len(raw))] = rng.choice(alphabet)
+            text = "".join(raw)
+        else:
+            text = " ".join(f"127.0.0.1:{rng.randrange(1, 70000)}" for _ in range(rng.randrange(2 * MAX_PINS)))
+        try:
+            pins = parse_pins(text)
+        except ValueError:
+            pass
+        else:
+            read += 1
+            assert len(pins) <= MAX_PINS and all(0 < p < 65536 for _, p in pins)
+        peer = rng.choice(["ipv4:", "ipv6:", "unix:", ""]) + text
+        got = endpoint_of_peer(peer)
+        assert got is None or 0 <= got[1]
+    assert read > CASES // 10

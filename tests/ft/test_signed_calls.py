@@ -85,10 +85,14 @@ def _call(g, method: str, request: bytes) -> str | None:
     return None
 
 
-def _admit(rid: str, key=None) -> bytes:
+def _addresses(rid: str) -> tuple[str, str]:
     host = rid.split("_a", 1)[1]
     manager = bytes.fromhex(host.split("_t", 1)[0]).decode().split(",")[1]
-    return admission_request(rid, f"http://{manager}", manager.rsplit(":", 1)[0] + ":5000", key=key)
+    return f"http://{manager}", manager.rsplit(":", 1)[0] + ":5000"
+
+
+def _admit(rid: str, key=None, pins: str = "") -> bytes:
+    return admission_request(rid, *_addresses(rid), key=key, pins=pins)
 
 
 def test_only_the_process_a_member_registered_with_its_key_passes_quorum_and_heartbeats(job, gate):
@@ -221,6 +225,70 @@ def test_the_registered_process_is_pinned_to_its_connection_until_it_falls_silen
     assert "another connection" in g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40001")
     assert g.member_refusal(ADMIT, _admit(rid, keys[0]), "127.0.0.1") is None  # registered again: the next call pins
     assert g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40004") is None
+
+
+def test_a_process_that_named_its_connections_is_taken_over_those_only_even_after_they_break(job, gate):
+    """The member names its connections, signed (lowband.ft.pins): another process of its host with the copied full id
+    is refused also when the member's connection broke (no first-to-call pin), a replayed registration is refused,
+    and the member's new connection passes once it named it."""
+    secret, _, keys = job
+    g, _ = gate
+    g.pin_idle_s = 0.0  # the first-to-call pin lapses at once: only the named connections hold
+    rid = _member(secret, 0)
+    first = _admit(rid, keys[0], pins="127.0.0.1:40001")
+    assert g.member_refusal(ADMIT, first, "127.0.0.1") is None
+    quorum = _admit(rid)
+    assert g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40001") is None
+    for peer in ("ipv4:127.0.0.1:40002", "ipv6:[::ffff:127.0.0.1]:40003"):
+        why = g.member_refusal(QUORUM, quorum, "127.0.0.1", peer=peer)
+        assert why.startswith("not the process its member registered") and "another connection" in why, why
+    assert "replay" in g.member_refusal(ADMIT, first, "127.0.0.1")  # an old registration sent again: refused
+    forged = _admit(rid, keys[1], pins="127.0.0.1:40002")  # another member's key
+    assert g.member_refusal(ADMIT, forged, "127.0.0.1").startswith("the call is not signed by its member's key")
+    assert "another connection" in g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40002")
+    assert g.member_refusal(ADMIT, _admit(rid, keys[0], pins="127.0.0.1:40004"), "127.0.0.1") is None  # reconnected
+    assert g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40004") is None
+    assert "another connection" in g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40001")
+    # behind a NAT the named ends are on the member's own (private) address, not the one the gate sees: first to call
+    nat = _member(secret, 2, host="10.9.0.5")
+    assert g.member_refusal(ADMIT, _admit(nat, keys[2], pins="192.168.1.5:51000"), "10.9.0.5") is None
+    assert g.member_refusal(QUORUM, _admit(nat), "10.9.0.5", peer="ipv4:10.9.0.5:61000") is None
+
+
+@pytest.mark.multiprocess
+def test_a_node_names_its_own_connections_to_the_gate_and_the_gate_then_takes_no_other(job, gate):
+    """lowband.ft.pins on a real gate: PinKeeper finds this process's connection to the gate in /proc and registers
+    it; a connection of another process of this host, with the member's full id, is then refused."""
+    import subprocess
+    import sys
+
+    from lowband.ft.pins import PinKeeper, own_connections
+
+    secret, _, keys = job
+    g, seen = gate
+    host, port = g.address().split("://", 1)[1].rsplit(":", 1)
+    rid = _member(secret, 1)
+    assert _call(g, ADMIT, _admit(rid, keys[1])) is None  # registered before torchft's Manager starts: no connection
+    manager = grpc.insecure_channel(f"{host}:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+    try:
+        manager.unary_unary(HEARTBEAT)(string_field(1, rid.encode()), timeout=10)  # torchft's connection, pinned first
+        mine = own_connections(host, int(port))
+        assert mine and all(str(ip) == "127.0.0.1" for ip, _ in mine)
+        keeper = PinKeeper(host, int(port), lambda pins: ask_gate(g.address(), rid, *_addresses(rid), key=keys[1],
+                                                                  pins=pins), poll_s=60)
+        keeper.check()
+        keeper.stop()
+        assert mine <= keeper.named and g.named[1] == keeper.named
+        g.pin_idle_s = 0.0  # the first-to-call pin lapses at once: the named connection alone holds the slot
+        code = (f"import grpc; ch = grpc.insecure_channel('{host}:{port}')\n"
+                f"try: ch.unary_unary('{HEARTBEAT}')({string_field(1, rid.encode())!r}, timeout=10); print('passed')\n"
+                "except grpc.RpcError as e: print(e.details())")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+        assert "another connection" in out, out
+        manager.unary_unary(HEARTBEAT)(string_field(1, rid.encode()), timeout=10)  # the member's own still passes
+    finally:
+        manager.close()
+    assert seen.count(HEARTBEAT) == 2
 
 
 def test_an_outsider_that_keeps_calling_over_one_connection_waits_and_a_member_does_not(job, gate):

@@ -260,17 +260,17 @@ def test_torchft_listeners_bind_the_job_network(monkeypatch):
     import torchft.checkpointing.http_transport as http_transport
     import torchft.manager as manager
 
-    from lowband.ft.node import _listening_on
+    from lowband.ft.managergate import listening_on
 
     seen = {}
     monkeypatch.setattr(manager, "ManagerServer", lambda **kw: seen.update(kw))
-    with _listening_on("127.0.0.1"):
+    with listening_on("127.0.0.1"):
         manager.ManagerServer(bind="[::]:0", replica_id="r")
         server = http_transport._IPv6HTTPServer(("", 0), None)
     assert seen["bind"] == "127.0.0.1:0"
     assert server.socket.getsockname()[0] == "127.0.0.1"
     server.server_close()
-    with _listening_on("::1"):
+    with listening_on("::1"):
         manager.ManagerServer(bind="[::]:7", replica_id="r")
     assert seen["bind"] == "[::1]:7" and manager.ManagerServer is not http_transport._IPv6HTTPServer
 

@@ -1,0 +1,138 @@
+"""A member's process names, signed, the connections it calls the Lighthouse's gate over; the gate then takes its
+slot's ``Quorum`` and ``Heartbeat`` over those connections only (:meth:`lowband.ft.gateway.LighthouseGateway.member_refusal`).
+
+torchft's requests carry nothing to sign, and on one host every process calls from the member's own address: a
+process that learnt the member's full replica id could otherwise take over its slot whenever the member's connection
+broke (the gate pinned the first connection to call after that). A connection is a port on the member's own address,
+which another process cannot hold while the member does; the member's rank 0 reads its own sockets from Linux's
+``/proc/self`` and registers again, signed with its key, whenever torchft's Manager opens a new one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+
+__all__ = ["MAX_PINS", "PinKeeper", "endpoint_of_peer", "own_connections", "parse_pins", "spell_pins"]
+
+log = logging.getLogger(__name__)
+
+#: The most connections one registration names (torchft's Manager calls over one; lowband's own calls add a few).
+MAX_PINS = 8
+Endpoint = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
+
+
+def _plain(ip):
+    return ip.ipv4_mapped or ip if ip.version == 6 else ip
+
+
+def _endpoint(hex_pair: str) -> Endpoint:
+    """``0100007F:D431`` (Linux's /proc/net/tcp: the address in host-order 32-bit words, then the port) as (ip, port)."""
+    addr, port = hex_pair.split(":")
+    raw = bytes.fromhex(addr)
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return _plain(ipaddress.ip_address(raw)), int(port, 16)
+
+
+def own_connections(host: str, port: int, *, proc: str = "/proc/self") -> frozenset[Endpoint]:
+    """The local ends (ip, port) of this process's established TCP connections to ``host:port`` (a name is resolved);
+    empty where /proc cannot be read (not Linux)."""
+    try:
+        remote = {_plain(ipaddress.ip_address(a[4][0].split("%", 1)[0]))
+                  for a in socket.getaddrinfo(host.strip("[]"), port, proto=socket.IPPROTO_TCP)}
+        inodes = set()
+        for fd in os.listdir(f"{proc}/fd"):
+            try:
+                link = os.readlink(f"{proc}/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    except OSError:
+        return frozenset()
+    out = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"{proc}/net/{table}") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) < 10 or f[3] != "01" or f[9] not in inodes:  # 01: established
+                continue
+            here, there = _endpoint(f[1]), _endpoint(f[2])
+            if there[1] == port and there[0] in remote:
+                out.add(here)
+    return frozenset(out)
+
+
+def spell_pins(pins: frozenset[Endpoint]) -> str:
+    """Endpoints as a registration names them: ``127.0.0.1:54321 [::1]:5555`` (sorted, at most :data:`MAX_PINS`)."""
+    spelt = sorted(f"[{ip}]:{p}" if ip.version == 6 else f"{ip}:{p}" for ip, p in pins)
+    return " ".join(spelt[:MAX_PINS])
+
+
+def parse_pins(text: str) -> frozenset[Endpoint]:
+    """What :func:`spell_pins` wrote; a ValueError for anything else (a caller's text, read with bounds)."""
+    if len(text) > MAX_PINS * 48:
+        raise ValueError("too long a list of connections")
+    out = set()
+    for item in text.split():
+        host, _, port = item.rpartition(":")
+        if not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
+            raise ValueError(f"not a connection's end: {item[:60]!r}")
+        out.add((_plain(ipaddress.ip_address(host.strip("[]"))), int(port)))
+    if len(out) > MAX_PINS:
+        raise ValueError(f"more than {MAX_PINS} connections")
+    return frozenset(out)
+
+
+def endpoint_of_peer(peer: str) -> Endpoint | None:
+    """gRPC's peer string (``ipv4:127.0.0.1:5123``, ``ipv6:[::1]:5123``) as (ip, port); None for another kind."""
+    kind, _, rest = peer.partition(":")
+    host, _, port = rest.rpartition(":")
+    if kind not in ("ipv4", "ipv6") or not port.isdigit():
+        return None
+    try:
+        return _plain(ipaddress.ip_address(host.strip("[]"))), int(port)
+    except ValueError:
+        return None
+
+
+class PinKeeper:
+    """Rank 0's thread that registers again (``register(pins)``: a signed ``Admit`` naming them) whenever this process
+    holds a connection to the gate at ``host:port`` that its last registration did not name."""
+
+    def __init__(self, host: str, port: int | str, register: Callable[[str], str | None], *,
+                 poll_s: float = 0.5) -> None:
+        self._where, self._register, self._poll_s = (host, int(port)), register, poll_s
+        self.named: frozenset[Endpoint] = frozenset()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lowband-pins", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        """Register again if this process holds a connection to the gate that is not named yet."""
+        now = own_connections(*self._where)
+        if now and not now <= self.named:
+            why = self._register(spell_pins(now))
+            if why is None:
+                self.named = now
+                log.info("this node calls the Lighthouse's gate over %s (registered, signed)", spell_pins(now))
+            else:
+                log.debug("the gate did not take this node's connections (%s)", why)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            try:
+                self.check()
+            except Exception as e:  # noqa: BLE001 - a daemon's poll: the next one tries again
+                log.debug("naming this node's connections to the gate failed: %s", e)
+
+    def stop(self) -> None:
+        self._stop.set()
