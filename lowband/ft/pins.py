@@ -127,6 +127,11 @@ class PinKeeper:
             else:
                 log.debug("the gate did not take this node's connections (%s)", why)
 
+    def renew(self) -> None:
+        """Name the connections again (the process registered anew without them: the gate then forgot them)."""
+        self.named = frozenset()
+        self.check()
+
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):
             try:

@@ -66,6 +66,12 @@ class QuorumRecorder:
         self._ft.removed = isinstance(err, RemovedFromJob)
         return err
 
+    def _renew_pins(self, why: str | None) -> None:
+        """After this process registered again (``why`` None), it names its connections to the gate again."""
+        pins = getattr(self._ft, "pins", None)
+        if why is None and pins is not None:
+            pins.renew()
+
     def _asked(self, *args, **kwargs):
         """torchft's quorum call. With the job's secret, while it waits (more than :data:`GATE_POLL_S`) this node
         asks the Lighthouse's gate whether it is still a member: a node the gate removed learns why at once
@@ -92,6 +98,7 @@ class QuorumRecorder:
                     # process that another one of the node replaced is told so and leaves (it does not take it back).
                     why = ask_gate(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
                                    timeout_s=GATE_POLL_S, key=cfg.key)
+                    self._renew_pins(why)
             except JobComplete:
                 self._ft.removed = True  # leave now: torchft's Manager would wait out its refused quorum request
                 raise
@@ -123,6 +130,7 @@ class QuorumRecorder:
                         and rounds < max_rounds):  # the gate forgot this process (a restarted Lighthouse), or its
                     why = ask_gate(cfg.lighthouse, me, f"http://{claim.manager}", claim.store,  # connection broke
                                    timeout_s=GATE_POLL_S, key=cfg.key)  # and another took it: registered again
+                    self._renew_pins(why)
                     if why is None:
                         rounds += 1
                         continue
