@@ -60,7 +60,7 @@ from lowband.trust.admission import claim_of, proves, same_host
 from lowband.trust.keys import MemberKey, ReplayCache, Roster, verify_call
 from lowband.trust.limits import SourceLimiter, Tarpit
 
-__all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "DONE", "HEARTBEAT", "KEPT_OUT", "MAX_FIELDS", "PINNED", "QUORUM",
+__all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "DONE", "HEARTBEAT", "HELD_OUT", "KEPT_OUT", "MAX_FIELDS", "PINNED", "QUORUM",
            "REFUSED", "UNREGISTERED", "LighthouseGateway", "StallBreaker", "accusation_request", "accuse_at_gate",
            "admission_request", "ask_gate", "gate_reason", "parse_fields", "peer_host", "quorum_round", "refusal",
            "sign_request", "signed_parts", "string_field"]
@@ -81,8 +81,12 @@ ADMIT = f"/{GATE_SERVICE}/Admit"
 ACCUSE = f"/{GATE_SERVICE}/Accuse"
 #: In the message of every refusal: a refused node recognises it (:func:`lowband.ft.node` raises AdmissionRefused).
 REFUSED = "lowband gateway: not a member of this job"
-#: In the refusal of a member that the gate removed from the job (a node tells it from a refusal at admission).
+#: In the refusal of a member that the gate removed from the job: most of the other members reported its messages
+#: (a node tells it from a refusal at admission, and leaves).
 KEPT_OUT = "the Lighthouse's gate keeps node"
+#: In the refusal of a member that the gate holds out for a while: the job's steps failed while it was in the quorum.
+#: That is no proof of its own (a link cut by someone else looks the same): the node waits, then joins again and heals.
+HELD_OUT = "the Lighthouse's gate holds out node"
 #: In the refusal of a process of a job with a roster when no process of its slot is registered (the gate forgot it).
 UNREGISTERED = "registered no process"
 #: In the refusal of a call over another connection than the one the registered process of its slot calls over.
@@ -235,8 +239,12 @@ class StallBreaker:
       others, and the reporters must be on two or more addresses (on loopback, where every node has the same
       one, the slots count). A member alone, or a minority, cannot remove an honest one.
 
-    A benched member's quorum requests are refused with the reason for ``bench_s`` (twice as long each time
-    again) and its heartbeats go no further; a warning names it.
+    A benched member is kept out for ``bench_s`` (twice as long each time again): its heartbeats go no further and
+    a warning names it. One reported for bad messages is *removed*: its calls are refused with the reason
+    (:data:`KEPT_OUT`) and its node leaves. One benched because steps failed while it was in the quorum is *held
+    out*: that is no proof of its own (a member whose link someone else cuts or floods looks the same), so its
+    quorum requests wait, its question at admission is answered with :data:`HELD_OUT` and the time left, and its
+    node waits and then joins again and heals, like a node that was away.
     """
 
     def __init__(self, *, stall_rounds: int = 3, probation_s: float = 30.0, bench_s: float = 600.0,
@@ -253,6 +261,7 @@ class StallBreaker:
         self.probation: tuple[int, float, dict[int, int]] | None = None  # slot, until, the others' commits then
         self.benched: dict[int, float] = {}  # slot -> until
         self.why: dict[int, str] = {}  # slot -> why it is benched
+        self.removes: set[int] = set()  # benched slots whose own messages the others reported: removed, not held
         self.offences: Counter[int] = Counter()
         self._ids: dict[int, str] = {}  # the last round's members: slot -> replica id
         self.reports: dict[str, dict[int, str]] = {}  # reported replica id -> {reporting slot: its address}
@@ -347,18 +356,20 @@ class StallBreaker:
             if voices >= 2 and voices * 2 > len(self._ids) - 1 and b.node not in self.benched:
                 del self.reports[accused]
                 self._bench(b.node, self._clock(), f"nodes {', '.join(map(str, sorted(votes)))} of the job reported "
-                            f"bad messages from it ({what[:200]})", headline="sent bad messages")
+                            f"bad messages from it ({what[:200]})", headline="sent bad messages", removes=True)
             return None
 
-    def _bench(self, slot: int, now: float, why: str, *, headline: str = "stalled the job") -> None:
+    def _bench(self, slot: int, now: float, why: str, *, headline: str = "stalled the job", removes: bool = False) -> None:
         self.offences[slot] += 1
         until = now + self.bench_s * 2 ** (self.offences[slot] - 1)
         self.benched[slot] = until
         self.why[slot] = f"{headline}: {why}"
+        (self.removes.add if removes else self.removes.discard)(slot)
         self.probation = None
         self._tried.clear()
         self.outcomes.clear()
-        log.warning("the Lighthouse's gate: node %d %s (%s); it is kept out for %.0f s", slot, headline, why, until - now)
+        log.warning("the Lighthouse's gate: node %d %s (%s); it is kept out for %.0f s%s", slot, headline, why,
+                    until - now, "" if removes else " (its node waits, then joins again and heals)")
 
     def _expire(self, now: float) -> None:
         if self.probation is not None and now >= self.probation[1]:
@@ -366,6 +377,7 @@ class StallBreaker:
         for slot in [s for s, until in self.benched.items() if now >= until]:
             del self.benched[slot]
             self.why.pop(slot, None)
+            self.removes.discard(slot)
 
     def round_members(self) -> dict[int, tuple[str, int]]:
         """The current round's members: slot -> (replica id, the training step it was at)."""
@@ -373,11 +385,12 @@ class StallBreaker:
             return {s: (rid, (self._last or {}).get(s, 0) // COMMITTED_SCALE) for s, rid in self._ids.items()}
 
     def held(self, slot: int) -> tuple[str, float] | None:
-        """("probation" or "benched", until) for a member the gate keeps out now, else None."""
+        """("removed", "benched" or "probation", until) for a member the gate keeps out now, else None: "removed" when
+        the others reported its messages (it leaves the job), "benched" when steps failed with it (it waits)."""
         with self._lock:
             self._expire(self._clock())
             if slot in self.benched:
-                return "benched", self.benched[slot]
+                return "removed" if slot in self.removes else "benched", self.benched[slot]
             if self.probation is not None and self.probation[0] == slot:
                 return "probation", self.probation[1]
             return None
@@ -497,22 +510,21 @@ class LighthouseGateway:
             held = self.breaker.held(slot) if slot is not None else None
             if held is not None and method == HEARTBEAT:
                 return b""  # not passed on: the Lighthouse counts the member dead and forms quorums without it
-            if held is not None and held[0] == "benched":  # also asked by a member whose quorum waits (ADMIT)
-                context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
-                              f"{REFUSED}: {KEPT_OUT} {slot} out for {held[1] - time.monotonic():.0f} s more: it "
-                              f"{self.breaker.why.get(slot, 'stalled the job')}")
+            if held is not None and (held[0] == "removed" or (held[0] == "benched" and method == ADMIT)):
+                self._refuse_held(context, slot, held)  # also asked by a member whose quorum waits (ADMIT)
             if method == ADMIT:
                 return b""
-            while held is not None:  # on probation: its quorum request waits until the probation ends
+            while held is not None:  # benched or on probation: its quorum request waits until that ends
                 remaining = context.time_remaining()
                 if remaining is not None and remaining < 1.0:
+                    if held[0] == "benched":
+                        self._refuse_held(context, slot, held)
                     context.abort(self._grpc.StatusCode.UNAVAILABLE, "the Lighthouse's gate holds this node out "
                                   "for a while (probation: does the job commit without it?)")
                 time.sleep(min(0.2, max(0.0, held[1] - time.monotonic())) or 0.05)
                 held = self.breaker.held(slot)
-                if held is not None and held[0] == "benched":
-                    context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
-                                  f"{REFUSED}: {KEPT_OUT} {slot} out: it {self.breaker.why.get(slot, 'stalled the job')}")
+                if held is not None and held[0] == "removed":
+                    self._refuse_held(context, slot, held)
             call = self._forward[method].future(request, timeout=_timeout(context))
             context.add_callback(call.cancel)  # the caller gave up (a quorum request's retry): so does this call,
             try:  # and its thread is free again (left waiting, they filled the pool and heartbeats stopped)
@@ -527,6 +539,13 @@ class LighthouseGateway:
                     self.breaker.observe(*seen)
             return answer
         return handle
+
+    def _refuse_held(self, context, slot: int, held: tuple[str, float]) -> None:
+        """Refuse a call of a member the breaker keeps out: removed (:data:`KEPT_OUT`) or held out (:data:`HELD_OUT`)."""
+        what = KEPT_OUT if held[0] == "removed" else HELD_OUT
+        context.abort(self._grpc.StatusCode.PERMISSION_DENIED,
+                      f"{REFUSED}: {what} {slot} out for {max(0.0, held[1] - time.monotonic()):.0f} s more: it "
+                      f"{self.breaker.why.get(slot, 'stalled the job')}")
 
     def member_refusal(self, method: str, request: bytes, host: str, *, peer: str = "") -> str | None:
         """With a roster, what a call whose replica id proved the secret must also show (one of :data:`REFUSAL_KINDS`,

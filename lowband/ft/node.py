@@ -48,7 +48,13 @@ from lowband.ft.gateway import accuse_at_gate, ask_gate
 from lowband.ft.logs import quiet_torchft
 from lowband.ft.managergate import listening_on
 from lowband.ft.pins import PinKeeper
-from lowband.ft.quorum import ForeignJob, NodeSlotTaken, QuorumRecorder, gate_refusal  # noqa: F401  (callers' names)
+from lowband.ft.quorum import (  # noqa: F401  (callers' names)
+    ForeignJob,
+    NodeSlotTaken,
+    QuorumRecorder,
+    gate_refusal,
+    wait_held_out,
+)
 from lowband.ft.transport import StateTransport, TransferError, member_source
 from lowband.trust.admission import (  # noqa: F401  (admit, member_of, replica_id: the names tests and callers use)
     AdmissionRefused,
@@ -328,8 +334,10 @@ class FaultTolerance:
                          manager=f"{advertise}:{port}")
         # Before torchft's Manager starts (it would retry a refused quorum until its timeout): may this node pass?
         # Every rank asks, so that each learns a job is complete (JobComplete) and leaves; rank 0 acts on a refusal.
-        why = ask_gate(cfg.lighthouse, rid, f"http://{advertise}:{port}", f"{store_host}:{store_port}",
-                       timeout_s=min(10.0, cfg.quorum_timeout_s)) if cfg.secret is not None or rank == 0 else None
+        def ask() -> str | None:
+            return ask_gate(cfg.lighthouse, rid, f"http://{advertise}:{port}", f"{store_host}:{store_port}",
+                            timeout_s=min(10.0, cfg.quorum_timeout_s)) if cfg.secret is not None or rank == 0 else None
+        why = wait_held_out(cfg, ask(), ask)  # a node the gate holds out for a while waits, then joins
         if why is not None and rank == 0:
             raise gate_refusal(cfg, why)
 

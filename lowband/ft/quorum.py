@@ -8,19 +8,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from lowband.ft.completion import JobComplete, complete_reason, job_complete
-from lowband.ft.gateway import KEPT_OUT, PINNED, UNREGISTERED, ask_gate, gate_reason
+from lowband.ft.gateway import HELD_OUT, KEPT_OUT, PINNED, UNREGISTERED, ask_gate, gate_reason
 from lowband.trust.admission import AdmissionRefused, RemovedFromJob, admit, claim_of, member_of, screen
 
-__all__ = ["GATE_POLL_S", "ForeignJob", "NodeSlotTaken", "QuorumRecorder", "gate_refusal"]
+__all__ = ["GATE_POLL_S", "HELD_POLL_S", "ForeignJob", "NodeSlotTaken", "QuorumRecorder", "gate_refusal", "wait_held_out"]
 
 log = logging.getLogger("lowband.ft.node")
 
 #: While a quorum takes longer than this, a node with the job's secret asks the Lighthouse's gate (every this many
 #: seconds) whether it is still a member.
 GATE_POLL_S = 2.0
+#: How often a node that the gate holds out asks whether it may join again.
+HELD_POLL_S = 10.0
 
 
 #: What a node refused for want of the job's secret is told to do (after the reason).
@@ -45,6 +48,19 @@ def gate_refusal(cfg: Any, why: str) -> AdmissionRefused:
                             f"the job's members, and {why}. {SAME_SECRET}")
 
 
+def wait_held_out(cfg: Any, why: str | None, ask: Callable[[], str | None]) -> str | None:
+    """While the gate holds this node out (:data:`HELD_OUT` in ``why``: the job's steps failed while it was in the
+    quorum, which proves nothing of its own), wait, asking again (``ask``: the gate's answer) every
+    :data:`HELD_POLL_S`; then the gate's last answer (None: it may join, and heals like a node that was away)."""
+    if why is not None and HELD_OUT in why:
+        log.warning("node %d: %s. This node waits (it asks the gate every %.0f s), then joins again and heals.",
+                    cfg.node, why, HELD_POLL_S)
+    while why is not None and HELD_OUT in why:
+        time.sleep(HELD_POLL_S)
+        why = ask()
+    return why
+
+
 class NodeSlotTaken(ValueError):
     """Another live process already holds this node's ``--ft-node`` slot."""
 
@@ -66,6 +82,12 @@ class QuorumRecorder:
         self._ft.removed = isinstance(err, RemovedFromJob)
         return err
 
+    def _ask(self) -> str | None:
+        """The gate's answer to this node's question (unsigned: it registers nothing), None when it may pass."""
+        claim = claim_of(self._ft.replica_id)
+        return ask_gate(self._ft.cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
+                        timeout_s=GATE_POLL_S)
+
     def _renew_pins(self, why: str | None) -> None:
         """After this process registered again (``why`` None), it names its connections to the gate again."""
         pins = getattr(self._ft, "pins", None)
@@ -80,7 +102,7 @@ class QuorumRecorder:
         claim = claim_of(self._ft.replica_id)
         if cfg.secret is None or claim is None:
             return self._client._quorum(*args, **kwargs)
-        done, answer = threading.Event(), {}
+        done, answer, told = threading.Event(), {}, False
 
         def call() -> None:
             try:
@@ -102,8 +124,10 @@ class QuorumRecorder:
             except JobComplete:
                 self._ft.removed = True  # leave now: torchft's Manager would wait out its refused quorum request
                 raise
-            if why is not None:
+            if why is not None and HELD_OUT not in why:  # held out: the gate holds its quorum request, it waits
                 raise self._refused(why)
+            if why is not None and not told:
+                told = log.warning("node %d: %s; its quorum request waits at the gate", cfg.node, why) or True
         if "error" in answer:
             raise answer["error"]
         return answer["result"]
@@ -123,9 +147,16 @@ class QuorumRecorder:
                     self._ft.removed = True
                     raise job_complete(cfg.lighthouse, done) from None
                 why = gate_reason(str(e))
+                claim = claim_of(me)
+                if why is None and cfg.secret is not None and claim is not None:  # a timeout: held out by the gate?
+                    asked = self._ask()
+                    why = asked if asked is not None and HELD_OUT in asked else None
                 if why is None:
                     raise
-                claim = claim_of(me)
+                if HELD_OUT in why:
+                    why = wait_held_out(cfg, why, self._ask)
+                    if why is None:
+                        continue  # it may join again: the next quorum (it heals, like a node that was away)
                 if ((UNREGISTERED in why or PINNED in why) and cfg.key is not None and claim is not None
                         and rounds < max_rounds):  # the gate forgot this process (a restarted Lighthouse), or its
                     why = ask_gate(cfg.lighthouse, me, f"http://{claim.manager}", claim.store,  # connection broke

@@ -20,6 +20,7 @@ from lowband.ft.gateway import (  # noqa: E402
     ADMIT,
     COMMITTED_SCALE,
     HEARTBEAT,
+    HELD_OUT,
     KEPT_OUT,
     QUORUM,
     REFUSED,
@@ -335,7 +336,7 @@ def test_reports_of_bad_messages_remove_a_member_only_when_most_of_the_others_re
     assert b.accuse(ids[0], ids[3], "10.0.0.1", "index out of range") is None  # the same reporter again: one voice
     assert b.held(3) is None and b.reports[ids[3]] == {0: "10.0.0.1"}
     assert b.accuse(ids[1], ids[3], "10.0.0.2", "index out of range") is None  # 2 of the 3 others
-    assert b.held(3) == ("benched", 100.0)
+    assert b.held(3) == ("removed", 100.0)
     assert "sent bad messages" in b.why[3] and "nodes 0, 1" in b.why[3] and "index out of range" in b.why[3]
     assert b.held(0) is b.held(1) is b.held(2) is None
     clock.t = 101.0
@@ -423,6 +424,68 @@ def test_a_node_whose_quorum_waits_asks_the_gate_and_leaves_at_once_when_it_was_
         rec._asked(step=1)
     assert time.monotonic() - t0 < 5.0
     assert seen == []
+
+
+def test_a_member_benched_for_failed_steps_is_held_out_and_its_node_waits_then_joins_never_removed(gate, monkeypatch):
+    """Failed steps with a member in the quorum prove nothing of its own (a link someone else cuts looks the same):
+    the gate holds it out (its quorum request waits, its question is answered HELD_OUT with the time left), and its
+    node waits and asks again instead of leaving; once the hold ends it passes. Only reported messages remove."""
+    import time
+
+    from lowband.ft import quorum as ft_quorum
+    from lowband.ft.node import FaultTolerance, FaultToleranceConfig
+
+    g, seen, _ = gate
+    ids = {s: _member(s, "127.0.0.1") for s in range(3)}
+    g.breaker.observe((1, 0), {s: q(5, 5) for s in ids}, ids)
+    g.breaker._bench(2, g.breaker._clock(), "it was in each failed quorum")
+    assert g.breaker.held(2)[0] == "benched"
+    quorum = admission_request(ids[2], "http://127.0.0.1:6000", "127.0.0.1:5000")
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:  # its quorum request waits, then is refused near its deadline
+        with grpc.insecure_channel(g.address().split("://", 1)[-1]) as ch:
+            ch.unary_unary(QUORUM)(quorum, timeout=2.0)
+    assert time.monotonic() - t0 > 0.9 and e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert HELD_OUT in e.value.details() and KEPT_OUT not in e.value.details()
+    why = ask_gate(g.address(), ids[2], "http://127.0.0.1:6000", "127.0.0.1:5000")
+    assert HELD_OUT in why and "s more" in why
+    assert seen == []
+    cfg = FaultToleranceConfig(lighthouse=g.address(), node=2, max_nodes=3, fingerprint="f00d", secret=SECRET)
+    # the node waits while held out; the hold ends during its wait: it may join (the gate's answer is None)
+    monkeypatch.setattr(ft_quorum, "HELD_POLL_S", 0.1)
+    asked = []
+
+    def ask():
+        asked.append(1)
+        if len(asked) == 3:
+            g.breaker.benched[2] = g.breaker._clock() - 1  # the hold ends
+        return ask_gate(g.address(), ids[2], "http://127.0.0.1:6000", "127.0.0.1:5000")
+    assert ft_quorum.wait_held_out(cfg, why, ask) is None and len(asked) == 3
+    # torchft's quorum call failed with the gate's HELD_OUT: the node waits, then asks torchft again (no exit)
+    ft = FaultTolerance.__new__(FaultTolerance)
+    ft.cfg, ft.replica_id = cfg, ids[2]
+    g.breaker._bench(2, g.breaker._clock(), "again")
+    calls = []
+
+    def quorum_call(**kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError(f"status: PermissionDenied, message: \"{REFUSED}: {HELD_OUT} 2 out for 9 s more\"")
+        raise TimeoutError("torchft's own, after the hold: ends the test")
+    client = type("C", (), {})()
+    client._quorum = quorum_call
+    monkeypatch.setattr(ft_quorum, "GATE_POLL_S", 5.0)
+    threading_end = time.monotonic() + 0.5
+
+    def release():
+        while time.monotonic() < threading_end:
+            time.sleep(0.05)
+        g.breaker.benched[2] = g.breaker._clock() - 1
+    import threading
+    threading.Thread(target=release, daemon=True).start()
+    with pytest.raises(TimeoutError, match="after the hold"):
+        ft_quorum.QuorumRecorder(client, ft)._quorum(step=3)
+    assert len(calls) == 2  # asked again once the hold ended, never left
 
 
 # ----------------------------------------------------------------------------- what a stranger can make it do
