@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -110,6 +111,7 @@ class Link:
         self.keep_history = True
         self._uplink = UplinkClock()  # the shaped uplink's clock
         self._in_flight: list[LinkHandle] = []
+        self.counted: int | None = None  # with fault tolerance: members whose values the last mean counted
 
     # ---------------------------------------------------------------- properties
     @property
@@ -270,15 +272,21 @@ class Link:
                 raise ValueError("avg all-reduce needs a floating-point tensor")
             opts = AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-            counted = self.participants
-            if not self.participating:  # healing this step: its stale values must not count
-                tensor.zero_()
+            counts = self.participating
+            buf = tensor
+            if op == "avg":
+                # The divisor rides along (1 from each member whose values count): torchft counts a node whose
+                # heal was refused as a participant, and it sends zeros, so its count would dilute the mean.
+                buf = torch.cat([tensor.reshape(-1), tensor.new_ones(1)])
+                payload = nbytes(buf)
+            if not counts:  # healing this step, or its heal refused: its stale values must not count
+                buf.zero_()
             if not self.ft.errored:  # after a failure the step is dropped: send nothing more
                 with self._peers_guard("all_reduce"):
-                    works.append(self.ft.pg.allreduce([tensor], opts))
+                    works.append(self.ft.pg.allreduce([buf], opts))
             if op == "avg":
                 def result():
-                    return tensor.div_(counted)
+                    return self._counted_mean(tensor, buf, g)
         elif g > 1:
             if op == "avg" and not tensor.is_floating_point():
                 raise ValueError("avg all-reduce needs a floating-point tensor")
@@ -301,6 +309,22 @@ class Link:
                  node_inter_node_bytes_sent=node_sent, messages=2 * (g - 1)),
             start, works, result, async_op=async_op,
         )
+
+    def _counted_mean(self, tensor: torch.Tensor, summed: torch.Tensor, g: int) -> torch.Tensor:
+        """``tensor`` ← the sum in ``summed`` (values, then the count of members whose values count) over that
+        count, which :attr:`counted` keeps. A count that is no whole number of members (a sum someone else
+        wrote into) gives NaN, which the caller's check of the mean drops."""
+        if self.ft.errored:  # the step is dropped (its exchange failed): the sum is not all there
+            self.counted = None
+            return tensor
+        n = float(summed[-1].item())
+        k = round(n) if math.isfinite(n) else 0
+        self.counted = k
+        if abs(n - k) > 1e-3 or not 1 <= k <= g:
+            log.warning("the all-reduce's count of contributing members is %r, not a whole number in 1..%d; its "
+                        "mean is dropped", n, g)
+            return tensor.fill_(float("nan"))
+        return tensor.copy_(summed[:-1].view_as(tensor)).div_(k)
 
     def all_gather(self, tensor: torch.Tensor, *, async_op: bool = False):
         """Gather equal-sized ``tensor`` from every member: returns shape (G, *tensor.shape).

@@ -38,6 +38,9 @@ __all__ = ["BadMessage", "UNATTRIBUTED", "check_messages", "dense_problems", "fl
 
 #: The sender of a bad *sum* (an all-reduce's result): no single member can be named.
 UNATTRIBUTED = -1
+#: The flag of a message that takes part and must not count: its sender's state is stale (a node healing under fault
+#: tolerance, or whose heal was refused). Its payload is zeros; it is left out of the mean, never counted as bad.
+NOT_COUNTED = 2
 
 #: Per-row payload check: (rows without the flag, (B, n)) -> a reason per row, or None where it passed.
 PayloadCheck = Callable[[torch.Tensor], list]

@@ -180,3 +180,42 @@ def test_shaping_comes_from_arguments_never_from_the_environment(monkeypatch):
     assert cfg.link.bandwidth_bps == 1e8 and cfg.link.latency_s == pytest.approx(0.02)
     cfg = config_from_args(build_parser("train").parse_args(["train"]))
     assert cfg.link.bandwidth_bps is None and cfg.link.latency_s == 0.0
+
+
+class _SumPG:
+    """torchft's process group for one all-reduce: adds the other members' buffers (values, then their count)."""
+
+    def __init__(self, others: list[list[float]]):
+        self.others = others
+
+    def allreduce(self, tensors, opts):
+        for o in self.others:
+            tensors[0].add_(torch.tensor(o, dtype=tensors[0].dtype))
+
+        class _Work:
+            def wait(self, timeout=None):
+                return True
+        return _Work()
+
+
+class _FT:
+    """lowband.ft.node.FaultTolerance as the link sees it: torchft counts every member of the quorum as a
+    participant, a node whose heal was refused included (it sends zeros)."""
+
+    def __init__(self, others, *, participating=True, members=3):
+        self.pg, self.participating, self.members = _SumPG(others), participating, members
+        self.participants, self.errored, self.member_rank = members, False, 0
+
+
+def test_a_mean_under_fault_tolerance_divides_by_the_members_whose_values_count_not_by_torchfts_count():
+    topo = Topology(num_nodes=1, ranks_per_node=1)
+    link = Link(topo, ft=_FT([[3.0, 3.0, 1.0], [5.0, 5.0, 1.0]]))  # all three count: (1 + 3 + 5) / 3
+    assert link.all_reduce(torch.ones(2), op="avg").tolist() == [3.0, 3.0] and link.counted == 3
+    assert link.end_step().ops[0].payload_bytes == 3 * 4  # the count travels: one element more
+    refused = Link(topo, ft=_FT([[3.0, 3.0, 1.0], [0.0, 0.0, 0.0]]))  # a member whose heal was refused sent zeros
+    assert refused.all_reduce(torch.ones(2), op="avg").tolist() == [2.0, 2.0] and refused.counted == 2  # not 4/3
+    healer = Link(topo, ft=_FT([[3.0, 3.0, 1.0], [5.0, 5.0, 1.0]], participating=False))  # its own values stale
+    assert healer.all_reduce(torch.full((2,), 100.0), op="avg").tolist() == [4.0, 4.0] and healer.counted == 2
+    forged = Link(topo, ft=_FT([[3.0, 3.0, 0.5], [5.0, 5.0, 1.0]]))  # a count no whole number of members gives
+    assert torch.isnan(forged.all_reduce(torch.ones(2), op="avg")).all()
+    assert Link(topo, ft=_FT([[3.0, 3.0], [5.0, 5.0]])).all_reduce(torch.ones(2), op="sum").tolist() == [9, 9]  # as is

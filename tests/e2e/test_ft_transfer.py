@@ -83,6 +83,12 @@ def node(i, step):
         healed.wait(30)
     err = ft.manager.errored()
     taking_part = {"participating": ft.participating, "errored": ft.errored, "heal_refused": ft.heal_refused}
+    if mode == "poison":  # the step's mean: the node whose heal was refused takes part with nothing that counts
+        from lowband.comm.link import Link
+        from lowband.distributed.topology import Topology
+        link = Link(Topology(num_nodes=1, ranks_per_node=1), ft=ft)
+        taking_part["mean"] = link.all_reduce(torch.full((3,), 10.0 * (i + 1)), op="avg").tolist()
+        taking_part["counted"], taking_part["torchft_participants"] = link.counted, ft.participants
     ok = ft.commit()
     out[i] = {"healed": ft.healed_at, "commit": ok, "s": time.monotonic() - t0, "w": w.tolist(),
               "error": str(getattr(err, "original_exception", err) or ""),
@@ -141,3 +147,6 @@ def test_a_source_that_serves_a_poisoned_state_is_refused_remembered_and_the_hea
     assert out[1]["heal_refused"] and not out[1]["participating"] and not out[1]["errored"]
     assert out[1]["commit"] is False and out[0]["commit"]  # the healer drops its step, the source does not
     assert out[0]["participating"] and not out[0]["errored"]
+    # torchft counts the healer as a participant; the mean counts the members whose values count: node 0's alone
+    assert out[0]["torchft_participants"] == 2  # torchft's count: the mean over it would be 5.0, diluted by zeros
+    assert out[0]["mean"] == [10.0] * 3 and out[0]["counted"] == 1, out[0]

@@ -76,7 +76,7 @@ def _gather_corruptions(reencode):
     return {
         "index >= chunk": lambda m: _set(m, 0, 255),
         "NaN value, clean flag": lambda m: reencode(m, lambda v: _set(v.reshape(-1), 0, NAN).view_as(v)),
-        "flag 2": lambda m: _set(m, -1, 2),
+        "flag 3": lambda m: _set(m, -1, 3),  # (2 is "not counted", a legitimate flag)
         "flag -1": lambda m: _set(m, -1, 255),
     }
 
@@ -112,8 +112,7 @@ def _flexdemo_reencode(m, fn):
     return torch.cat([payload, m[-1:]])
 
 
-FLEX_BAD = _gather_corruptions(_flexdemo_reencode) | {"flag 3": lambda m: _set(m, -1, 3)}
-FLEX_BAD.pop("flag 2")  # FlexDeMo's 2 means "not counted" (a healing node), a legitimate flag
+FLEX_BAD = _gather_corruptions(_flexdemo_reencode)
 
 
 @pytest.mark.parametrize("kind", sorted(FLEX_BAD))
@@ -262,7 +261,7 @@ def _noloco_corruptions(lossy: bool):
     return {
         "NaN value, clean flag": lambda m: _set(m, 0, NAN),
         "Inf value, clean flag": lambda m: _set(m, 3, float("inf")),
-        "flag 2": lambda m: _set(m, -1, 2.0),
+        "flag 3": lambda m: _set(m, -1, 3.0),
         "flag -1": lambda m: _set(m, -1, -1.0),
         "flag 0.5": lambda m: _set(m, -1, 0.5),
         "short": lambda m: m[:-2],
@@ -282,6 +281,32 @@ def test_noloco_leaves_out_a_bad_peer(values, kind, caplog):
     _assert_same(_params(model), _params(ref_model))
     assert opt.stats().bad_messages == {1: 2} and "replica 1" in caplog.text
     assert ref.stats().bad_messages == {}
+
+
+def _not_counted(m):
+    return _set(torch.zeros_like(m), -1, 2)
+
+
+@pytest.mark.parametrize("case", [*sorted(OUTER_CASES), "noloco-fp32", "noloco-int8"])
+def test_a_peer_whose_state_is_stale_is_left_out_and_never_counted_as_bad(case):
+    """A node healing, or whose heal was refused, under fault tolerance sends zeros marked "not counted" (flag 2):
+    the others' mean leaves it out (as if it sent nothing) and no one reports it."""
+    cls, kw = (NoLoCo, dict(values=case.split("-")[1], quant_block=8)) if case.startswith("noloco") \
+        else OUTER_CASES[case][:2]
+    ref_model, ref = _outer(cls, _Link(lambda m: m) if cls is NoLoCo else _Link(), **kw)  # replica 0's own mean
+    _train(ref_model, ref, 4)
+    model, opt = _outer(cls, _Link(_not_counted), **kw)
+    _train(model, opt, 4)
+    _assert_same(_params(model), _params(ref_model))
+    assert opt.stats().bad_messages == {} and opt.stats().dropped_steps == 0
+    stale = _Link(lambda m: m)
+    stale.participating = False  # this replica's own state is stale: what it sends is the mark, not its values
+    sent = []
+    stale.all_gather = lambda t, async_op=False: sent.append(t.clone()) or torch.stack([t.clone(), t.clone()])
+    stale.exchange = lambda t, peers, async_op=False: sent.append(t.clone()) or [t.clone()]
+    model, opt = _outer(cls, stale, **kw)
+    _train(model, opt, 2)
+    assert sent and all(m[-1].item() == 2 and not m[:-1].any() for m in sent)
 
 
 def test_noloco_honours_a_refusal():

@@ -14,7 +14,13 @@ from typing import NamedTuple
 
 import torch
 
-from lowband.compress.check import BadMessage, check_messages, index_and_value_problems, payload_faults
+from lowband.compress.check import (
+    NOT_COUNTED,
+    BadMessage,
+    check_messages,
+    index_and_value_problems,
+    payload_faults,
+)
 from lowband.optim._common import NonFiniteGradientError, membership_key, outvoted_refusals
 
 __all__ = ["ScreenMixin", "Screened"]
@@ -23,7 +29,7 @@ log = logging.getLogger("lowband.optim.flexdemo.optimizer")
 
 #: A message's flag byte: 0 counts, 1 refuses the step (non-finite), 2 does not count (a node healing
 #: under fault tolerance's async quorum computed it on stale weights).
-_NOT_COUNTED = 2
+_NOT_COUNTED = NOT_COUNTED
 _FLAGS = (0, 1, _NOT_COUNTED)
 
 

@@ -197,7 +197,7 @@ class DiLoCo(OuterStepOptimizer):
             # them, every rank decodes all R and averages them in replica order (identical φ on every replica).
             message, v = self._encode_outer(flat, numel)
             sent = self._hook_dense(message, 0, numel, numel=numel, codec=self.codec)  # else the message itself
-            result = (self.link.all_gather(sent, async_op=async_op) if self.link is not None
+            result = (self.link.all_gather(self._counting(sent), async_op=async_op) if self.link is not None
                       else sent.unsqueeze(0))
             return OuterFlight(outer_index, result, message, flat, v, numel)
         sent = self._hook_dense(flat, 0, numel, numel=numel)  # else flat itself

@@ -285,7 +285,7 @@ class NoLoCo(OuterStepOptimizer):
             sent = self._hook_dense(self._hooked(flat, fp_flat, v, 2 * numel), numel, 2 * numel, numel=2 * numel,
                                     codec=self.codec)
             with self._group_timeout(outer_index, **extra):
-                received = link.exchange(sent, peers, async_op=async_op)  # type: ignore[union-attr]
+                received = link.exchange(self._counting(sent), peers, async_op=async_op)  # type: ignore[union-attr]
         return OuterFlight(outer_index, received, flat, fp_flat, v, 2 * numel, extra)
 
     def _hooked(self, flat: torch.Tensor, fp_flat: torch.Tensor, v: torch.Tensor | None, n: int) -> torch.Tensor:

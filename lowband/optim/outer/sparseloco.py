@@ -222,7 +222,8 @@ class SparseLoCo(OuterStepOptimizer):
             bad_vals = bad_vals.clone()
             self._hook_update([bad_vals])
             sent[:-1] = self.wire.encode(bad_idx, bad_vals)
-        result = self.link.all_gather(sent, async_op=async_op) if self.link is not None else sent.unsqueeze(0)
+        result = self.link.all_gather(self._counting(sent), async_op=async_op) if self.link is not None \
+            else sent.unsqueeze(0)
         return OuterFlight(outer_index, result, message, message, None, n_chunks, extra=dict(v=v))
 
     def _end_outer(self, flight: OuterFlight, result: Any) -> str | None:
