@@ -343,7 +343,7 @@ class FaultTolerance:
 
         def register(full_id: str, pins: str = "") -> str | None:  # a roster's job: this process (torchft's id:uuid)
             why = ask_gate(cfg.lighthouse, full_id, f"http://{advertise}:{port}", f"{store_host}:{store_port}",
-                           timeout_s=min(10.0, cfg.quorum_timeout_s), key=cfg.key, pins=pins)
+                           timeout_s=min(10.0, cfg.quorum_timeout_s), key=cfg.key, pins=pins, last_step=cfg.steps)
             if not pins:  # claims its slot, signed; then names the connections it calls the gate over (ft.pins)
                 if why is not None:
                     raise gate_refusal(cfg, why)

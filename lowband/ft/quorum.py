@@ -119,7 +119,7 @@ class QuorumRecorder:
                     # A gate that forgot this process (the Lighthouse was restarted): registered again, signed. A
                     # process that another one of the node replaced is told so and leaves (it does not take it back).
                     why = ask_gate(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
-                                   timeout_s=GATE_POLL_S, key=cfg.key)
+                                   timeout_s=GATE_POLL_S, key=cfg.key, last_step=cfg.steps)
                     self._renew_pins(why)
             except JobComplete:
                 self._ft.removed = True  # leave now: torchft's Manager would wait out its refused quorum request
@@ -160,7 +160,7 @@ class QuorumRecorder:
                 if ((UNREGISTERED in why or PINNED in why) and cfg.key is not None and claim is not None
                         and rounds < max_rounds):  # the gate forgot this process (a restarted Lighthouse), or its
                     why = ask_gate(cfg.lighthouse, me, f"http://{claim.manager}", claim.store,  # connection broke
-                                   timeout_s=GATE_POLL_S, key=cfg.key)  # and another took it: registered again
+                                   timeout_s=GATE_POLL_S, key=cfg.key, last_step=cfg.steps)  # and another took it: registered again
                     self._renew_pins(why)
                     if why is None:
                         rounds += 1

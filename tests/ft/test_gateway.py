@@ -571,6 +571,29 @@ def test_the_gate_records_the_jobs_end_only_from_a_member_of_the_round_that_reac
     assert r.answer() == "at step 700; final checkpoints: node1 at /out1/checkpoints/step_000700, node2 at /out2"
 
 
+def test_in_a_round_of_two_one_report_ends_the_job_only_at_the_last_step_each_member_declared_and_reached():
+    """With a roster each member declares, signed, the job's last step: a round of two whose other member died after
+    the last commit ends on one report, but only of the step every member declared and only once every member was at
+    that step's quorum (a liar alone cannot end the job earlier than the others' own word)."""
+    from lowband.ft.completion import CompletionRecord
+
+    b = StallBreaker()
+    ids = {s: _member(s, f"10.0.0.{s + 1}") for s in range(2)}
+    b.observe((1, 0), {0: q(699, 699), 1: q(699, 699)}, ids)
+    members = b.round_members()
+    r = CompletionRecord()
+    assert r.done(ids[0], "10.0.0.1", 700, "/out0", members) is None and not r.complete  # no declarations: both
+    for declared, at, step in (({0: 700, 1: 800}, 699, 700),  # node 1 declared another end
+                               ({0: 700}, 699, 700),  # node 1 declared none
+                               ({0: 500, 1: 500}, 699, 700),  # a report of another step than the declared one
+                               ({0: 800, 1: 800}, 699, 800)):  # the declared end, but the round is at 699
+        r = CompletionRecord()
+        assert r.done(ids[0], "10.0.0.1", step, "/out0", members, declared) is None and not r.complete, declared
+    r = CompletionRecord()
+    assert r.done(ids[0], "10.0.0.1", 700, "/out0", members, {0: 700, 1: 700}) is None
+    assert r.complete and r.step == 700 and r.where == {0: "/out0"}
+
+
 def test_a_completion_record_kept_in_a_file_survives_the_gate_and_is_its_jobs_only(tmp_path):
     """With --completion-file the record is written when the job is complete (the owner's only) and read back by a
     gate started again, which then answers the job's nodes, not another job's; a file that is not a record stops

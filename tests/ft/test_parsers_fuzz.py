@@ -337,7 +337,7 @@ def test_signed_calls_random_mutated_or_replayed_are_refused_with_a_reason_of_a_
     key = load_key(key_files[0], 0, roster)
     rid = replica_id("f00d", 0, secret=secret, store="127.0.0.1:5000", manager="127.0.0.1:6000") + ":u0"
     other = replica_id("f00d", 1, secret=secret, store="127.0.0.1:5000", manager="127.0.0.1:6001") + ":u1"
-    gate = types.SimpleNamespace(roster=roster, replays=ReplayCache(), registered={}, pinned={}, named={},
+    gate = types.SimpleNamespace(roster=roster, replays=ReplayCache(), registered={}, pinned={}, named={}, declared={},
                                  pin_idle_s=3.0,
                                  _lock=threading.Lock())
     rng = random.Random(44)

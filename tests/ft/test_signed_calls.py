@@ -255,6 +255,23 @@ def test_a_process_that_named_its_connections_is_taken_over_those_only_even_afte
     assert g.member_refusal(QUORUM, _admit(nat), "10.9.0.5", peer="ipv4:10.9.0.5:61000") is None
 
 
+def test_a_registration_declares_the_jobs_last_step_signed_and_a_malformed_one_is_refused(job, gate):
+    secret, _, keys = job
+    g, _ = gate
+    rid = _member(secret, 0)
+    addresses = _addresses(rid)
+    assert g.member_refusal(ADMIT, admission_request(rid, *addresses, key=keys[0], last_step=700), "127.0.0.1") is None
+    assert g.declared == {0: 700}
+    assert g.member_refusal(ADMIT, _admit(rid, keys[0], pins="127.0.0.1:40001"), "127.0.0.1") is None  # kept
+    assert g.declared == {0: 700}
+    bad = admission_request(rid, *addresses, pins="", key=None) + string_field(3, b"7e2")
+    why = g.member_refusal(ADMIT, sign_request(keys[0], ADMIT, bad), "127.0.0.1")
+    assert why.startswith("malformed request") and "last step" in why
+    unsigned = admission_request(_member(secret, 1), *_addresses(_member(secret, 1)), last_step=5)
+    g.member_refusal(ADMIT, unsigned, "127.0.0.1")
+    assert 1 not in g.declared  # an unsigned question declares nothing
+
+
 @pytest.mark.multiprocess
 def test_a_node_names_its_own_connections_to_the_gate_and_the_gate_then_takes_no_other(job, gate):
     """lowband.ft.pins on a real gate: PinKeeper finds this process's connection to the gate in /proc and registers
