@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions
 
 from lowband.comm.shaping import UplinkClock
+from lowband.comm.tags import TAG_BYTES, MessageTags
 from lowband.comm.traffic import (
     OpRecord,
     StepTraffic,
@@ -112,6 +113,10 @@ class Link:
         self._uplink = UplinkClock()  # the shaped uplink's clock
         self._in_flight: list[LinkHandle] = []
         self.counted: int | None = None  # with fault tolerance: members whose values the last mean counted
+        secret = getattr(getattr(ft, "cfg", None), "secret", None)
+        # With the job's secret, what a node gathers or exchanges is tagged (lowband.comm.tags): a message put on the
+        # wire in a member's place by someone else is then told apart, and never counted against the member.
+        self.tags = MessageTags(secret) if ft is not None and secret else None
 
     # ---------------------------------------------------------------- properties
     @property
@@ -336,11 +341,16 @@ class Link:
         payload = nbytes(tensor)
         works: list = []
         if g > 1 and self.ft is not None:
-            out = torch.zeros((g, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+            send = tensor.contiguous() if self.tags is None else self.tags.seal(
+                tensor, sender=self.group_rank, context=self._quorum_id())
+            payload = nbytes(send)
+            out = sealed = torch.zeros((g, *send.shape), dtype=send.dtype, device=send.device)
             if not self.ft.errored:
                 with self._peers_guard("all_gather"):
-                    works.append(self.ft.pg.allgather([list(out.unbind(0))], [tensor.contiguous()],
-                                                      AllgatherOptions()))
+                    works.append(self.ft.pg.allgather([list(sealed.unbind(0))], [send], AllgatherOptions()))
+            if self.tags is not None:
+                def out():
+                    return self._opened(sealed, list(range(g)), tensor)
         elif g > 1:
             out = torch.empty((g, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
             with self._peers_guard("all_gather"):
@@ -356,6 +366,28 @@ class Link:
                  node_inter_node_bytes_sent=node_sent, messages=g - 1),
             start, works, out, async_op=async_op,
         )
+
+    def _quorum_id(self) -> int:
+        """The current quorum's id (torchft's, the same on every member): what a message's tag binds it to."""
+        return int(getattr(getattr(self.ft, "manager", None), "_quorum_id", 0) or 0)
+
+    def _opened(self, sealed: torch.Tensor, senders: list[int], like: torch.Tensor) -> torch.Tensor:
+        """Tagged rows -> the messages; a row whose tag fails is someone else's in its sender's place (left out,
+        marked not counted, counted against no one; :mod:`lowband.comm.tags`)."""
+        if self.ft.errored:  # the step is dropped: what arrived is not all there, and nothing of it is used
+            return sealed[:, :-TAG_BYTES].contiguous().view(like.dtype).reshape(len(senders), *like.shape)
+        rows, forged = self.tags.open(sealed, senders=senders, context=self._quorum_id(), like=like)
+        for i in forged:
+            log.warning("rank %d: a message in quorum member %d's place failed the job's tag: someone else put it on "
+                        "the wire, not that member; it is left out and counted against no one", self.rank, senders[i])
+        return rows
+
+    def _received(self, received: list[torch.Tensor], peers: list[int], like: torch.Tensor) -> list[torch.Tensor]:
+        """What arrived from ``peers`` (host buffers, tagged with the job's secret) as messages like ``like``, on its
+        device."""
+        if self.tags is not None and received:
+            received = list(self._opened(torch.stack(received), list(peers), like).unbind(0))
+        return [b.to(like.device) for b in received]
 
     def exchange(self, tensor: torch.Tensor, peers: Sequence[int], *, async_op: bool = False):
         """Send ``tensor`` to every peer (global ranks) and receive theirs (same shape and dtype).
@@ -410,6 +442,8 @@ class Link:
         device = tensor.device
         staged = device.type != "cpu"
         t = tensor.detach().to("cpu").contiguous() if staged else tensor.contiguous()
+        if self.tags is not None:
+            t = self.tags.seal(t, sender=me, context=self._quorum_id())
         payload = nbytes(t)
         received = [torch.zeros_like(t) for _ in peers]
         works: list = []
@@ -426,8 +460,8 @@ class Link:
                  bytes_sent=inter, bytes_recv=inter, inter_node_bytes_sent=inter, inter_node_bytes_recv=inter,
                  node_inter_node_bytes_sent=inter * self.topology.shards,  # type: ignore[operator]
                  messages=1 if peers else 0),
-            start, works, (lambda: [b.to(device) for b in received]) if staged else received,
-            timeout_what=None, async_op=async_op,
+            start, works, (lambda: self._received(received, peers, tensor)) if staged or self.tags is not None
+            else received, timeout_what=None, async_op=async_op,
         )
 
 

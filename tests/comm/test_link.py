@@ -219,3 +219,67 @@ def test_a_mean_under_fault_tolerance_divides_by_the_members_whose_values_count_
     forged = Link(topo, ft=_FT([[3.0, 3.0, 0.5], [5.0, 5.0, 1.0]]))  # a count no whole number of members gives
     assert torch.isnan(forged.all_reduce(torch.ones(2), op="avg")).all()
     assert Link(topo, ft=_FT([[3.0, 3.0], [5.0, 5.0]])).all_reduce(torch.ones(2), op="sum").tolist() == [9, 9]  # as is
+
+
+def test_tagged_messages_open_as_sent_and_a_message_in_a_members_place_is_left_out_uncounted():
+    """lowband.comm.tags: with the job's secret each gathered or exchanged message carries a tag over its sender's
+    place and the quorum; one that fails (garbage, another member's message, another quorum's) is someone else's on
+    the wire: zeros marked not counted (flag 2), and the count says so."""
+    from lowband.comm.tags import TAG_BYTES, MessageTags
+
+    tags = MessageTags(b"k" * 32)
+    for like in (torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.arange(5, dtype=torch.uint8),
+                 torch.linspace(0, 1, 4, dtype=torch.bfloat16)):
+        rows = [like + i for i in range(3)]
+        sealed = torch.stack([tags.seal(r, sender=i, context=7) for i, r in enumerate(rows)])
+        assert sealed.dtype == torch.uint8 and sealed.shape[1] == like.numel() * like.element_size() + TAG_BYTES
+        opened, forged = tags.open(sealed, senders=[0, 1, 2], context=7, like=like)
+        assert forged == [] and all(torch.equal(opened[i], rows[i]) for i in range(3))
+        bad = sealed.clone()
+        bad[0, 0] ^= 1  # one bit on the wire
+        bad[1] = tags.seal(rows[2], sender=2, context=7)  # member 2's genuine message in member 1's place
+        bad[2] = tags.seal(rows[2], sender=2, context=6)  # a message of another quorum
+        opened, forged = tags.open(bad, senders=[0, 1, 2], context=7, like=like)
+        assert forged == [0, 1, 2]
+        assert all(opened[i].reshape(-1)[-1].item() == 2 and not opened[i].reshape(-1)[:-1].any() for i in range(3))
+    assert MessageTags(b"o" * 32).open(sealed, senders=[0, 1, 2], context=7, like=like)[1] == [0, 1, 2]  # another job
+
+
+class _GatherPG:
+    """torchft's process group for one all-gather: the other members' rows as given (sealed or not)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def allgather(self, outputs, inputs, opts):
+        outputs[0][0].copy_(inputs[0])
+        for out, row in zip(outputs[0][1:], self.rows, strict=True):
+            out.copy_(row)
+
+        class _Work:
+            def wait(self, timeout=None):
+                return True
+        return _Work()
+
+
+def test_a_link_with_the_jobs_secret_tags_what_it_gathers_and_leaves_a_forged_row_out():
+    from types import SimpleNamespace
+
+    from lowband.comm.tags import MessageTags
+
+    secret = b"s" * 32
+    tags = MessageTags(secret)
+    ft = _FT([])
+    ft.cfg, ft.manager = SimpleNamespace(secret=secret, max_nodes=3), SimpleNamespace(_quorum_id=4)
+    mine = torch.tensor([1.0, 2.0, 0.0])
+    genuine = tags.seal(torch.tensor([3.0, 4.0, 0.0]), sender=1, context=4)
+    garbage = torch.randint(0, 255, genuine.shape, dtype=torch.uint8)
+    ft.pg = _GatherPG([genuine, garbage])
+    link = Link(Topology(num_nodes=1, ranks_per_node=1), ft=ft)
+    out = link.all_gather(mine)
+    assert out.tolist() == [[1.0, 2.0, 0.0], [3.0, 4.0, 0.0], [0.0, 0.0, 2.0]] and link.tags.forged == 1
+    assert link.end_step().ops[0].payload_bytes == 12 + 16  # the tag travels with the message
+    ft.cfg.secret = None  # without a secret nothing is tagged
+    ft.pg = _GatherPG([torch.tensor([3.0, 4.0, 0.0]), torch.tensor([5.0, 6.0, 0.0])])
+    plain = Link(Topology(num_nodes=1, ranks_per_node=1), ft=ft)
+    assert plain.tags is None and plain.all_gather(mine)[2].tolist() == [5.0, 6.0, 0.0]
