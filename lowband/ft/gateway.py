@@ -86,7 +86,7 @@ REFUSED = "lowband gateway: not a member of this job"
 KEPT_OUT = "the Lighthouse's gate keeps node"
 #: In the refusal of a member that the gate holds out for a while: the job's steps failed while it was in the quorum.
 #: That is no proof of its own (a link cut by someone else looks the same): the node waits, then joins again and heals.
-HELD_OUT = "the Lighthouse's gate holds out node"
+HELD_OUT = "the Lighthouse's gate holds node"
 #: In the refusal of a process of a job with a roster when no process of its slot is registered (the gate forgot it).
 UNREGISTERED = "registered no process"
 #: In the refusal of a call over another connection than the one the registered process of its slot calls over.

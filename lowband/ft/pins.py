@@ -17,7 +17,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-__all__ = ["MAX_PINS", "PinKeeper", "endpoint_of_peer", "own_connections", "parse_pins", "spell_pins"]
+__all__ = ["MAX_PINS", "PinKeeper", "addresses_of", "endpoint_of_peer", "own_connections", "parse_pins", "spell_pins"]
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,17 @@ def _endpoint(hex_pair: str) -> Endpoint:
     return _plain(ipaddress.ip_address(raw)), int(port, 16)
 
 
-def own_connections(host: str, port: int, *, proc: str = "/proc/self") -> frozenset[Endpoint]:
-    """The local ends (ip, port) of this process's established TCP connections to ``host:port`` (a name is resolved);
-    empty where /proc cannot be read (not Linux)."""
+def addresses_of(host: str, port: int) -> frozenset:
+    """The IP addresses ``host`` (a literal or a name) stands for."""
+    return frozenset(_plain(ipaddress.ip_address(a[4][0].split("%", 1)[0]))
+                     for a in socket.getaddrinfo(host.strip("[]"), port, proto=socket.IPPROTO_TCP))
+
+
+def own_connections(host: str | frozenset, port: int, *, proc: str = "/proc/self") -> frozenset[Endpoint]:
+    """The local ends (ip, port) of this process's established TCP connections to ``host:port`` (``host``: a name,
+    resolved, or the addresses it stands for); empty where /proc cannot be read (not Linux)."""
     try:
-        remote = {_plain(ipaddress.ip_address(a[4][0].split("%", 1)[0]))
-                  for a in socket.getaddrinfo(host.strip("[]"), port, proto=socket.IPPROTO_TCP)}
+        remote = host if isinstance(host, frozenset) else addresses_of(host, port)
         inodes = set()
         for fd in os.listdir(f"{proc}/fd"):
             try:
@@ -110,7 +115,11 @@ class PinKeeper:
 
     def __init__(self, host: str, port: int | str, register: Callable[[str], str | None], *,
                  poll_s: float = 0.5) -> None:
-        self._where, self._register, self._poll_s = (host, int(port)), register, poll_s
+        self._register, self._poll_s = register, poll_s
+        try:  # resolved once: a poll reads /proc only
+            self._where = (addresses_of(host, int(port)), int(port))
+        except OSError:
+            self._where = (host, int(port))
         self.named: frozenset[Endpoint] = frozenset()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lowband-pins", daemon=True)
