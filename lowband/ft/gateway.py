@@ -400,6 +400,8 @@ class StallBreaker:
 
 
 # --------------------------------------------------------------------------- the gate
+#: The most calls of one slot that wait at once for its process to register or name their connection.
+MAX_AWAITING = 4
 #: How many refused hosts the gate names in its log (once each); past it the least recent are forgotten.
 NAMED_HOSTS = 1024
 #: The most calls at once over one connection (torchft's Manager makes its quorum request and heartbeats over one): a
@@ -444,7 +446,7 @@ class LighthouseGateway:
     def __init__(self, *, bind: str, backend: str, secret: bytes, workers: int = 256,
                  breaker: StallBreaker | None = None, limiter: SourceLimiter | None = None,
                  roster: Roster | None = None, replays: ReplayCache | None = None, pin_idle_s: float = 3.0,
-                 completion_file=None) -> None:
+                 pin_grace_s: float = 2.0, completion_file=None) -> None:
         import grpc  # optional dependency (the ft extra)
 
         self._grpc = grpc
@@ -454,6 +456,9 @@ class LighthouseGateway:
         self.registered: dict[int, str] = {}  # with a roster: node slot -> the replica id its key last registered
         self.pinned: dict[int, tuple[str, float]] = {}  # node slot -> (the connection its process calls over, when)
         self.named: dict[int, frozenset] = {}  # node slot -> the connections its registered process named (signed)
+        self.direct: dict[int, bool] = {}  # node slot -> its process named connections on its own address (no NAT)
+        self.pin_grace_s = pin_grace_s
+        self._awaiting: Counter[int] = Counter()  # node slot -> calls waiting for its registration (bounded)
         self.declared: dict[int, int] = {}  # node slot -> the job's last step, as its registration declared it (signed)
         self.pin_idle_s = pin_idle_s
         self.breaker = breaker if breaker is not None else StallBreaker()
@@ -463,6 +468,7 @@ class LighthouseGateway:
         self.completion = CompletionRecord(completion_file)  # the job's end (lowband.ft.completion)
         self._named: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
+        self._registered = threading.Condition(self._lock)  # notified at each registration
         self._channel = grpc.insecure_channel(backend)
         self._forward = {m: self._channel.unary_unary(m) for m in (QUORUM, HEARTBEAT)}  # bytes in, bytes out
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(path))
@@ -551,6 +557,27 @@ class LighthouseGateway:
                       f"{REFUSED}: {what} {slot} out for {max(0.0, held[1] - time.monotonic()):.0f} s more: it "
                       f"{self.breaker.why.get(slot, 'stalled the job')}")
 
+    def _await_registration(self, slot: int, rid: str, here) -> None:
+        """Wait, at most ``pin_grace_s``, until ``rid`` is the registered process of ``slot`` and, where it names its
+        connections, ``here`` is one of them: torchft's Manager opens a new connection after a failed call (and a
+        restarted gate knows no process) and calls over it at once, a moment before the process names it (or
+        registers again); refused, torchft would wait out its quorum's timeout. Another process's calls wait and are
+        refused; at most :data:`MAX_AWAITING` wait for one slot at once (the others are refused at once)."""
+        def ready() -> bool:
+            return self.registered.get(slot) == rid and (not self.direct.get(slot) or here in self.named.get(slot, ()))
+        if self.pin_grace_s <= 0:
+            return
+        deadline = time.monotonic() + self.pin_grace_s
+        with self._registered:
+            if ready() or self._awaiting[slot] >= MAX_AWAITING:
+                return
+            self._awaiting[slot] += 1
+            try:
+                while not ready() and (left := deadline - time.monotonic()) > 0:
+                    self._registered.wait(left)
+            finally:
+                self._awaiting[slot] -= 1
+
     def member_refusal(self, method: str, request: bytes, host: str, *, peer: str = "") -> str | None:
         """With a roster, what a call whose replica id proved the secret must also show (one of :data:`REFUSAL_KINDS`,
         or None): it comes from the address its member's tag vouches for; a report (:data:`ACCUSE`, :data:`DONE`) is
@@ -580,18 +607,21 @@ class LighthouseGateway:
             return (f"the call came from another address than its member's ({host[:60]}; its tag vouches for "
                     f"{own[:60]})")
         if method in (QUORUM, HEARTBEAT) or (method == ADMIT and not sig and ":" in rid):
+            here = endpoint_of_peer(peer) if method != ADMIT else None
+            if here is not None:  # torchft's call over a connection its process may be about to name: it may wait
+                self._await_registration(claim.node, rid, here)
             if self.registered.get(claim.node) != rid:
                 return (f"not the process its member registered: node {claim.node}'s key "
                         f"{'registered another process' if claim.node in self.registered else UNREGISTERED} (a copied "
                         "replica id, or a process of the node that another one replaced)")
             if method == ADMIT or not peer:
                 return None
-            named, here = self.named.get(claim.node), endpoint_of_peer(peer)
-            if named and here is not None and any(same_host(str(ip), str(here[0])) for ip, _ in named):
-                if here in named:  # no NAT between: the connection is one its process named, signed
+            if self.direct.get(claim.node) and here is not None:  # it named its connections, no NAT between
+                named = self.named.get(claim.node, frozenset())
+                if here in named:
                     return None
                 return (f"not the process its member registered: node {claim.node}'s registered process {PINNED} "
-                        f"(it named {spell_pins(named)[:120]}; this one is {peer[:60]})")
+                        f"(it named {spell_pins(named)[:120] or 'none now'}; this one is {peer[:60]})")
             with self._lock:
                 now, pin = time.monotonic(), self.pinned.get(claim.node)
                 if pin is None or pin[0] == peer or now - pin[1] >= self.pin_idle_s:
@@ -612,8 +642,13 @@ class LighthouseGateway:
             if parts[4] and not (parts[4].isdigit() and len(parts[4]) <= 12):
                 return f"malformed request (the job's last step is not a number: {parts[4][:20]!r})"
             with self._lock:
+                if self.registered.get(claim.node) != rid:
+                    self.direct[claim.node] = False  # a new process: first to call, until it names its connections
                 self.registered[claim.node] = rid  # bounded: only slots of the roster get here
                 self.named[claim.node] = named
+                if named and all(same_host(str(ip), own) for ip, _ in named):
+                    self.direct[claim.node] = True  # from now on only what it names, an empty naming included
+                self._registered.notify_all()
                 if parts[4]:
                     self.declared[claim.node] = int(parts[4])
                 self.pinned.pop(claim.node, None)  # unless it named its connections, its next call pins one again

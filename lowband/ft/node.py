@@ -341,10 +341,10 @@ class FaultTolerance:
         if why is not None and rank == 0:
             raise gate_refusal(cfg, why)
 
-        def register(full_id: str, pins: str = "") -> str | None:  # a roster's job: this process (torchft's id:uuid)
+        def register(full_id: str, pins: str | None = None) -> str | None:  # a roster's job: this process
             why = ask_gate(cfg.lighthouse, full_id, f"http://{advertise}:{port}", f"{store_host}:{store_port}",
-                           timeout_s=min(10.0, cfg.quorum_timeout_s), key=cfg.key, pins=pins, last_step=cfg.steps)
-            if not pins:  # claims its slot, signed; then names the connections it calls the gate over (ft.pins)
+                           timeout_s=min(10.0, cfg.quorum_timeout_s), key=cfg.key, pins=pins or "", last_step=cfg.steps)
+            if pins is None:  # (torchft's id:uuid) claims its slot, signed; then names its connections to the gate
                 if why is not None:
                     raise gate_refusal(cfg, why)
                 self.pins = PinKeeper(*split_bind(cfg.lighthouse.split("://", 1)[-1].rstrip("/")),

@@ -44,35 +44,52 @@ def addresses_of(host: str, port: int) -> frozenset:
                      for a in socket.getaddrinfo(host.strip("[]"), port, proto=socket.IPPROTO_TCP))
 
 
-def own_connections(host: str | frozenset, port: int, *, proc: str = "/proc/self") -> frozenset[Endpoint]:
-    """The local ends (ip, port) of this process's established TCP connections to ``host:port`` (``host``: a name,
-    resolved, or the addresses it stands for); empty where /proc cannot be read (not Linux)."""
+def _ends_of(fd: int) -> tuple[Endpoint, Endpoint] | None:
+    """(local end, remote end) of this process's TCP socket ``fd`` (a duplicate is read and closed), or None."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+            return None
+        here, there = sock.getsockname(), sock.getpeername()
+        return ((_plain(ipaddress.ip_address(here[0].split("%", 1)[0])), here[1]),
+                (_plain(ipaddress.ip_address(there[0].split("%", 1)[0])), there[1]))
+    except (OSError, ValueError):
+        return None  # not connected (yet, or any more)
+    finally:
+        sock.close()
+
+
+#: socket inode -> its ends, once connected (they never change): a poll then reads only this process's fd table.
+_ENDS: dict[str, tuple[Endpoint, Endpoint]] = {}
+
+
+def own_connections(host: str | frozenset, port: int) -> frozenset[Endpoint]:
+    """The local ends (ip, port) of this process's connected TCP sockets to ``host:port`` (``host``: a name, resolved,
+    or the addresses it stands for); empty where Linux's /proc/self cannot be read."""
     try:
         remote = host if isinstance(host, frozenset) else addresses_of(host, port)
-        inodes = set()
-        for fd in os.listdir(f"{proc}/fd"):
-            try:
-                link = os.readlink(f"{proc}/fd/{fd}")
-            except OSError:
-                continue  # closed meanwhile
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
+        fds = os.listdir("/proc/self/fd")
     except OSError:
         return frozenset()
-    out = set()
-    for table in ("tcp", "tcp6"):
+    out, live = set(), set()
+    for fd in fds:
         try:
-            with open(f"{proc}/net/{table}") as f:
-                lines = f.read().splitlines()[1:]
+            link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
+            continue  # closed meanwhile
+        if not link.startswith("socket:["):
             continue
-        for line in lines:
-            f = line.split()
-            if len(f) < 10 or f[3] != "01" or f[9] not in inodes:  # 01: established
-                continue
-            here, there = _endpoint(f[1]), _endpoint(f[2])
-            if there[1] == port and there[0] in remote:
-                out.add(here)
+        live.add(link)
+        ends = _ENDS.get(link)
+        if ends is None and (ends := _ends_of(int(fd))) is not None:
+            _ENDS[link] = ends
+        if ends is not None and ends[1][1] == port and ends[1][0] in remote:
+            out.add(ends[0])
+    for gone in [k for k in _ENDS if k not in live]:
+        del _ENDS[gone]  # bounded by this process's open sockets
     return frozenset(out)
 
 
@@ -110,11 +127,13 @@ def endpoint_of_peer(peer: str) -> Endpoint | None:
 
 
 class PinKeeper:
-    """Rank 0's thread that registers again (``register(pins)``: a signed ``Admit`` naming them) whenever this process
-    holds a connection to the gate at ``host:port`` that its last registration did not name."""
+    """Rank 0's thread that registers again (``register(pins)``: a signed ``Admit`` naming them) whenever the
+    connections this process holds to the gate at ``host:port`` are not the ones its last registration named: a new
+    one (the gate holds its first calls a moment for it), or one gone (its port is free for another process to bind:
+    the gate then takes none of the slot's calls until the next is named)."""
 
     def __init__(self, host: str, port: int | str, register: Callable[[str], str | None], *,
-                 poll_s: float = 0.5) -> None:
+                 poll_s: float = 0.25) -> None:
         self._register, self._poll_s = register, poll_s
         try:  # resolved once: a poll reads /proc only
             self._where = (addresses_of(host, int(port)), int(port))
@@ -128,11 +147,12 @@ class PinKeeper:
     def check(self) -> None:
         """Register again if this process holds a connection to the gate that is not named yet."""
         now = own_connections(*self._where)
-        if now and not now <= self.named:
+        if now != self.named:  # a new connection, or one gone (closed: another process may bind its port)
             why = self._register(spell_pins(now))
             if why is None:
                 self.named = now
-                log.info("this node calls the Lighthouse's gate over %s (registered, signed)", spell_pins(now))
+                log.info("this node calls the Lighthouse's gate over %s (registered, signed)",
+                         spell_pins(now) or "no connection now")
             else:
                 log.debug("the gate did not take this node's connections (%s)", why)
 

@@ -22,6 +22,9 @@ log = logging.getLogger("lowband.ft.node")
 #: While a quorum takes longer than this, a node with the job's secret asks the Lighthouse's gate (every this many
 #: seconds) whether it is still a member.
 GATE_POLL_S = 2.0
+#: How many times in a row a node with the job's secret asks again for a quorum whose request failed while the gate
+#: admits it (torchft's Manager does not retry a failed request to the Lighthouse: its ranks wait out the timeout).
+QUORUM_RETRIES = 3
 #: How often a node that the gate holds out asks whether it may join again.
 HELD_POLL_S = 10.0
 
@@ -137,7 +140,7 @@ class QuorumRecorder:
         me = self._ft.replica_id
         mine = member_of(me)[0]  # the fingerprint as the others see it
         max_rounds = cfg.poll_rounds
-        rounds = 0
+        rounds = failed = 0
         while True:
             try:
                 result = self._asked(*args, **kwargs)
@@ -148,9 +151,15 @@ class QuorumRecorder:
                     raise job_complete(cfg.lighthouse, done) from None
                 why = gate_reason(str(e))
                 claim = claim_of(me)
-                if why is None and cfg.secret is not None and claim is not None:  # a timeout: held out by the gate?
-                    asked = self._ask()
-                    why = asked if asked is not None and HELD_OUT in asked else None
+                if why is None and cfg.secret is not None and claim is not None:  # a timeout: what says the gate?
+                    why = self._ask()
+                    if why is None and failed < QUORUM_RETRIES:
+                        # torchft's Manager leaves its ranks waiting out their timeout when its request to the
+                        # Lighthouse failed (a broken connection, a refusal): the gate has nothing against this node
+                        failed += 1
+                        log.warning("node %d: its quorum request failed (%s); the gate admits it: it asks again "
+                                    "(%d of %d)", cfg.node, str(e)[:200], failed, QUORUM_RETRIES)
+                        continue
                 if why is None:
                     raise
                 if HELD_OUT in why:

@@ -485,7 +485,41 @@ def test_a_member_benched_for_failed_steps_is_held_out_and_its_node_waits_then_j
     threading.Thread(target=release, daemon=True).start()
     with pytest.raises(TimeoutError, match="after the hold"):
         ft_quorum.QuorumRecorder(client, ft)._quorum(step=3)
-    assert len(calls) == 2  # asked again once the hold ended, never left
+    assert len(calls) == 2 + ft_quorum.QUORUM_RETRIES  # asked again once the hold ended (and after each timeout)
+
+
+def test_a_quorum_request_that_failed_in_torchft_is_asked_again_while_the_gate_admits_the_node(gate, monkeypatch):
+    """torchft's Manager leaves its ranks waiting out their timeout when its request to the Lighthouse failed (a broken
+    connection, a refusal): a node with the secret asks the gate, and asks torchft again (a few times) while the gate
+    admits it; a node the gate removed learns why."""
+    from lowband.ft import quorum as ft_quorum
+    from lowband.ft.node import FaultTolerance, FaultToleranceConfig
+    from lowband.trust.admission import RemovedFromJob
+
+    g, _, _ = gate
+    monkeypatch.setattr(ft_quorum, "GATE_POLL_S", 5.0)
+    ids = {s: _member(s, "127.0.0.1") for s in range(3)}
+    ft = FaultTolerance.__new__(FaultTolerance)
+    ft.cfg = FaultToleranceConfig(lighthouse=g.address(), node=2, max_nodes=3, fingerprint="f00d", secret=SECRET)
+    ft.replica_id = ids[2]
+    calls = []
+
+    def quorum_call(**kw):
+        calls.append(1)
+        if len(calls) <= ft_quorum.QUORUM_RETRIES + 1:
+            raise TimeoutError("status: Cancelled, message: \"Timeout expired\"")
+        raise AssertionError("asked more often than QUORUM_RETRIES")
+    client = type("C", (), {})()
+    client._quorum = quorum_call
+    with pytest.raises(TimeoutError):  # asked again QUORUM_RETRIES times, then the timeout stands
+        ft_quorum.QuorumRecorder(client, ft)._quorum(step=3)
+    assert len(calls) == ft_quorum.QUORUM_RETRIES + 1
+    g.breaker.observe((1, 0), {s: q(5, 5) for s in ids}, ids)
+    g.breaker._bench(2, g.breaker._clock(), "bad messages", removes=True)
+    calls.clear()
+    with pytest.raises(RemovedFromJob, match="node 2 is removed"):  # the gate's reason, at the first failure
+        ft_quorum.QuorumRecorder(client, ft)._quorum(step=3)
+    assert len(calls) == 1
 
 
 # ----------------------------------------------------------------------------- what a stranger can make it do
@@ -583,10 +617,10 @@ def test_in_a_round_of_two_one_report_ends_the_job_only_at_the_last_step_each_me
     members = b.round_members()
     r = CompletionRecord()
     assert r.done(ids[0], "10.0.0.1", 700, "/out0", members) is None and not r.complete  # no declarations: both
-    for declared, at, step in (({0: 700, 1: 800}, 699, 700),  # node 1 declared another end
-                               ({0: 700}, 699, 700),  # node 1 declared none
-                               ({0: 500, 1: 500}, 699, 700),  # a report of another step than the declared one
-                               ({0: 800, 1: 800}, 699, 800)):  # the declared end, but the round is at 699
+    for declared, step in (({0: 700, 1: 800}, 700),  # node 1 declared another end
+                           ({0: 700}, 700),  # node 1 declared none
+                           ({0: 500, 1: 500}, 700),  # a report of another step than the declared one
+                           ({0: 800, 1: 800}, 800)):  # the declared end, but the round (at 699) is not at its quorum
         r = CompletionRecord()
         assert r.done(ids[0], "10.0.0.1", step, "/out0", members, declared) is None and not r.complete, declared
     r = CompletionRecord()

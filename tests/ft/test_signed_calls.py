@@ -69,7 +69,8 @@ def gate(job):
         SERVICE, {"Quorum": handler(QUORUM), "Heartbeat": handler(HEARTBEAT)})])
     port = backend.add_insecure_port("127.0.0.1:0")
     backend.start()
-    g = LighthouseGateway(bind="127.0.0.1:0", backend=f"127.0.0.1:{port}", secret=secret, workers=4, roster=roster)
+    g = LighthouseGateway(bind="127.0.0.1:0", backend=f"127.0.0.1:{port}", secret=secret, workers=4, roster=roster,
+                          pin_grace_s=0.0)  # a refusal at once (the wait for a registration: its own test)
     yield g, seen
     g.shutdown()
     backend.stop(grace=None)
@@ -249,6 +250,9 @@ def test_a_process_that_named_its_connections_is_taken_over_those_only_even_afte
     assert g.member_refusal(ADMIT, _admit(rid, keys[0], pins="127.0.0.1:40004"), "127.0.0.1") is None  # reconnected
     assert g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40004") is None
     assert "another connection" in g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40001")
+    # its connection closed: it names none; nothing of its slot passes, the old port (rebound by another) included
+    assert g.member_refusal(ADMIT, _admit(rid, keys[0]), "127.0.0.1") is None
+    assert "none now" in g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40004")
     # behind a NAT the named ends are on the member's own (private) address, not the one the gate sees: first to call
     nat = _member(secret, 2, host="10.9.0.5")
     assert g.member_refusal(ADMIT, _admit(nat, keys[2], pins="192.168.1.5:51000"), "10.9.0.5") is None
@@ -270,6 +274,35 @@ def test_a_registration_declares_the_jobs_last_step_signed_and_a_malformed_one_i
     unsigned = admission_request(_member(secret, 1), *_addresses(_member(secret, 1)), last_step=5)
     g.member_refusal(ADMIT, unsigned, "127.0.0.1")
     assert 1 not in g.declared  # an unsigned question declares nothing
+
+
+def test_a_call_over_a_connection_its_process_names_a_moment_later_waits_for_it_and_anothers_is_refused(job, gate):
+    """torchft's Manager opens a new connection after a failed call and calls over it at once, a moment before the
+    node names it (lowband.ft.pins); refused, torchft would wait out its quorum's timeout. The call waits (at most
+    pin_grace_s) for the naming; another process's call over a connection that is never named is refused."""
+    import threading
+
+    secret, _, keys = job
+    g, _ = gate
+    g.pin_grace_s = 2.0
+    rid = _member(secret, 0)
+    assert g.member_refusal(ADMIT, _admit(rid, keys[0], pins="127.0.0.1:40001"), "127.0.0.1") is None
+    quorum = _admit(rid)
+    timer = threading.Timer(0.3, lambda: g.member_refusal(ADMIT, _admit(rid, keys[0], pins="127.0.0.1:40002"),
+                                                          "127.0.0.1"))
+    timer.start()
+    t0 = time.monotonic()
+    assert g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40002") is None  # named meanwhile
+    assert 0.25 < time.monotonic() - t0 < 1.5
+    timer.join()
+    g.pin_grace_s = 0.4
+    t0 = time.monotonic()
+    assert "another connection" in g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40003")
+    assert time.monotonic() - t0 >= 0.35 and g._awaiting[0] == 0
+    g._awaiting[0] = 4  # as many calls of the slot already wait as may: the next is refused at once
+    t0 = time.monotonic()
+    assert "another connection" in g.member_refusal(QUORUM, quorum, "127.0.0.1", peer="ipv4:127.0.0.1:40003")
+    assert time.monotonic() - t0 < 0.2
 
 
 @pytest.mark.multiprocess
