@@ -9,7 +9,7 @@ import os
 import sys
 
 from lowband.ft.completion import JobComplete
-from lowband.trust.admission import RemovedFromJob
+from lowband.trust.admission import CannotListen, RemovedFromJob
 
 __all__ = ["main", "build_parser"]
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             # retries a request the Lighthouse's gate refuses. The node has nothing left to save; leave now.
             _leave_now(2)
         return 2
-    except FileNotFoundError as e:
+    except (FileNotFoundError, CannotListen) as e:
         print(f"lowband {args.command}: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:

@@ -56,7 +56,7 @@ from lowband.ft.protowire import (
     string_field,
 )
 from lowband.ft.protowire import string_of as _string
-from lowband.trust.admission import claim_of, proves, same_host
+from lowband.trust.admission import CannotListen, claim_of, proves, same_host
 from lowband.trust.keys import MemberKey, ReplayCache, Roster, verify_call
 from lowband.trust.limits import SourceLimiter, Tarpit
 
@@ -400,6 +400,8 @@ class StallBreaker:
 
 
 # --------------------------------------------------------------------------- the gate
+#: How often (seconds, at most) the gate logs how many calls it refused since, by kind (a host is named only once).
+SUMMARY_S = 60.0
 #: The most calls of one slot that wait at once for its process to register or name their connection.
 MAX_AWAITING = 4
 #: How many refused hosts the gate names in its log (once each); past it the least recent are forgotten.
@@ -415,12 +417,14 @@ SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES), ("grpc
 
 def _listen(server, bind: str, what: str) -> int:
     """Bind ``server`` to exactly ``bind`` (a checked ``HOST:PORT``): its port, or an OSError naming the address."""
+    fix = ("not an address of this machine, or the port is taken (pass an address this machine holds, `ip -brief "
+           "address` lists them, and a free port)")
     try:
         port = server.add_insecure_port(bind)
     except RuntimeError as e:
-        raise OSError(f"{what} cannot listen on {bind}: {e}") from None
+        raise CannotListen(f"{what} cannot listen on {bind}: {fix}; gRPC says: {e}") from None
     if not port:
-        raise OSError(f"{what} cannot listen on {bind} (not an address of this machine, or the port is taken)")
+        raise CannotListen(f"{what} cannot listen on {bind}: {fix}")
     return port
 
 
@@ -467,6 +471,7 @@ class LighthouseGateway:
         self.refused: Counter[str] = Counter()
         self.completion = CompletionRecord(completion_file)  # the job's end (lowband.ft.completion)
         self._named: OrderedDict[str, None] = OrderedDict()
+        self._summary: tuple[float, Counter[str]] = (time.monotonic(), Counter())  # when the refusals were last logged
         self._lock = threading.Lock()
         self._registered = threading.Condition(self._lock)  # notified at each registration
         self._channel = grpc.insecure_channel(backend)
@@ -698,8 +703,16 @@ class LighthouseGateway:
                 self._named[host] = None
                 while len(self._named) > NAMED_HOSTS:
                     self._named.popitem(last=False)
+            now, since = time.monotonic(), None
+            if now - self._summary[0] >= SUMMARY_S:  # the refusals since the last summary, by kind
+                since = {k: n - self._summary[1][k] for k, n in self.refused.items() if n > self._summary[1][k]}
+                since_s, self._summary = now - self._summary[0], (now, Counter(self.refused))
         if first:
-            log.warning("the Lighthouse's gate refused a call from %s: %s (once per host)", host or "?", why[:300])
+            log.warning("the Lighthouse's gate refused a call from %s: %s (once per host; then a count a minute)",
+                        host or "?", why[:300])
+        elif since:
+            log.warning("the Lighthouse's gate refused %d calls in the last %.0f s: %s", sum(since.values()), since_s,
+                        ", ".join(f"{n} {k}" for k, n in sorted(since.items())))
 
     def shutdown(self) -> None:
         self._server.stop(grace=None)

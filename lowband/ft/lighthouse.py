@@ -8,6 +8,7 @@ the job's address in front of it: only the job's members reach it (docs/internet
 from __future__ import annotations
 
 from lowband.ft.gateway import LighthouseGateway, StallBreaker
+from lowband.trust.admission import CannotListen
 
 __all__ = ["GatedLighthouse", "start_lighthouse"]
 
@@ -51,9 +52,13 @@ def start_lighthouse(*, bind: str = "127.0.0.1:0", min_nodes: int = 1, join_time
     from torchft._torchft import LighthouseServer  # optional dependency (the ft extra)
 
     def lighthouse(at: str):
-        return LighthouseServer(bind=at, min_replicas=min_nodes, join_timeout_ms=int(join_timeout_s * 1000),
-                                quorum_tick_ms=int(quorum_tick_s * 1000),
-                                heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+        try:
+            return LighthouseServer(bind=at, min_replicas=min_nodes, join_timeout_ms=int(join_timeout_s * 1000),
+                                    quorum_tick_ms=int(quorum_tick_s * 1000),
+                                    heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+        except RuntimeError as e:  # torchft's bind error, as its Rust side words it
+            raise CannotListen(f"the Lighthouse cannot listen on {at}: {e}; pass an address this machine holds "
+                               "(`ip -brief address` lists them) and a free port") from None
 
     if secret is None:
         return lighthouse(bind)

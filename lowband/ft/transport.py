@@ -82,7 +82,7 @@ from lowband.ft.wire import (  # noqa: F401  (the wire format's names, as caller
     receive_limit,
     template_of,
 )
-from lowband.trust.admission import claim_of
+from lowband.trust.admission import CannotListen, claim_of
 from lowband.trust.admission import same_host as _same_host
 from lowband.trust.limits import SourceLimiter
 from lowband.trust.secret import tag, verify
@@ -216,7 +216,7 @@ class StateTransport:
         try:
             self._server = Server((host, port), Handler)
         except OSError as e:
-            raise OSError(f"the state server cannot listen on {host}:{port} ({e.strerror or e}): --ft-bind must be an "
+            raise CannotListen(f"the state server cannot listen on {host}:{port} ({e.strerror or e}): --ft-bind must be an "
                           "address of this machine on the job's network (it listens there and nowhere else)") from None
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="lowband-state-server", daemon=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from lowband.trust.secret import tag, verify
 
-__all__ = ["Address", "AdmissionRefused", "BindRefused", "Claim", "RemovedFromJob", "admit", "check_bind", "check_port",
+__all__ = ["Address", "AdmissionRefused", "BindRefused", "CannotListen", "Claim", "RemovedFromJob", "admit", "check_bind", "check_port",
            "claim_of", "is_public", "job_address", "join_bind", "member_of", "replica_id", "same_host", "screen"]
 
 
@@ -45,6 +45,10 @@ class RemovedFromJob(AdmissionRefused):
 
 class BindRefused(ValueError):
     """A listener would bind a wildcard or public address without ``--trusted-network``."""
+
+
+class CannotListen(OSError):
+    """A listener cannot bind the checked address: not an address of this machine, or the port is taken."""
 
 
 # --------------------------------------------------------------------------- replica ids
@@ -263,8 +267,10 @@ def _judge(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> tuple[ipaddress
             ip = ip.ipv4_mapped
         elif ip.scope_id is None and int(ip) >> 32 == 0 and int(ip) > 1:
             return ip, "an IPv4-compatible IPv6 address (::a.b.c.d, deprecated): write the IPv4 address itself"
-    if ip.is_unspecified or (ip.version == 4 and int(ip) >> 24 == 0):
+    if ip.is_unspecified:
         return ip, "a wildcard: every interface of this machine"
+    if ip.version == 4 and int(ip) >> 24 == 0:
+        return ip, "an address of 0.0.0.0/8 (\"this network\": no interface holds one, and 0.0.0.0 is every interface)"
     bare = ipaddress.ip_address(str(ip).split("%", 1)[0])
     if not any(bare in n for n in JOB_NETWORKS if n.version == bare.version):
         return ip, "a public address (not loopback, private or link-local)"

@@ -553,6 +553,22 @@ def test_refusals_are_counted_by_kind_and_a_host_over_its_budget_is_refused_unre
     assert seen == [] and g.refused["too many refused calls from this host"] == 1
 
 
+def test_the_gate_names_a_refused_host_once_and_then_logs_a_count_by_kind_at_most_once_a_minute(gate, caplog):
+    import logging
+    import time
+
+    g, _, _ = gate
+    with caplog.at_level(logging.WARNING, logger="lowband.ft.gateway"):
+        for i in range(5):
+            with pytest.raises(grpc.RpcError):
+                _call(g.address(), HEARTBEAT, _heartbeat(f"lowband_f00d_node{i}:u{i}"))
+        assert caplog.text.count("refused a call from 127.0.0.1") == 1 and "calls in the last" not in caplog.text
+        g._summary = (time.monotonic() - 61.0, g._summary[1])  # a minute later
+        with pytest.raises(grpc.RpcError):
+            _call(g.address(), HEARTBEAT, _heartbeat("lowband_f00d_node9:u9"))
+    assert "refused 6 calls in the last 61 s: 6 replica id does not prove the job's secret" in caplog.text
+
+
 def test_the_source_limiters_tables_are_bounded_whoever_calls():
     from lowband.trust.limits import SourceLimiter
 

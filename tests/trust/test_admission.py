@@ -177,7 +177,7 @@ def test_every_spelling_of_a_job_address_is_bound_as_the_address_it_is(host, bou
 
 @pytest.mark.parametrize("host, why", [
     ("", "wildcard"), ("*", "wildcard"), ("0.0.0.0", "wildcard"), ("0", "wildcard"), ("0.0", "wildcard"),
-    ("0x0", "wildcard"), ("00", "wildcard"), ("0.1.2.3", "wildcard"), ("::", "wildcard"), ("[::]", "wildcard"),
+    ("0x0", "wildcard"), ("00", "wildcard"), ("0.1.2.3", "0.0.0.0/8"), ("::", "wildcard"), ("[::]", "wildcard"),
     ("0:0:0:0:0:0:0:0", "wildcard"), ("::ffff:0.0.0.0", "wildcard"), ("[::ffff:0.0.0.0]", "wildcard"),
     ("::ffff:0:0", "wildcard"), ("::0.0.0.0", "wildcard"),
     ("::127.0.0.1", "IPv4-compatible"), ("::8.8.8.8", "IPv4-compatible"), ("::ffff:8.8.8.8", "public"),
@@ -194,6 +194,15 @@ def test_every_spelling_of_a_wildcard_or_public_address_is_refused(host, why):
     assert is_public(host)
     with pytest.raises(BindRefused, match=r"--ft-bind 127\.0\.0\.1.*--trusted-network"):
         check_bind(host, what="x", flag="--ft-bind", secret=True, trusted_network=False)
+
+
+def test_an_address_this_machine_does_not_hold_is_a_clear_error_naming_the_fix():
+    pytest.importorskip("grpc")
+    from lowband.ft.gateway import LighthouseGateway
+    from lowband.trust.admission import CannotListen
+
+    with pytest.raises(CannotListen, match=r"cannot listen on 192\.0\.2\.1:0: not an address of this machine.*ip -brief"):
+        LighthouseGateway(bind="192.0.2.1:0", backend="127.0.0.1:1", secret=b"s" * 32, workers=2)
 
 
 def test_a_host_name_is_the_job_network_only_when_every_address_it_resolves_to_is(monkeypatch):
