@@ -37,18 +37,19 @@ process the member's key registered, over the connections that process named, si
 
 from __future__ import annotations
 
-import ipaddress
+import contextlib
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
+from lowband.ft.breaker import COMMITTED_SCALE, StallBreaker, quorum_round
 from lowband.ft.completion import COMPLETE, DONE, CompletionRecord, complete_reason, done_fields, job_complete
 from lowband.ft.pins import endpoint_of_peer, parse_pins, spell_pins
 from lowband.ft.protowire import (
     MAX_FIELDS,
-    RESPONSE_FIELDS,
     call_gate,
     parse_fields,
     sign_request,
@@ -169,236 +170,6 @@ def refusal(secret: bytes, request: bytes, method: str) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------- a member that stalls the job
-#: A lowband node reports training step × this + committed steps to the quorum (:func:`lowband.ft.node.quorum_step`): a
-#: dropped step advances the first and not the second.
-COMMITTED_SCALE = 1 << 32
-
-
-def quorum_round(response: bytes) -> tuple[tuple[int, int], dict[int, int], dict[int, str]] | None:
-    """A LighthouseQuorumResponse's round: (its ``created`` timestamp, {member's slot: its quorum step}, {member's
-    slot: its replica id}), or None when the bytes do not read as one (field 1: the Quorum; its field 2: the members, each with replica id 1 and
-    step 4; its field 3: the timestamp, seconds 1 and nanos 2)."""
-    try:  # the Lighthouse's answer lists every member: read with a bound of its own
-        (quorum,) = parse_fields(response, max_fields=RESPONSE_FIELDS).get(1) or [None]
-        if not isinstance(quorum, bytes):
-            return None
-        q = parse_fields(quorum, max_fields=RESPONSE_FIELDS)
-        ts = q.get(3) or [b""]
-        t = parse_fields(ts[-1]) if isinstance(ts[-1], bytes) else {}
-        created = (int((t.get(1) or [0])[-1]), int((t.get(2) or [0])[-1]))
-        members: dict[int, int] = {}
-        ids: dict[int, str] = {}
-        for raw in q.get(2) or []:
-            if not isinstance(raw, bytes):
-                return None
-            m = parse_fields(raw)
-            rid = _string(m, 1)
-            claim = claim_of(rid)
-            if claim is None:
-                return None
-            ids[claim.node] = rid
-            step = int((m.get(4) or [0])[-1])
-            step = step - (1 << 64) if step >= 1 << 63 else step  # int64 on the wire
-            members[claim.node] = step  # training step × COMMITTED_SCALE + committed steps (lowband.ft.node.quorum_step)
-        return created, members, ids
-    except (ValueError, UnicodeDecodeError, TypeError):
-        return None
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class StallBreaker:
-    """Finds a member that makes the job's steps fail, and keeps it out.
-
-    A member that holds the secret can heartbeat and ask for quorums and then never send (or never configure
-    its process group): every step of a quorum that holds it waits out the timeout and is dropped, and the
-    collective names no one. The gate sees every quorum round go by, and in it what each member reports: the
-    training step it is at and the steps it has committed (:func:`lowband.ft.node.quorum_step`). From one round to
-    the next a member *committed* (a step went through), *dropped* (its training step moved on, its commits
-    did not) or neither (it waited: the start, a quorum asked again). A round *failed* when more than half of
-    its members that are in the next round dropped, and *went through* when more than half committed; a liar
-    alone cannot swing either while two honest members are in the round.
-
-    - When, of the last ``4 × stall_rounds`` rounds with an outcome, ``stall_rounds`` or more failed and
-      exactly one member was in every one that failed and in none that went through, that member is
-      *benched*.
-    - When the last ``stall_rounds`` failed and several members were in each (the same members every round,
-      nothing went through), one of them (the latest to join first) is put on *probation* for ``probation_s``: its heartbeats go no further (the
-      Lighthouse soon counts it dead and forms quorums without it) and its quorum requests wait. If the others
-      commit meanwhile, it is benched; if not, it comes back (and heals like any node that was away) and the
-      next is tried. Probation needs 3 or more members: with two, each one's absence leaves the other alone.
-
-    - A member that sends *bad messages* (they fail their checks: :mod:`lowband.compress.check`) is evicted from
-      the exchange by each member that receives them, and each reports it (:meth:`accuse`). When two or more of
-      the round's other members, and more than half of them, reported it, it is benched. A report counts only
-      from a member of the current round, about a member of it, and from the address the reporting member's tag
-      vouches for: on a network where each node has its own address (a VPN), one member cannot speak for
-      others, and the reporters must be on two or more addresses (on loopback, where every node has the same
-      one, the slots count). A member alone, or a minority, cannot remove an honest one.
-
-    A benched member is kept out for ``bench_s`` (twice as long each time again): its heartbeats go no further and
-    a warning names it. One reported for bad messages is *removed*: its calls are refused with the reason
-    (:data:`KEPT_OUT`) and its node leaves. One benched because steps failed while it was in the quorum is *held
-    out*: that is no proof of its own (a member whose link someone else cuts or floods looks the same), so its
-    quorum requests wait, its question at admission is answered with :data:`HELD_OUT` and the time left, and its
-    node waits and then joins again and heals, like a node that was away.
-    """
-
-    def __init__(self, *, stall_rounds: int = 3, probation_s: float = 30.0, bench_s: float = 600.0,
-                 clock=time.monotonic) -> None:
-        self.stall_rounds, self.probation_s, self.bench_s = stall_rounds, probation_s, bench_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._created: tuple[int, int] | None = None
-        self._last: dict[int, int] | None = None  # the last round: slot -> its quorum step
-        self._round = 0
-        self._joined: dict[int, int] = {}  # slot -> the round it joined (came back to) the quorum
-        self.outcomes: deque[tuple[frozenset[int], bool]] = deque(maxlen=4 * stall_rounds)
-        self._tried: set[int] = set()
-        self.probation: tuple[int, float, dict[int, int]] | None = None  # slot, until, the others' commits then
-        self.benched: dict[int, float] = {}  # slot -> until
-        self.why: dict[int, str] = {}  # slot -> why it is benched
-        self.removes: set[int] = set()  # benched slots whose own messages the others reported: removed, not held
-        self.offences: Counter[int] = Counter()
-        self._ids: dict[int, str] = {}  # the last round's members: slot -> replica id
-        self.reports: dict[str, dict[int, str]] = {}  # reported replica id -> {reporting slot: its address}
-
-    def observe(self, created: tuple[int, int], members: dict[int, int], ids: dict[int, str] | None = None) -> None:
-        """One quorum round as the Lighthouse answered it: {slot: its quorum step} and {slot: its replica id}
-        (each member gets the same answer: seen once)."""
-        with self._lock:
-            if created == self._created:
-                return
-            self._created, self._round = created, self._round + 1
-            if ids is not None:
-                self._ids = dict(ids)
-                for rid in [r for r in self.reports if r not in self._ids.values()]:
-                    del self.reports[rid]  # it left (or came back as a new process): reports about it lapse
-            now = self._clock()
-            self._expire(now)
-            for slot in members:
-                if self._last is None or slot not in self._last:
-                    self._joined[slot] = self._round
-            if self.probation is not None:
-                slot, _, before = self.probation
-                moved = sum(1 for s, c in before.items() if s in members and members[s] % COMMITTED_SCALE > c)
-                if slot not in members and moved * 2 > len(before):
-                    self._bench(slot, now, "without it the others committed again; it takes part in quorums but not "
-                                "in the exchange")
-            if self._last is not None:
-                self._outcome(self._last, members)
-            self._last = dict(members)
-            if self.probation is None:
-                self._judge(now)
-
-    def _outcome(self, last: dict[int, int], now: dict[int, int]) -> None:
-        both = [s for s in last if s in now]
-        committed = sum(1 for s in both if now[s] % COMMITTED_SCALE > last[s] % COMMITTED_SCALE)
-        dropped = sum(1 for s in both if now[s] % COMMITTED_SCALE == last[s] % COMMITTED_SCALE
-                      and now[s] // COMMITTED_SCALE > last[s] // COMMITTED_SCALE)
-        if committed * 2 > len(both):
-            self.outcomes.append((frozenset(last), True))
-            self._tried.clear()
-        elif both and dropped * 2 > len(both):
-            self.outcomes.append((frozenset(last), False))
-
-    def _judge(self, now: float) -> None:
-        failed = [m for m, ok in self.outcomes if not ok]
-        if len(failed) < self.stall_rounds:
-            return
-        common = frozenset.intersection(*failed)
-        for members, ok in self.outcomes:
-            if ok:
-                common -= members
-        if len(common) == 1:
-            (slot,) = common
-            self._bench(slot, now, f"it was in each of the last {len(failed)} quorums whose steps failed and in "
-                                   "none that went through; it takes part in quorums but not in the exchange")
-            return
-        recent = list(self.outcomes)[-self.stall_rounds:]
-        if any(ok for _, ok in recent):
-            return
-        common = frozenset.intersection(*(m for m, _ in recent))
-        left = [s for s in common if s not in self._tried and s not in self.benched]
-        size = min(len(m) for m, _ in recent)
-        if not left or size < 3:
-            if not left:
-                self._tried.clear()
-            return
-        slot = max(left, key=lambda s: (self._joined.get(s, 0), s))  # the latest to join first
-        self._tried.add(slot)
-        self.outcomes.clear()
-        others = {s: v % COMMITTED_SCALE for s, v in (self._last or {}).items() if s != slot}
-        self.probation = (slot, now + self.probation_s, others)
-        log.warning("the Lighthouse's gate: the last %d quorums of nodes %s failed their steps and none went "
-                    "through; node %d is left out for %.0f s to see whether the others commit without it",
-                    self.stall_rounds, sorted(common), slot, self.probation_s)
-
-    def accuse(self, reporter: str, accused: str, host: str, what: str) -> str | None:
-        """A member's report that the member with replica id ``accused`` sent it bad messages (``what``), from
-        the address ``host``. None when it counts, else why it does not."""
-        a, b = claim_of(reporter), claim_of(accused)
-        with self._lock:
-            if a is None or self._ids.get(a.node) != reporter:
-                return "the reporting member is not in the current quorum"
-            if b is None or self._ids.get(b.node) != accused or b.node == a.node:
-                return "the member reported is not (or no longer) in the current quorum"
-            own = a.manager.rsplit(":", 1)[0].strip("[]")
-            if host != own:
-                return f"the report came from {host}, not from the reporting member's address ({own})"
-            votes = self.reports.setdefault(accused, {})
-            votes[a.node] = host
-            loopback = all(_is_loopback(h) for h in votes.values())
-            voices = len(votes) if loopback else len(set(votes.values()))
-            if voices >= 2 and voices * 2 > len(self._ids) - 1 and b.node not in self.benched:
-                del self.reports[accused]
-                self._bench(b.node, self._clock(), f"nodes {', '.join(map(str, sorted(votes)))} of the job reported "
-                            f"bad messages from it ({what[:200]})", headline="sent bad messages", removes=True)
-            return None
-
-    def _bench(self, slot: int, now: float, why: str, *, headline: str = "stalled the job", removes: bool = False) -> None:
-        self.offences[slot] += 1
-        until = now + self.bench_s * 2 ** (self.offences[slot] - 1)
-        self.benched[slot] = until
-        self.why[slot] = f"{headline}: {why}"
-        (self.removes.add if removes else self.removes.discard)(slot)
-        self.probation = None
-        self._tried.clear()
-        self.outcomes.clear()
-        log.warning("the Lighthouse's gate: node %d %s (%s); it is kept out for %.0f s%s", slot, headline, why,
-                    until - now, "" if removes else " (its node waits, then joins again and heals)")
-
-    def _expire(self, now: float) -> None:
-        if self.probation is not None and now >= self.probation[1]:
-            self.probation = None  # the others did not commit without it: it comes back
-        for slot in [s for s, until in self.benched.items() if now >= until]:
-            del self.benched[slot]
-            self.why.pop(slot, None)
-            self.removes.discard(slot)
-
-    def round_members(self) -> dict[int, tuple[str, int]]:
-        """The current round's members: slot -> (replica id, the training step it was at)."""
-        with self._lock:
-            return {s: (rid, (self._last or {}).get(s, 0) // COMMITTED_SCALE) for s, rid in self._ids.items()}
-
-    def held(self, slot: int) -> tuple[str, float] | None:
-        """("removed", "benched" or "probation", until) for a member the gate keeps out now, else None: "removed" when
-        the others reported its messages (it leaves the job), "benched" when steps failed with it (it waits)."""
-        with self._lock:
-            self._expire(self._clock())
-            if slot in self.benched:
-                return "removed" if slot in self.removes else "benched", self.benched[slot]
-            if self.probation is not None and self.probation[0] == slot:
-                return "probation", self.probation[1]
-            return None
-
-
 # --------------------------------------------------------------------------- the gate
 #: How often (seconds, at most) the gate logs how many calls it refused since, by kind (a host is named only once).
 SUMMARY_S = 60.0
@@ -469,6 +240,8 @@ class LighthouseGateway:
         self.limiter = limiter if limiter is not None else SourceLimiter()
         self.tarpit = Tarpit(slots=max(1, workers // 8))  # a refused connection waits; its members keep 7/8 of the pool
         self.refused: Counter[str] = Counter()
+        self.in_flight: Counter[int] = Counter()  # node slot -> its Quorum calls the gate holds or forwards now
+        self.lost: dict[int, float] = {}  # node slot -> when its last Quorum call ended without a quorum
         self.completion = CompletionRecord(completion_file)  # the job's end (lowband.ft.completion)
         self._named: OrderedDict[str, None] = OrderedDict()
         self._summary: tuple[float, Counter[str]] = (time.monotonic(), Counter())  # when the refusals were last logged
@@ -519,41 +292,76 @@ class LighthouseGateway:
                 return self._done(request, context)
             claim = self._claim(request, HEARTBEAT if method == HEARTBEAT else QUORUM)
             slot = claim.node if claim is not None else None
-            if method in (ADMIT, QUORUM) and self.completion.applies_to(claim.fingerprint if claim else None):
-                # a node back after the job ended: it leaves
-                context.abort(self._grpc.StatusCode.FAILED_PRECONDITION, f"{COMPLETE} {self.completion.answer()}")
-            held = self.breaker.held(slot) if slot is not None else None
-            if held is not None and method == HEARTBEAT:
-                return b""  # not passed on: the Lighthouse counts the member dead and forms quorums without it
-            if held is not None and (held[0] == "removed" or (held[0] == "benched" and method == ADMIT)):
-                self._refuse_held(context, slot, held)  # also asked by a member whose quorum waits (ADMIT)
-            if method == ADMIT:
-                return b""
-            while held is not None:  # benched or on probation: its quorum request waits until that ends
-                remaining = context.time_remaining()
-                if remaining is not None and remaining < 1.0:
-                    if held[0] == "benched":
+            with self._in_flight_of(slot if method == QUORUM else None):
+                if method in (ADMIT, QUORUM) and self.completion.applies_to(claim.fingerprint if claim else None):
+                    # a node back after the job ended: it leaves
+                    context.abort(self._grpc.StatusCode.FAILED_PRECONDITION, f"{COMPLETE} {self.completion.answer()}")
+                held = self.breaker.held(slot) if slot is not None else None
+                if held is not None and method == HEARTBEAT:
+                    return b""  # not passed on: the Lighthouse counts the member dead and forms quorums without it
+                if held is not None and (held[0] == "removed" or (held[0] == "benched" and method == ADMIT)):
+                    self._refuse_held(context, slot, held)  # also asked by a member whose quorum waits (ADMIT)
+                if method == ADMIT:
+                    return self._admit_answer(slot)
+                while held is not None:  # benched or on probation: its quorum request waits until that ends
+                    remaining = context.time_remaining()
+                    if remaining is not None and remaining < 1.0:
+                        if held[0] == "benched":
+                            self._refuse_held(context, slot, held)
+                        context.abort(self._grpc.StatusCode.UNAVAILABLE, "the Lighthouse's gate holds this node out "
+                                      "for a while (probation: does the job commit without it?)")
+                    time.sleep(min(0.2, max(0.0, held[1] - time.monotonic())) or 0.05)
+                    held = self.breaker.held(slot)
+                    if held is not None and held[0] == "removed":
                         self._refuse_held(context, slot, held)
-                    context.abort(self._grpc.StatusCode.UNAVAILABLE, "the Lighthouse's gate holds this node out "
-                                  "for a while (probation: does the job commit without it?)")
-                time.sleep(min(0.2, max(0.0, held[1] - time.monotonic())) or 0.05)
-                held = self.breaker.held(slot)
-                if held is not None and held[0] == "removed":
-                    self._refuse_held(context, slot, held)
-            call = self._forward[method].future(request, timeout=_timeout(context))
-            context.add_callback(call.cancel)  # the caller gave up (a quorum request's retry): so does this call,
-            try:  # and its thread is free again (left waiting, they filled the pool and heartbeats stopped)
-                answer = call.result()
-            except self._grpc.FutureCancelledError:
-                context.abort(self._grpc.StatusCode.CANCELLED, "the caller cancelled")
-            except self._grpc.RpcError as e:  # the Lighthouse's own answer (a timeout, ...), passed on
-                context.abort(e.code(), e.details() or "")
-            if method == QUORUM:
-                seen = quorum_round(answer)
-                if seen is not None:
-                    self.breaker.observe(*seen)
-            return answer
+                call = self._forward[method].future(request, timeout=_timeout(context))
+                context.add_callback(call.cancel)  # the caller gave up (a quorum request's retry): so does this call,
+                try:  # and its thread is free again (left waiting, they filled the pool and heartbeats stopped)
+                    answer = call.result()
+                except self._grpc.FutureCancelledError:
+                    context.abort(self._grpc.StatusCode.CANCELLED, "the caller cancelled")
+                except self._grpc.RpcError as e:  # the Lighthouse's own answer (a timeout, ...), passed on
+                    context.abort(e.code(), e.details() or "")
+                if method == QUORUM:
+                    seen = quorum_round(answer)
+                    if seen is not None:
+                        self.breaker.observe(*seen)
+                return answer
         return handle
+
+    @contextlib.contextmanager
+    def _in_flight_of(self, slot: int | None):
+        """Count a ``Quorum`` call of ``slot`` while the gate holds or forwards it (what :meth:`_admit_answer` says)."""
+        if slot is None:
+            yield
+            return
+        with self._lock:
+            self.in_flight[slot] += 1
+        try:
+            yield
+        except BaseException:  # refused, cancelled (its connection broke), or the Lighthouse's error: no quorum
+            with self._lock:
+                self.lost[slot] = time.monotonic()
+                while len(self.lost) > NAMED_HOSTS:
+                    del self.lost[next(iter(self.lost))]
+            raise
+        finally:
+            with self._lock:
+                self.in_flight[slot] -= 1
+                if self.in_flight[slot] <= 0:
+                    del self.in_flight[slot]  # bounded: only slots with a call in flight are kept
+
+    def _admit_answer(self, slot: int | None) -> bytes:
+        """An admitted member's answer: field 1, how many ``Quorum`` calls of its slot the gate holds or forwards
+        now; field 2, the milliseconds since the last one of them ended without a quorum (refused, cancelled:
+        its connection broke; absent if none did). torchft's Manager neither retries such a request nor tells its
+        ranks: a node whose quorum call waits learns from these that it waits for nothing (:mod:`lowband.ft.quorum`)."""
+        if slot is None:
+            return b""
+        with self._lock:
+            n, lost = self.in_flight.get(slot, 0), self.lost.get(slot)
+        age = b"" if lost is None else string_field(2, str(int((time.monotonic() - lost) * 1000)).encode())
+        return string_field(1, str(n).encode()) + age
 
     def _refuse_held(self, context, slot: int, held: tuple[str, float]) -> None:
         """Refuse a call of a member the breaker keeps out: removed (:data:`KEPT_OUT`) or held out (:data:`HELD_OUT`)."""
@@ -739,27 +547,51 @@ def accuse_at_gate(lighthouse: str, rid: str, accused: str, why: str, *, timeout
                                                             key=key), timeout_s=timeout_s)
 
 
+class GateStatus(NamedTuple):
+    """The gate's answer to a node's question: ``why`` it refuses (None: it passes); of an admitted member's slot, the
+    ``Quorum`` calls the gate holds or forwards now and the seconds since the last one ended without a quorum (None
+    where the gate did not say: torchft's own Lighthouse, an older gate, or no such call)."""
+
+    why: str | None
+    in_flight: int | None = None
+    lost_age_s: float | None = None
+
+
+def gate_status(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: float = 10.0,
+                key: MemberKey | None = None, pins: str = "", last_step: int | None = None) -> GateStatus:
+    """:func:`ask_gate`, with what the gate says of the member's ``Quorum`` calls (:class:`GateStatus`)."""
+    import grpc  # optional dependency (the ft extra)
+
+    target = lighthouse.split("://", 1)[-1].rstrip("/")
+    with grpc.insecure_channel(target) as channel:
+        try:
+            answer = channel.unary_unary(ADMIT)(admission_request(rid, address, store, key=key, pins=pins,
+                                                                  last_step=last_step), timeout=timeout_s)
+        except grpc.RpcError as e:
+            done = complete_reason(e.details() or "") if e.code() == grpc.StatusCode.FAILED_PRECONDITION else None
+            if done is not None:
+                raise job_complete(lighthouse, done) from None
+            why = gate_reason(e.details() or "") if e.code() == grpc.StatusCode.PERMISSION_DENIED else None
+            if why is None:
+                log.debug("the Lighthouse at %s did not answer the gate's question (%s): no gate, or not up yet",
+                          lighthouse, e.code())
+            return GateStatus(why)
+    try:
+        fields = parse_fields(answer or b"")
+        n, age = _string(fields, 1), _string(fields, 2)
+        return GateStatus(None, int(n) if n.isdigit() and len(n) < 10 else None,
+                          int(age) / 1000 if age.isdigit() and len(age) < 15 else None)
+    except (ValueError, UnicodeDecodeError):
+        return GateStatus(None)
+
+
 def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: float = 10.0,
              key: MemberKey | None = None, pins: str = "", last_step: int | None = None) -> str | None:
     """Ask the gate at ``lighthouse`` (``http://HOST:PORT``) whether a member with replica id ``rid``, Manager
     ``address`` and ``store`` may pass: the gate's reason for refusing it, or None (it passes; or the Lighthouse
     has no gate, or cannot be reached yet: torchft's Manager then finds out by itself). With the member's ``key``
     the question is signed, and in a job with a roster registers ``rid`` as the process of the member's slot, calling
-    over the connections ``pins`` names, in a job whose last step is ``last_step``. Raises :class:`~lowband.ft.completion.JobComplete` when the gate says the job is complete."""
-    import grpc  # optional dependency (the ft extra)
-
-    target = lighthouse.split("://", 1)[-1].rstrip("/")
-    with grpc.insecure_channel(target) as channel:
-        try:
-            channel.unary_unary(ADMIT)(admission_request(rid, address, store, key=key, pins=pins, last_step=last_step),
-                                      timeout=timeout_s)
-        except grpc.RpcError as e:
-            done = complete_reason(e.details() or "") if e.code() == grpc.StatusCode.FAILED_PRECONDITION else None
-            if done is not None:
-                raise job_complete(lighthouse, done) from None
-            why = gate_reason(e.details() or "") if e.code() == grpc.StatusCode.PERMISSION_DENIED else None
-            if why is not None:
-                return why
-            log.debug("the Lighthouse at %s did not answer the gate's question (%s): no gate, or not up yet",
-                      lighthouse, e.code())
-    return None
+    over the connections ``pins`` names, in a job whose last step is ``last_step``. Raises
+    :class:`~lowband.ft.completion.JobComplete` when the gate says the job is complete."""
+    return gate_status(lighthouse, rid, address, store, timeout_s=timeout_s, key=key, pins=pins,
+                       last_step=last_step).why

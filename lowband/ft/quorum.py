@@ -12,18 +12,22 @@ from collections.abc import Callable
 from typing import Any
 
 from lowband.ft.completion import JobComplete, complete_reason, job_complete
-from lowband.ft.gateway import HELD_OUT, KEPT_OUT, PINNED, UNREGISTERED, ask_gate, gate_reason
+from lowband.ft.gateway import HELD_OUT, KEPT_OUT, PINNED, UNREGISTERED, ask_gate, gate_reason, gate_status
 from lowband.trust.admission import AdmissionRefused, RemovedFromJob, admit, claim_of, member_of, screen
 
-__all__ = ["GATE_POLL_S", "HELD_POLL_S", "ForeignJob", "NodeSlotTaken", "QuorumRecorder", "gate_refusal", "wait_held_out"]
+__all__ = ["GATE_POLL_S", "HELD_POLL_S", "QuorumLost", "ForeignJob", "NodeSlotTaken", "QuorumRecorder", "gate_refusal", "wait_held_out"]
 
 log = logging.getLogger("lowband.ft.node")
 
 #: While a quorum takes longer than this, a node with the job's secret asks the Lighthouse's gate (every this many
 #: seconds) whether it is still a member.
 GATE_POLL_S = 2.0
-#: How many times in a row a node with the job's secret asks again for a quorum whose request failed while the gate
-#: admits it (torchft's Manager does not retry a failed request to the Lighthouse: its ranks wait out the timeout).
+#: How much earlier than its call a node takes a lost request at the gate to be of another call (clocks differ, the
+#: gate's answer takes time).
+LOST_MARGIN_S = 1.0
+#: How many times in a row a node with the job's secret asks again for a quorum whose request timed out while the gate
+#: admits it (torchft's Manager does not retry a failed request to the Lighthouse: its ranks wait out the timeout). A
+#: request the gate saw end without a quorum (:class:`QuorumLost`) is asked again for up to the quorum timeout.
 QUORUM_RETRIES = 3
 #: How often a node that the gate holds out asks whether it may join again.
 HELD_POLL_S = 10.0
@@ -62,6 +66,10 @@ def wait_held_out(cfg: Any, why: str | None, ask: Callable[[], str | None]) -> s
         time.sleep(HELD_POLL_S)
         why = ask()
     return why
+
+
+class QuorumLost(TimeoutError):
+    """This node's quorum request ended at the gate without a quorum, and torchft's Manager will not retry it."""
 
 
 class NodeSlotTaken(ValueError):
@@ -114,10 +122,19 @@ class QuorumRecorder:
                 answer["error"] = e
             done.set()
         threading.Thread(target=call, daemon=True, name="lowband-quorum").start()  # daemon: a call left waiting
+        started = time.monotonic()
         while not done.wait(GATE_POLL_S):  # after a refusal must not hold the process up until its timeout
             try:
-                why = ask_gate(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
-                               timeout_s=GATE_POLL_S)
+                status = gate_status(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
+                                     timeout_s=GATE_POLL_S)
+                why = status.why
+                if (why is None and status.in_flight == 0 and status.lost_age_s is not None
+                        and status.lost_age_s < time.monotonic() - started - LOST_MARGIN_S):
+                    # This node's request reached the gate after its call began and ended without a quorum (its
+                    # connection broke, or it was refused): torchft's Manager does not retry it, and its ranks
+                    # would wait out the whole timeout. The call is left behind (a daemon); the node asks again.
+                    raise QuorumLost(f"node {cfg.node}'s quorum request ended at the Lighthouse's gate "
+                                     f"{status.lost_age_s:.1f} s ago without a quorum")
                 if why is not None and cfg.key is not None and UNREGISTERED in why:
                     # A gate that forgot this process (the Lighthouse was restarted): registered again, signed. A
                     # process that another one of the node replaced is told so and leaves (it does not take it back).
@@ -141,6 +158,7 @@ class QuorumRecorder:
         mine = member_of(me)[0]  # the fingerprint as the others see it
         max_rounds = cfg.poll_rounds
         rounds = failed = 0
+        first_lost: float | None = None  # when a request of this quorum was first lost at the gate
         while True:
             try:
                 result = self._asked(*args, **kwargs)
@@ -153,12 +171,15 @@ class QuorumRecorder:
                 claim = claim_of(me)
                 if why is None and cfg.secret is not None and claim is not None:  # a timeout: what says the gate?
                     why = self._ask()
-                    if why is None and failed < QUORUM_RETRIES:
+                    lost = isinstance(e, QuorumLost)  # seen at the gate within seconds: asked again for a while
+                    first_lost = first_lost if first_lost is not None or not lost else time.monotonic()
+                    if why is None and ((lost and time.monotonic() - first_lost < cfg.quorum_timeout_s)
+                                        or (not lost and failed < QUORUM_RETRIES)):
                         # torchft's Manager leaves its ranks waiting out their timeout when its request to the
                         # Lighthouse failed (a broken connection, a refusal): the gate has nothing against this node
-                        failed += 1
-                        log.warning("node %d: its quorum request failed (%s); the gate admits it: it asks again "
-                                    "(%d of %d)", cfg.node, str(e)[:200], failed, QUORUM_RETRIES)
+                        failed += not lost
+                        log.warning("node %d: its quorum request failed (%s); the gate admits it: it asks again",
+                                    cfg.node, str(e)[:200])
                         continue
                 if why is None:
                     raise

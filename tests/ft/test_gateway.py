@@ -140,7 +140,8 @@ def test_a_node_asks_the_gate_before_it_starts_and_an_ungated_lighthouse_lets_it
     assert seen == []  # the gate answers its own question: the Lighthouse never sees it
     # torchft's own Lighthouse has no gate (UNIMPLEMENTED) and one not up yet cannot answer: the node goes on
     assert ask_gate(f"http://{backend}", replica_id("f00d", 1) + ":x", "x", "y") is None
-    assert _call(g.address(), ADMIT, admission_request(MEMBER, f"http://{MANAGER}", STORE)) == b""
+    answer = _call(g.address(), ADMIT, admission_request(MEMBER, f"http://{MANAGER}", STORE))
+    assert parse_fields(answer) == {1: [b"0"]}  # none of its Quorum calls in flight, none lost
 
 
 # ----------------------------------------------------------------------------- a member that stalls the job
@@ -520,6 +521,66 @@ def test_a_quorum_request_that_failed_in_torchft_is_asked_again_while_the_gate_a
     with pytest.raises(RemovedFromJob, match="node 2 is removed"):  # the gate's reason, at the first failure
         ft_quorum.QuorumRecorder(client, ft)._quorum(step=3)
     assert len(calls) == 1
+
+
+def test_the_gate_says_how_many_quorum_calls_of_a_member_it_holds_and_when_one_ended_without_a_quorum(gate):
+    """torchft's Manager neither retries a failed request to the Lighthouse nor tells its ranks (they wait out the
+    quorum's timeout): the gate answers a member's question with its Quorum calls in flight and the age of the last
+    one that ended without a quorum (here: held, then refused near its deadline; a broken connection ends one too)."""
+    import threading
+    import time
+
+    from lowband.ft.gateway import gate_status
+
+    g, _, _ = gate
+    ids = {s: _member(s, "127.0.0.1") for s in range(3)}
+    g.breaker.observe((1, 0), {s: q(5, 5) for s in ids}, ids)
+    g.breaker._bench(1, g.breaker._clock(), "it was in each failed quorum")  # held out: its quorum waits at the gate
+    addresses = ("http://127.0.0.1:6000", "127.0.0.1:5000")
+    assert gate_status(g.address(), ids[1], *addresses).why is not None  # held out: refused, with the reason
+    assert gate_status(g.address(), ids[2], *addresses) == (None, 0, None)  # nothing in flight, nothing lost
+    g.breaker.benched[2] = g.breaker._clock() + 60  # node 2's quorum waits at the gate (its question is refused)
+    g.breaker.benched.pop(1)
+
+    def quorum_gives_up():
+        with grpc.insecure_channel(g.address().split("://", 1)[-1]) as ch, pytest.raises(grpc.RpcError):
+            ch.unary_unary(QUORUM)(admission_request(ids[2], *addresses), timeout=2.0)  # refused 1 s before its end
+    t = threading.Thread(target=quorum_gives_up)
+    t.start()
+    time.sleep(0.4)
+    assert g.in_flight[2] == 1
+    t.join()
+    time.sleep(0.2)
+    g.breaker.benched.pop(2)
+    status = gate_status(g.address(), ids[2], *addresses)
+    assert status.why is None and status.in_flight == 0 and 0 <= status.lost_age_s < 2.0, status
+    assert 2 not in g.in_flight  # the table keeps slots with a call in flight only
+
+
+def test_a_node_whose_quorum_request_ended_at_the_gate_stops_waiting_for_torchft_and_asks_again(gate, monkeypatch):
+    import threading
+    import time
+
+    from lowband.ft import quorum as ft_quorum
+    from lowband.ft.node import FaultTolerance, FaultToleranceConfig
+
+    g, _, _ = gate
+    monkeypatch.setattr(ft_quorum, "GATE_POLL_S", 0.2)
+    monkeypatch.setattr(ft_quorum, "LOST_MARGIN_S", 0.1)
+    ids = {s: _member(s, "127.0.0.1") for s in range(3)}
+    ft = FaultTolerance.__new__(FaultTolerance)
+    ft.cfg = FaultToleranceConfig(lighthouse=g.address(), node=2, max_nodes=3, fingerprint="f00d", secret=SECRET)
+    ft.replica_id = ids[2]
+    client = type("C", (), {})()
+    client._quorum = lambda **kw: (time.sleep(1.0), "the quorum")[1]
+    g.lost[2] = time.monotonic()  # a request of an earlier call: not this one's
+    assert ft_quorum.QuorumRecorder(client, ft)._asked(step=0) == "the quorum"
+    client._quorum = lambda **kw: time.sleep(60)  # torchft waits out its timeout for a request that ended
+    threading.Timer(0.5, lambda: g.lost.__setitem__(2, time.monotonic())).start()
+    t0 = time.monotonic()
+    with pytest.raises(ft_quorum.QuorumLost, match="ended at the Lighthouse's gate"):
+        ft_quorum.QuorumRecorder(client, ft)._asked(step=1)
+    assert time.monotonic() - t0 < 3.0
 
 
 # ----------------------------------------------------------------------------- what a stranger can make it do
