@@ -93,17 +93,18 @@ class QuorumRecorder:
         self._ft.removed = isinstance(err, RemovedFromJob)
         return err
 
-    def _ask(self) -> str | None:
-        """The gate's answer to this node's question (unsigned: it registers nothing), None when it may pass."""
-        claim = claim_of(self._ft.replica_id)
-        return ask_gate(self._ft.cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
-                        timeout_s=GATE_POLL_S)
-
-    def _renew_pins(self, why: str | None) -> None:
-        """After this process registered again (``why`` None), it names its connections to the gate again."""
+    def _ask(self, *, register: bool = False) -> str | None:
+        """The gate's answer to this node's question, None when it may pass. Unsigned it registers nothing; with
+        ``register`` (a job with a roster) it registers this process again, signed, and then names its connections
+        to the gate again (the new registration named none)."""
+        cfg, claim = self._ft.cfg, claim_of(self._ft.replica_id)
+        signed = dict(key=cfg.key, last_step=cfg.steps) if register else {}
+        why = ask_gate(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
+                       timeout_s=GATE_POLL_S, **signed)
         pins = getattr(self._ft, "pins", None)
-        if why is None and pins is not None:
+        if register and why is None and pins is not None:
             pins.renew()
+        return why
 
     def _asked(self, *args, **kwargs):
         """torchft's quorum call. With the job's secret, while it waits (more than :data:`GATE_POLL_S`) this node
@@ -138,9 +139,7 @@ class QuorumRecorder:
                 if why is not None and cfg.key is not None and UNREGISTERED in why:
                     # A gate that forgot this process (the Lighthouse was restarted): registered again, signed. A
                     # process that another one of the node replaced is told so and leaves (it does not take it back).
-                    why = ask_gate(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
-                                   timeout_s=GATE_POLL_S, key=cfg.key, last_step=cfg.steps)
-                    self._renew_pins(why)
+                    why = self._ask(register=True)
             except JobComplete:
                 self._ft.removed = True  # leave now: torchft's Manager would wait out its refused quorum request
                 raise
@@ -189,9 +188,7 @@ class QuorumRecorder:
                         continue  # it may join again: the next quorum (it heals, like a node that was away)
                 if ((UNREGISTERED in why or PINNED in why) and cfg.key is not None and claim is not None
                         and rounds < max_rounds):  # the gate forgot this process (a restarted Lighthouse), or its
-                    why = ask_gate(cfg.lighthouse, me, f"http://{claim.manager}", claim.store,  # connection broke
-                                   timeout_s=GATE_POLL_S, key=cfg.key, last_step=cfg.steps)  # and another took it: registered again
-                    self._renew_pins(why)
+                    why = self._ask(register=True)  # connection broke and another took it: registered again
                     if why is None:
                         rounds += 1
                         continue
