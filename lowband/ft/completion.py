@@ -5,15 +5,13 @@ A node whose run trained and committed the job's last step reports :data:`DONE` 
 at the end of its run: :meth:`lowband.ft.session.FaultTolerantSession.finish`), with where its final checkpoint is.
 The gate counts it only from a member of the current quorum round (its replica id proves the job's secret, and is
 the round's member of its slot), from the address its tag vouches for, and for a step no earlier than the one the
-member was at in that round. The job is complete at a step once more than half of the round's members reported it:
-one member alone (a liar with the secret could claim any step) cannot end a job of two or more, and a member of the
-last round that died after its commit does not hold the end back where the others are a majority. In a job with a
-roster each node also declares, in its signed registration, the job's last step (``--steps``); a report of that step
-then counts alone once every member of the round declared it and was at the last step's quorum: the job's end is
-then each member's own word, and a round of two whose other member died after the last commit ends too. Without a
-roster, in a round of two both must report; where one died after the last commit the job is not marked complete, and
-a node that returns trains alone as it did before. Later reports of the same step add their
-checkpoints to the answer. With ``lowband lighthouse --completion-file PATH`` the record is kept in a file, and a
+member was at in that round. Each member's replica id names the job's last step (``--steps``), bound to the secret
+by its tag (:func:`lowband.trust.admission.replica_id`; with a roster the id is the one its key registered). The job
+is complete at a step once a member reported it and every member of the round named that step its last and was at
+that step's quorum: the end is then each member's own word, and a round whose other members died after the last
+commit ends on one report. A report of another step (``--stop-file``) counts once more than half of the round's
+members reported it: one member alone (a liar with the secret could claim any step) cannot end a job of two or more.
+Later reports of the same step add their checkpoints to the answer. With ``lowband lighthouse --completion-file PATH`` the record is kept in a file, and a
 Lighthouse started again reads it back.
 
 After that the gate answers a node's admission question (and its quorum requests) with :data:`COMPLETE` and the
@@ -118,11 +116,9 @@ class CompletionRecord:
             f.write(body + "\n")
         os.replace(tmp, self.path)
 
-    def done(self, reporter: str, host: str, step: int, where: str, members: dict[int, tuple[str, int]],
-             declared: dict[int, int] | None = None) -> str | None:
+    def done(self, reporter: str, host: str, step: int, where: str, members: dict[int, tuple[str, int]]) -> str | None:
         """A member's report that it committed the job's last ``step`` (its final checkpoint at ``where``), from the
-        address ``host``; ``members``: the current round, slot -> (replica id, training step in that round);
-        ``declared``: slot -> the job's last step as that member declared it, signed (a job with a roster). None
+        address ``host``; ``members``: the current round, slot -> (replica id, training step in that round). None
         when it counts, else why it does not."""
         claim = claim_of(reporter)
         if claim is None or claim.node not in members or members[claim.node][0] != reporter:
@@ -143,14 +139,13 @@ class CompletionRecord:
             self._reports = {s: r for s, r in self._reports.items() if s in members}
             self._reports[claim.node] = (step, where)
             agree = {s: w for s, (at_step, w) in self._reports.items() if at_step == step}
-            declared = declared or {}
-            last = all(declared.get(s) == step and at >= step - 1 for s, (_, at) in members.items())
+            last = all(_last_step(rid) == step and at >= step - 1 for rid, at in members.values())
             if 2 * len(agree) > len(members) or last:
                 self.step, self.where, self.fingerprint = step, agree, claim.fingerprint
                 self._save()
                 log.warning("the Lighthouse's gate: the job is complete at step %d (%d of the round's %d members "
                             "reported it%s; final checkpoints %s); a node that comes back now is told so and leaves",
-                            step, len(agree), len(members), ", each declared it the job's last" if last else "", agree)
+                            step, len(agree), len(members), ", each named it the job's last" if last else "", agree)
         return None
 
     @property
@@ -162,6 +157,12 @@ class CompletionRecord:
         with self._lock:
             where = ", ".join(f"node{slot} at {path}" for slot, path in sorted(self.where.items()))
             return f"at step {self.step}; final checkpoints: {where}"
+
+
+def _last_step(rid: str) -> int | None:
+    """The job's last step that a member's replica id names (None: it names none)."""
+    claim = claim_of(rid)
+    return None if claim is None else claim.last_step
 
 
 def _read_record(path: Path) -> tuple[int, dict[int, str], str]:

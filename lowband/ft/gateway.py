@@ -107,16 +107,13 @@ def gate_reason(message: str) -> str | None:
 #: bytes (its replica id, two addresses, a step), a ``Heartbeat`` less. gRPC refuses a larger one
 #: (RESOURCE_EXHAUSTED) from its length prefix, before the gate's code sees a byte of it.
 MAX_REQUEST_BYTES = 16 << 10
-def admission_request(rid: str, address: str, store: str, *, key: MemberKey | None = None, pins: str = "",
-                      last_step: int | None = None) -> bytes:
+def admission_request(rid: str, address: str, store: str, *, key: MemberKey | None = None, pins: str = "") -> bytes:
     """The bytes of a LighthouseQuorumRequest whose requester has replica id ``rid``, Manager ``address`` and
     ``store``: what :data:`ADMIT` reads. With ``key`` (the member's own), signed (:func:`sign_request`): in a job with
     a roster, the gate then takes ``rid`` as the process that holds the member's node slot, calling over the
-    connections ``pins`` names (field 2, :func:`lowband.ft.pins.spell_pins`; none named: the first to call), in a job
-    whose last step is ``last_step`` (field 3: :mod:`lowband.ft.completion`)."""
+    connections ``pins`` names (field 2, :func:`lowband.ft.pins.spell_pins`; none named: the first to call)."""
     member = string_field(1, rid.encode()) + string_field(2, address.encode()) + string_field(3, store.encode())
-    return sign_request(key, ADMIT, string_field(1, member) + (string_field(2, pins.encode()) if pins else b"")
-                        + (string_field(3, str(int(last_step)).encode()) if last_step is not None else b""))
+    return sign_request(key, ADMIT, string_field(1, member) + (string_field(2, pins.encode()) if pins else b""))
 
 
 def accusation_request(rid: str, address: str, store: str, accused: str, why: str, *,
@@ -234,7 +231,6 @@ class LighthouseGateway:
         self.direct: dict[int, bool] = {}  # node slot -> its process named connections on its own address (no NAT)
         self.pin_grace_s = pin_grace_s
         self._awaiting: Counter[int] = Counter()  # node slot -> calls waiting for its registration (bounded)
-        self.declared: dict[int, int] = {}  # node slot -> the job's last step, as its registration declared it (signed)
         self.pin_idle_s = pin_idle_s
         self.breaker = breaker if breaker is not None else StallBreaker()
         self.limiter = limiter if limiter is not None else SourceLimiter()
@@ -452,8 +448,6 @@ class LighthouseGateway:
                 named = parse_pins(parts[3])
             except ValueError as e:
                 return f"malformed request ({e})"
-            if parts[4] and not (parts[4].isdigit() and len(parts[4]) <= 12):
-                return f"malformed request (the job's last step is not a number: {parts[4][:20]!r})"
             with self._lock:
                 if self.registered.get(claim.node) != rid:
                     self.direct[claim.node] = False  # a new process: first to call, until it names its connections
@@ -462,8 +456,6 @@ class LighthouseGateway:
                 if named and all(same_host(str(ip), own) for ip, _ in named):
                     self.direct[claim.node] = True  # from now on only what it names, an empty naming included
                 self._registered.notify_all()
-                if parts[4]:
-                    self.declared[claim.node] = int(parts[4])
                 self.pinned.pop(claim.node, None)  # unless it named its connections, its next call pins one again
         return None
 
@@ -486,8 +478,7 @@ class LighthouseGateway:
             rid, step, where = done_fields(request)
         except ValueError as e:
             context.abort(self._grpc.StatusCode.INVALID_ARGUMENT, f"malformed report ({e})")
-        why = self.completion.done(rid, peer_host(context.peer()), step, where, self.breaker.round_members(),
-                                   dict(self.declared))
+        why = self.completion.done(rid, peer_host(context.peer()), step, where, self.breaker.round_members())
         if why is not None:
             context.abort(self._grpc.StatusCode.FAILED_PRECONDITION, f"lowband gateway: the report is not counted: {why}")
         return b""
@@ -558,15 +549,15 @@ class GateStatus(NamedTuple):
 
 
 def gate_status(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: float = 10.0,
-                key: MemberKey | None = None, pins: str = "", last_step: int | None = None) -> GateStatus:
+                key: MemberKey | None = None, pins: str = "") -> GateStatus:
     """:func:`ask_gate`, with what the gate says of the member's ``Quorum`` calls (:class:`GateStatus`)."""
     import grpc  # optional dependency (the ft extra)
 
     target = lighthouse.split("://", 1)[-1].rstrip("/")
     with grpc.insecure_channel(target) as channel:
         try:
-            answer = channel.unary_unary(ADMIT)(admission_request(rid, address, store, key=key, pins=pins,
-                                                                  last_step=last_step), timeout=timeout_s)
+            answer = channel.unary_unary(ADMIT)(admission_request(rid, address, store, key=key, pins=pins),
+                                                timeout=timeout_s)
         except grpc.RpcError as e:
             done = complete_reason(e.details() or "") if e.code() == grpc.StatusCode.FAILED_PRECONDITION else None
             if done is not None:
@@ -586,12 +577,11 @@ def gate_status(lighthouse: str, rid: str, address: str, store: str, *, timeout_
 
 
 def ask_gate(lighthouse: str, rid: str, address: str, store: str, *, timeout_s: float = 10.0,
-             key: MemberKey | None = None, pins: str = "", last_step: int | None = None) -> str | None:
+             key: MemberKey | None = None, pins: str = "") -> str | None:
     """Ask the gate at ``lighthouse`` (``http://HOST:PORT``) whether a member with replica id ``rid``, Manager
     ``address`` and ``store`` may pass: the gate's reason for refusing it, or None (it passes; or the Lighthouse
     has no gate, or cannot be reached yet: torchft's Manager then finds out by itself). With the member's ``key``
     the question is signed, and in a job with a roster registers ``rid`` as the process of the member's slot, calling
-    over the connections ``pins`` names, in a job whose last step is ``last_step``. Raises
+    over the connections ``pins`` names. Raises
     :class:`~lowband.ft.completion.JobComplete` when the gate says the job is complete."""
-    return gate_status(lighthouse, rid, address, store, timeout_s=timeout_s, key=key, pins=pins,
-                       last_step=last_step).why
+    return gate_status(lighthouse, rid, address, store, timeout_s=timeout_s, key=key, pins=pins).why

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 QUIET_RUST_LOG = "warn"
 _QUIET_ENOUGH = {"warn", "error", "off"}
 # A lowband replica id (lowband.trust.admission.replica_id), with torchft's ``:uuid`` when it has one.
-_ID = re.compile(r"lowband_([0-9A-Za-z]{1,64})_(?:a[0-9a-f]*_t[0-9a-f]{32}_)?node([0-9]{1,9})(?::[0-9A-Za-z-]{1,64})?",
+_ID = re.compile(r"lowband_([0-9A-Za-z]{1,64})_(?:a[0-9a-f]*_t[0-9a-f]{32}_(?:l[0-9]{1,12}_)?)?node([0-9]{1,9})(?::[0-9A-Za-z-]{1,64})?",
                  re.ASCII)
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _installed = False

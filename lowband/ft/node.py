@@ -331,7 +331,7 @@ class FaultTolerance:
         # the Manager's port is chosen here so that the id can name it (rank 0 runs the node's Manager).
         port = free_port(bind_host) if rank == 0 and cfg.secret is not None else None
         rid = replica_id(cfg.fingerprint, cfg.node, secret=cfg.secret, store=f"{store_host}:{store_port}",
-                         manager=f"{advertise}:{port}")
+                         manager=f"{advertise}:{port}", last_step=cfg.steps)
         # Before torchft's Manager starts (it would retry a refused quorum until its timeout): may this node pass?
         # Every rank asks, so that each learns a job is complete (JobComplete) and leaves; rank 0 acts on a refusal.
         def ask() -> str | None:
@@ -343,7 +343,7 @@ class FaultTolerance:
 
         def register(full_id: str, pins: str | None = None) -> str | None:  # a roster's job: this process
             why = ask_gate(cfg.lighthouse, full_id, f"http://{advertise}:{port}", f"{store_host}:{store_port}",
-                           timeout_s=min(10.0, cfg.quorum_timeout_s), key=cfg.key, pins=pins or "", last_step=cfg.steps)
+                           timeout_s=min(10.0, cfg.quorum_timeout_s), key=cfg.key, pins=pins or "")
             if pins is None:  # (torchft's id:uuid) claims its slot, signed; then names its connections to the gate
                 if why is not None:
                     raise gate_refusal(cfg, why)

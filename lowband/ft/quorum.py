@@ -98,7 +98,7 @@ class QuorumRecorder:
         ``register`` (a job with a roster) it registers this process again, signed, and then names its connections
         to the gate again (the new registration named none)."""
         cfg, claim = self._ft.cfg, claim_of(self._ft.replica_id)
-        signed = dict(key=cfg.key, last_step=cfg.steps) if register else {}
+        signed = dict(key=cfg.key) if register else {}
         why = ask_gate(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
                        timeout_s=GATE_POLL_S, **signed)
         pins = getattr(self._ft, "pins", None)

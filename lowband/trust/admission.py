@@ -53,15 +53,20 @@ class CannotListen(OSError):
 
 # --------------------------------------------------------------------------- replica ids
 def replica_id(fingerprint: str, node: int, *, secret: bytes | None = None, store: str = "",
-               manager: str = "") -> str:
+               manager: str = "", last_step: int | None = None) -> str:
     """A node's torchft replica id: its job's fingerprint and its slot (torchft reads the slot from the
     trailing digits and appends ``:uuid``); with a secret, also the addresses it registers (its store's
-    and its Manager's, ``HOST:PORT``) and the tag that binds them all to the secret."""
+    and its Manager's, ``HOST:PORT``), the job's last step when given (the gate's record of the job's end,
+    :mod:`lowband.ft.completion`), and the tag that binds them all to the secret."""
     fp = fingerprint or "none"
     if secret is None:
         return f"lowband_{fp}_node{node}"
     addr = f"{store},{manager}"
-    return f"lowband_{fp}_a{addr.encode().hex()}_t{tag(secret, 'lowband-member', fp, node, addr)}_node{node}"
+    if last_step is None:
+        return f"lowband_{fp}_a{addr.encode().hex()}_t{tag(secret, 'lowband-member', fp, node, addr)}_node{node}"
+    last = int(last_step)
+    mac = tag(secret, "lowband-member", fp, node, addr, f"last={last}")
+    return f"lowband_{fp}_a{addr.encode().hex()}_t{mac}_l{last}_node{node}"
 
 
 #: The longest replica id read (lowband's own: two ``HOST:PORT`` of at most 253 + 6 characters each, hex-coded, a
@@ -70,18 +75,20 @@ MAX_ID_CHARS = 4096
 #: The most digits of a node slot (torchft reads the slot from the id's trailing digits as an int).
 MAX_SLOT_DIGITS = 9
 _REPLICA_ID = re.compile(r"lowband_(?:(?P<fp>[0-9A-Za-z]{1,64})_)?(?:a(?P<store>(?:[0-9a-f]{2}){0,1100})_"
-                         rf"t(?P<tag>[0-9a-f]{{32}})_)?node(?P<node>[0-9]{{1,{MAX_SLOT_DIGITS}}})", re.ASCII)
+                         rf"t(?P<tag>[0-9a-f]{{32}})_(?:l(?P<last>[0-9]{{1,12}})_)?)?node(?P<node>[0-9]{{1,{MAX_SLOT_DIGITS}}})", re.ASCII)
 
 
 @dataclass(frozen=True)
 class Claim:
-    """What a member's replica id claims: its job's fingerprint, its slot, its store address, its tag."""
+    """What a member's replica id claims: its job's fingerprint, its slot, its store address, its tag, and the job's
+    last step (None where the id names none)."""
 
     fingerprint: str
     node: int
     store: str = ""
     tag: str = ""
     manager: str = ""
+    last_step: int | None = None
 
     @property
     def addr(self) -> str:
@@ -101,7 +108,8 @@ def claim_of(rid: object) -> Claim | None:
         store, _, manager = bytes.fromhex(m["store"] or "").decode().partition(",")
     except (ValueError, UnicodeDecodeError):
         return None
-    return Claim(m["fp"] or "", int(m["node"]), store, m["tag"] or "", manager)
+    return Claim(m["fp"] or "", int(m["node"]), store, m["tag"] or "", manager,
+                 int(m["last"]) if m["last"] else None)
 
 
 def member_of(rid: str) -> tuple[str, int | None]:
@@ -111,10 +119,12 @@ def member_of(rid: str) -> tuple[str, int | None]:
 
 
 def proves(secret: bytes, rid: str) -> bool:
-    """Whether ``rid``'s tag proves the secret for what the id claims (its fingerprint, slot and store)."""
+    """Whether ``rid``'s tag proves the secret for what the id claims (its fingerprint, slot, addresses and, where it
+    names one, the job's last step)."""
     c = claim_of(rid)
+    last = () if c is None or c.last_step is None else (f"last={c.last_step}",)
     return c is not None and bool(c.tag) and verify(secret, c.tag, "lowband-member", c.fingerprint or "none",
-                                                    c.node, c.addr)
+                                                    c.node, c.addr, *last)
 
 
 # --------------------------------------------------------------------------- admission

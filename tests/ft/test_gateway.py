@@ -38,7 +38,7 @@ from lowband.ft.gateway import (  # noqa: E402
     string_field,
 )
 from lowband.ft.managergate import MANAGER_SERVICE, ManagerGate  # noqa: E402
-from lowband.trust.admission import replica_id  # noqa: E402
+from lowband.trust.admission import proves, replica_id  # noqa: E402
 
 SECRET = b"s" * 32
 STORE, MANAGER = "127.0.0.1:5000", "127.0.0.1:6000"
@@ -682,26 +682,33 @@ def test_the_gate_records_the_jobs_end_only_from_a_member_of_the_round_that_reac
     assert r.answer() == "at step 700; final checkpoints: node1 at /out1/checkpoints/step_000700, node2 at /out2"
 
 
-def test_in_a_round_of_two_one_report_ends_the_job_only_at_the_last_step_each_member_declared_and_reached():
-    """With a roster each member declares, signed, the job's last step: a round of two whose other member died after
-    the last commit ends on one report, but only of the step every member declared and only once every member was at
-    that step's quorum (a liar alone cannot end the job earlier than the others' own word)."""
+def test_in_a_round_of_two_one_report_ends_the_job_only_at_the_last_step_each_member_named_and_reached():
+    """Each member's replica id names the job's last step under the secret's tag: a round of two whose other member
+    died after the last commit ends on one report, but only of the step every member named and only once every member
+    was at that step's quorum (a liar alone cannot end the job earlier than the others' own word)."""
     from lowband.ft.completion import CompletionRecord
 
-    b = StallBreaker()
-    ids = {s: _member(s, f"10.0.0.{s + 1}") for s in range(2)}
-    b.observe((1, 0), {0: q(699, 699), 1: q(699, 699)}, ids)
-    members = b.round_members()
-    r = CompletionRecord()
-    assert r.done(ids[0], "10.0.0.1", 700, "/out0", members) is None and not r.complete  # no declarations: both
-    for declared, step in (({0: 700, 1: 800}, 700),  # node 1 declared another end
-                           ({0: 700}, 700),  # node 1 declared none
-                           ({0: 500, 1: 500}, 700),  # a report of another step than the declared one
-                           ({0: 800, 1: 800}, 800)):  # the declared end, but the round (at 699) is not at its quorum
+    def member(slot: int, last: int | None) -> str:
+        host = f"10.0.0.{slot + 1}"
+        return replica_id("f00d", slot, secret=SECRET, store=f"{host}:5000", manager=f"{host}:6000",
+                          last_step=last) + f":u{slot}"
+
+    for lasts, step, at in (((700, 800), 700, 699),  # node 1 named another end
+                            ((700, None), 700, 699),  # node 1 named none
+                            ((500, 500), 700, 699),  # a report of another step than the named one
+                            ((800, 800), 800, 699),  # the named end, but the round (at 699) is not at its quorum
+                            ((None, None), 700, 699)):  # no names: both must report
+        b = StallBreaker()
+        ids = {s: member(s, last) for s, last in enumerate(lasts)}
+        b.observe((1, 0), {0: q(at, at), 1: q(at, at)}, ids)
         r = CompletionRecord()
-        assert r.done(ids[0], "10.0.0.1", step, "/out0", members, declared) is None and not r.complete, declared
+        assert r.done(ids[0], "10.0.0.1", step, "/out0", b.round_members()) is None and not r.complete, lasts
+    b = StallBreaker()
+    ids = {s: member(s, 700) for s in range(2)}
+    assert proves(SECRET, ids[0]) and not proves(SECRET, ids[0].replace("_l700_", "_l300_"))  # the tag binds it
+    b.observe((1, 0), {0: q(699, 699), 1: q(699, 699)}, ids)
     r = CompletionRecord()
-    assert r.done(ids[0], "10.0.0.1", 700, "/out0", members, {0: 700, 1: 700}) is None
+    assert r.done(ids[0], "10.0.0.1", 700, "/out0", b.round_members()) is None
     assert r.complete and r.step == 700 and r.where == {0: "/out0"}
 
 

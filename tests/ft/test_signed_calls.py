@@ -259,23 +259,6 @@ def test_a_process_that_named_its_connections_is_taken_over_those_only_even_afte
     assert g.member_refusal(QUORUM, _admit(nat), "10.9.0.5", peer="ipv4:10.9.0.5:61000") is None
 
 
-def test_a_registration_declares_the_jobs_last_step_signed_and_a_malformed_one_is_refused(job, gate):
-    secret, _, keys = job
-    g, _ = gate
-    rid = _member(secret, 0)
-    addresses = _addresses(rid)
-    assert g.member_refusal(ADMIT, admission_request(rid, *addresses, key=keys[0], last_step=700), "127.0.0.1") is None
-    assert g.declared == {0: 700}
-    assert g.member_refusal(ADMIT, _admit(rid, keys[0], pins="127.0.0.1:40001"), "127.0.0.1") is None  # kept
-    assert g.declared == {0: 700}
-    bad = admission_request(rid, *addresses, pins="", key=None) + string_field(3, b"7e2")
-    why = g.member_refusal(ADMIT, sign_request(keys[0], ADMIT, bad), "127.0.0.1")
-    assert why.startswith("malformed request") and "last step" in why
-    unsigned = admission_request(_member(secret, 1), *_addresses(_member(secret, 1)), last_step=5)
-    g.member_refusal(ADMIT, unsigned, "127.0.0.1")
-    assert 1 not in g.declared  # an unsigned question declares nothing
-
-
 def test_a_call_over_a_connection_its_process_names_a_moment_later_waits_for_it_and_anothers_is_refused(job, gate):
     """torchft's Manager opens a new connection after a failed call and calls over it at once, a moment before the
     node names it (lowband.ft.pins); refused, torchft would wait out its quorum's timeout. The call waits (at most

@@ -132,10 +132,11 @@ def test_the_replay_cache_is_bounded_and_never_takes_a_forgotten_nonce_again():
 
 
 def test_torchfts_logs_never_carry_a_replica_id(monkeypatch, caplog):
-    rid = replica_id("f00d", 3, secret=b"s" * 32, store="10.0.0.3:5000", manager="10.0.0.3:6000")
-    full = f"{rid}:0b5e2c7a-1c2d-4e5f-8a9b-0123456789ab"
-    assert redact_ids(f"[{full}/0 - step 5] Quorum! members [{rid}]") == \
-        "[lowband_f00d_node3/0 - step 5] Quorum! members [lowband_f00d_node3]"
+    for last in (None, 700):  # an id that names the job's last step too
+        rid = replica_id("f00d", 3, secret=b"s" * 32, store="10.0.0.3:5000", manager="10.0.0.3:6000", last_step=last)
+        full = f"{rid}:0b5e2c7a-1c2d-4e5f-8a9b-0123456789ab"
+        assert redact_ids(f"[{full}/0 - step 5] Quorum! members [{rid}]") == \
+            "[lowband_f00d_node3/0 - step 5] Quorum! members [lowband_f00d_node3]"
     monkeypatch.setenv("RUST_LOG", "info")
     quiet_torchft()
     assert os.environ["RUST_LOG"] == "warn"  # torchft's Rust side: its per-step INFO lines name every member
