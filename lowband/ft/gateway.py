@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 from lowband.ft.breaker import COMMITTED_SCALE, StallBreaker, quorum_round
 from lowband.ft.completion import COMPLETE, DONE, CompletionRecord, complete_reason, done_fields, job_complete
-from lowband.ft.pins import endpoint_of_peer, parse_pins, spell_pins
+from lowband.ft.pins import endpoint_of_peer, parse_pins, served_over, spell_pins
 from lowband.ft.protowire import (
     MAX_FIELDS,
     call_gate,
@@ -228,6 +228,7 @@ class LighthouseGateway:
         self.registered: dict[int, str] = {}  # with a roster: node slot -> the replica id its key last registered
         self.pinned: dict[int, tuple[str, float]] = {}  # node slot -> (the connection its process calls over, when)
         self.named: dict[int, frozenset] = {}  # node slot -> the connections its registered process named (signed)
+        self.served: dict[int, dict] = {}  # node slot -> {a named end: the gate's socket its first call came over}
         self.direct: dict[int, bool] = {}  # node slot -> its process named connections on its own address (no NAT)
         self.pin_grace_s = pin_grace_s
         self._awaiting: Counter[int] = Counter()  # node slot -> calls waiting for its registration (bounded)
@@ -428,7 +429,7 @@ class LighthouseGateway:
             if self.direct.get(claim.node) and here is not None:  # it named its connections, no NAT between
                 named = self.named.get(claim.node, frozenset())
                 if here in named:
-                    return None
+                    return self._same_connection(claim.node, here)
                 return (f"not the process its member registered: node {claim.node}'s registered process {PINNED} "
                         f"(it named {spell_pins(named)[:120] or 'none now'}; this one is {peer[:60]})")
             with self._lock:
@@ -453,11 +454,32 @@ class LighthouseGateway:
                     self.direct[claim.node] = False  # a new process: first to call, until it names its connections
                 self.registered[claim.node] = rid  # bounded: only slots of the roster get here
                 self.named[claim.node] = named
+                served = self.served.get(claim.node, {})
+                self.served[claim.node] = {end: s for end, s in served.items() if end in named}  # still the same
                 if named and all(same_host(str(ip), own) for ip, _ in named):
                     self.direct[claim.node] = True  # from now on only what it names, an empty naming included
                 self._registered.notify_all()
                 self.pinned.pop(claim.node, None)  # unless it named its connections, its next call pins one again
         return None
+
+    def _same_connection(self, slot: int, here) -> str | None:
+        """None when a call from the named end ``here`` came over the connection from it that the slot's first call
+        came over (the gate's own socket of it, :func:`lowband.ft.pins.served_over`): once the member's connection
+        closed, another process may bind its port and call from the same end before the member names its connections
+        again. Refused, the end is no longer named. Where the gate cannot see its sockets (no Linux /proc) it passes."""
+        sockets = served_over(self._port, here)
+        if not sockets:
+            return None
+        with self._lock:
+            served = self.served.setdefault(slot, {})
+            if here not in served and len(sockets) == 1:
+                served[here] = next(iter(sockets))
+            if sockets == {served.get(here)}:
+                return None
+            served.pop(here, None)
+            self.named[slot] = self.named.get(slot, frozenset()) - {here}
+        return (f"not the process its member registered: node {slot}'s registered process {PINNED} (another connection "
+                f"calls from the end it named, {spell_pins(frozenset({here}))}, after that one closed)")
 
     def _accuse(self, request: bytes, context) -> bytes:
         """A member's report of another's bad messages (:data:`ACCUSE`; the reporter is already admitted)."""

@@ -6,6 +6,11 @@ process that learnt the member's full replica id could otherwise take over its s
 broke (the gate pinned the first connection to call after that). A connection is a port on the member's own address,
 which another process cannot hold while the member does; the member's rank 0 reads its own sockets from Linux's
 ``/proc/self`` and registers again, signed with its key, whenever torchft's Manager opens a new one.
+
+Once a connection closes, its port is free: another process may bind it and call from the same end before the member
+names its connections again (a poll, :class:`PinKeeper`). The gate therefore ties each named end to its own side of
+the connection the first call from it came over (:func:`served_over`), and refuses a call from that end over any
+other connection.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import socket
 import threading
 from collections.abc import Callable
 
-__all__ = ["MAX_PINS", "PinKeeper", "addresses_of", "endpoint_of_peer", "own_connections", "parse_pins", "spell_pins"]
+__all__ = ["MAX_PINS", "PinKeeper", "addresses_of", "endpoint_of_peer", "own_connections", "own_sockets", "parse_pins",
+           "served_over", "spell_pins"]
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +72,15 @@ def _ends_of(fd: int) -> tuple[Endpoint, Endpoint] | None:
 _ENDS: dict[str, tuple[Endpoint, Endpoint]] = {}
 
 
-def own_connections(host: str | frozenset, port: int) -> frozenset[Endpoint]:
-    """The local ends (ip, port) of this process's connected TCP sockets to ``host:port`` (``host``: a name, resolved,
-    or the addresses it stands for); empty where Linux's /proc/self cannot be read."""
+def own_sockets() -> list[tuple[str, Endpoint, Endpoint]]:
+    """(the socket's name, ``socket:[INODE]``, its local end, its remote end) of each TCP socket this process holds
+    that was connected when first seen (ends are kept by name: a socket reset since still shows them, until its owner
+    closes it); empty where Linux's /proc/self cannot be read."""
     try:
-        remote = host if isinstance(host, frozenset) else addresses_of(host, port)
         fds = os.listdir("/proc/self/fd")
     except OSError:
-        return frozenset()
-    out, live = set(), set()
+        return []
+    out, live = [], set()
     for fd in fds:
         try:
             link = os.readlink(f"/proc/self/fd/{fd}")
@@ -86,11 +92,27 @@ def own_connections(host: str | frozenset, port: int) -> frozenset[Endpoint]:
         ends = _ENDS.get(link)
         if ends is None and (ends := _ends_of(int(fd))) is not None:
             _ENDS[link] = ends
-        if ends is not None and ends[1][1] == port and ends[1][0] in remote:
-            out.add(ends[0])
+        if ends is not None:
+            out.append((link, *ends))
     for gone in [k for k in _ENDS if k not in live]:
         del _ENDS[gone]  # bounded by this process's open sockets
-    return frozenset(out)
+    return out
+
+
+def own_connections(host: str | frozenset, port: int) -> frozenset[Endpoint]:
+    """The local ends (ip, port) of this process's connected TCP sockets to ``host:port`` (``host``: a name, resolved,
+    or the addresses it stands for); empty where Linux's /proc/self cannot be read."""
+    try:
+        remote = host if isinstance(host, frozenset) else addresses_of(host, port)
+    except OSError:
+        return frozenset()
+    return frozenset(here for _, here, there in own_sockets() if there[1] == port and there[0] in remote)
+
+
+def served_over(port: int, peer: Endpoint) -> frozenset[str]:
+    """The names of this process's sockets that serve its listening ``port`` to the remote end ``peer``: a server's
+    side of the connections a call from ``peer`` can have come over."""
+    return frozenset(name for name, here, there in own_sockets() if here[1] == port and there == peer)
 
 
 def spell_pins(pins: frozenset[Endpoint]) -> str:

@@ -32,6 +32,7 @@ from lowband.ft.gateway import (  # noqa: E402
     ask_gate,
     string_field,
 )
+from lowband.ft.pins import endpoint_of_peer, served_over, spell_pins  # noqa: E402
 from lowband.ft.protowire import sign_request, signed_parts  # noqa: E402
 from lowband.ft.transport import StateTransport, TransferError  # noqa: E402
 from lowband.trust.admission import replica_id  # noqa: E402
@@ -257,6 +258,51 @@ def test_a_process_that_named_its_connections_is_taken_over_those_only_even_afte
     nat = _member(secret, 2, host="10.9.0.5")
     assert g.member_refusal(ADMIT, _admit(nat, keys[2], pins="192.168.1.5:51000"), "10.9.0.5") is None
     assert g.member_refusal(QUORUM, _admit(nat), "10.9.0.5", peer="ipv4:10.9.0.5:61000") is None
+
+
+def test_a_connection_from_a_named_end_after_that_one_closed_is_refused_before_the_member_names_again(job, gate):
+    """Once a member's connection closes its port is free: another process of its host binds it and calls from the
+    very end the member named, before the member's next naming (a poll). The gate tied that end to its own side of the
+    connection the member's first call came over, and refuses the new connection's call."""
+    import socket
+    import struct
+
+    secret, _, keys = job
+    g, _ = gate
+    port = int(g.address().rsplit(":", 1)[1])
+
+    def connect(at: int = 0) -> socket.socket:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", at))
+        s.connect(("127.0.0.1", port))
+        return s
+
+    def wait_served(end, sockets: int) -> None:  # the gate's server accepts (and closes) on its own threads
+        deadline = time.monotonic() + 10
+        while len(served_over(port, end)) != sockets and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(served_over(port, end)) == sockets
+
+    member = connect()
+    end = endpoint_of_peer(f"ipv4:127.0.0.1:{member.getsockname()[1]}")
+    wait_served(end, 1)
+    rid = _member(secret, 0)
+    assert g.member_refusal(ADMIT, _admit(rid, keys[0], pins=spell_pins(frozenset({end}))), "127.0.0.1") is None
+    peer, quorum = f"ipv4:127.0.0.1:{end[1]}", _admit(rid)
+    assert g.member_refusal(QUORUM, quorum, "127.0.0.1", peer=peer) is None
+    assert g.member_refusal(QUORUM, quorum, "127.0.0.1", peer=peer) is None  # the same connection again
+    member.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    member.close()  # reset: the port is free at once
+    wait_served(end, 0)
+    relay = connect(end[1])  # another process, from the end the member named
+    try:
+        wait_served(end, 1)
+        why = g.member_refusal(QUORUM, quorum, "127.0.0.1", peer=peer)
+        assert why is not None and "another connection calls from the end it named" in why, why
+        assert "none now" in g.member_refusal(QUORUM, quorum, "127.0.0.1", peer=peer)  # that end is named no more
+    finally:
+        relay.close()
 
 
 def test_a_call_over_a_connection_its_process_names_a_moment_later_waits_for_it_and_anothers_is_refused(job, gate):
