@@ -338,7 +338,7 @@ def test_signed_calls_random_mutated_or_replayed_are_refused_with_a_reason_of_a_
     rid = replica_id("f00d", 0, secret=secret, store="127.0.0.1:5000", manager="127.0.0.1:6000") + ":u0"
     other = replica_id("f00d", 1, secret=secret, store="127.0.0.1:5000", manager="127.0.0.1:6001") + ":u1"
     lock = threading.Lock()
-    gate = types.SimpleNamespace(roster=roster, replays=ReplayCache(), registered={}, pinned={}, named={}, declared={},
+    gate = types.SimpleNamespace(roster=roster, replays=ReplayCache(), registered={}, pinned={}, named={}, served={},
                                  direct={}, pin_idle_s=3.0, pin_grace_s=0.0, _lock=lock,
                                  _registered=threading.Condition(lock))
     gate._await_registration = types.MethodType(LighthouseGateway._await_registration, gate)
