@@ -38,6 +38,7 @@ process the member's key registered, over the connections that process named, si
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import threading
 import time
@@ -47,7 +48,7 @@ from typing import NamedTuple
 
 from lowband.ft.breaker import COMMITTED_SCALE, StallBreaker, quorum_round
 from lowband.ft.completion import COMPLETE, DONE, CompletionRecord, complete_reason, done_fields, job_complete
-from lowband.ft.pins import endpoint_of_peer, parse_pins, served_over, spell_pins
+from lowband.ft.pins import connection_inode, endpoint_of_peer, parse_pins, plain_ip, spell_pins
 from lowband.ft.protowire import (
     MAX_FIELDS,
     call_gate,
@@ -177,10 +178,17 @@ NAMED_HOSTS = 1024
 #: The most calls at once over one connection (torchft's Manager makes its quorum request and heartbeats over one): a
 #: flooder cannot get past the tarpit (:class:`~lowband.trust.limits.Tarpit`) by many calls over one connection.
 MAX_STREAMS = 16
+#: How long a connection may carry no call before the gate closes it (a member's carries a heartbeat every half second;
+#: a client that calls again reconnects). Idle connections cost the gate memory and file descriptors, not the caller.
+IDLE_S = 30
+#: How long a new connection has to send HTTP/2's preface.
+HANDSHAKE_S = 5
 #: The gRPC server's bounds: requests of at most :data:`MAX_REQUEST_BYTES`, headers of at most 8 KiB, no SO_REUSEPORT
-#: (gRPC's default on Linux: another process of the same user could bind the same port and take calls).
+#: (gRPC's default on Linux: another process of the same user could bind the same port and take calls), connections
+#: closed after :data:`IDLE_S` without a call or :data:`HANDSHAKE_S` without a preface.
 SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES), ("grpc.max_metadata_size", 8 << 10),
-                  ("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_STREAMS)]
+                  ("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_STREAMS),
+                  ("grpc.max_connection_idle_ms", IDLE_S * 1000), ("grpc.server_handshake_timeout_ms", HANDSHAKE_S * 1000)]
 
 
 def _listen(server, bind: str, what: str) -> int:
@@ -258,6 +266,10 @@ class LighthouseGateway:
         host = bind.rsplit(":", 1)[0]
         self._port = _listen(self._server, bind, "the Lighthouse's gate")
         self._host = host.strip("[]")
+        try:  # the gate's own end of its connections (an IP literal: the checked address it binds)
+            self._local = (plain_ip(ipaddress.ip_address(self._host)), self._port)
+        except ValueError:
+            self._local = None
         self._server.start()
 
     def address(self) -> str:
@@ -464,17 +476,16 @@ class LighthouseGateway:
 
     def _same_connection(self, slot: int, here) -> str | None:
         """None when a call from the named end ``here`` came over the connection from it that the slot's first call
-        came over (the gate's own socket of it, :func:`lowband.ft.pins.served_over`): once the member's connection
-        closed, another process may bind its port and call from the same end before the member names its connections
-        again. Refused, the end is no longer named. Where the gate cannot see its sockets (no Linux /proc) it passes."""
-        sockets = served_over(self._port, here)
-        if not sockets:
+        came over (its socket, :func:`lowband.ft.pins.connection_inode`): once the member's connection closed, another
+        process may bind its port and call from the same end before the member names its connections again. Refused,
+        the end is no longer named. Where the kernel cannot be asked (not Linux), or the connection is gone already (the
+        answer reaches no one), it passes."""
+        inode = connection_inode(self._local, here) if self._local is not None else None
+        if not inode:
             return None
         with self._lock:
             served = self.served.setdefault(slot, {})
-            if here not in served and len(sockets) == 1:
-                served[here] = next(iter(sockets))
-            if sockets == {served.get(here)}:
+            if served.setdefault(here, inode) == inode:
                 return None
             served.pop(here, None)
             self.named[slot] = self.named.get(slot, frozenset()) - {here}

@@ -8,22 +8,24 @@ which another process cannot hold while the member does; the member's rank 0 rea
 ``/proc/self`` and registers again, signed with its key, whenever torchft's Manager opens a new one.
 
 Once a connection closes, its port is free: another process may bind it and call from the same end before the member
-names its connections again (a poll, :class:`PinKeeper`). The gate therefore ties each named end to its own side of
-the connection the first call from it came over (:func:`served_over`), and refuses a call from that end over any
+names its connections again (a poll, :class:`PinKeeper`). The gate therefore ties each named end to the connection
+(the kernel's socket, :func:`connection_inode`) its first call came over, and refuses a call from that end over any
 other connection.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
 import socket
+import struct
 import threading
 from collections.abc import Callable
 
-__all__ = ["MAX_PINS", "PinKeeper", "addresses_of", "endpoint_of_peer", "own_connections", "own_sockets", "parse_pins",
-           "served_over", "spell_pins"]
+__all__ = ["MAX_PINS", "PinKeeper", "addresses_of", "endpoint_of_peer", "own_connections", "own_sockets", "parse_pins", "plain_ip",
+           "connection_inode", "spell_pins"]
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,8 @@ MAX_PINS = 8
 Endpoint = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
 
 
-def _plain(ip):
+def plain_ip(ip):
+    """An IPv4-mapped IPv6 address as the IPv4 address it is; any other as it is."""
     return ip.ipv4_mapped or ip if ip.version == 6 else ip
 
 
@@ -41,12 +44,12 @@ def _endpoint(hex_pair: str) -> Endpoint:
     addr, port = hex_pair.split(":")
     raw = bytes.fromhex(addr)
     raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    return _plain(ipaddress.ip_address(raw)), int(port, 16)
+    return plain_ip(ipaddress.ip_address(raw)), int(port, 16)
 
 
 def addresses_of(host: str, port: int) -> frozenset:
     """The IP addresses ``host`` (a literal or a name) stands for."""
-    return frozenset(_plain(ipaddress.ip_address(a[4][0].split("%", 1)[0]))
+    return frozenset(plain_ip(ipaddress.ip_address(a[4][0].split("%", 1)[0]))
                      for a in socket.getaddrinfo(host.strip("[]"), port, proto=socket.IPPROTO_TCP))
 
 
@@ -60,8 +63,8 @@ def _ends_of(fd: int) -> tuple[Endpoint, Endpoint] | None:
         if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
             return None
         here, there = sock.getsockname(), sock.getpeername()
-        return ((_plain(ipaddress.ip_address(here[0].split("%", 1)[0])), here[1]),
-                (_plain(ipaddress.ip_address(there[0].split("%", 1)[0])), there[1]))
+        return ((plain_ip(ipaddress.ip_address(here[0].split("%", 1)[0])), here[1]),
+                (plain_ip(ipaddress.ip_address(there[0].split("%", 1)[0])), there[1]))
     except (OSError, ValueError):
         return None  # not connected (yet, or any more)
     finally:
@@ -109,10 +112,45 @@ def own_connections(host: str | frozenset, port: int) -> frozenset[Endpoint]:
     return frozenset(here for _, here, there in own_sockets() if there[1] == port and there[0] in remote)
 
 
-def served_over(port: int, peer: Endpoint) -> frozenset[str]:
-    """The names of this process's sockets that serve its listening ``port`` to the remote end ``peer``: a server's
-    side of the connections a call from ``peer`` can have come over."""
-    return frozenset(name for name, here, there in own_sockets() if here[1] == port and there == peer)
+# Linux's sock_diag (netlink): SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, NLMSG_ERROR, and "no cookie" (match any socket).
+_SOCK_DIAG, _REQUEST, _ERROR, _NO_COOKIE = 20, 1, 2, 0xFFFFFFFF
+_LISTEN = 10  # TCP_LISTEN
+
+
+def _diag_address(ip, family: int) -> bytes:
+    if family == socket.AF_INET6 and ip.version == 4:
+        ip = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ip.packed)  # a v4 peer of a dual-stack socket
+    return ip.packed.ljust(16, b"\0")
+
+
+def connection_inode(local: Endpoint, remote: Endpoint) -> int | None:
+    """The inode of the established TCP socket from ``local`` to ``remote`` (any process's), asked of the kernel by
+    its four ends (sock_diag: one lookup, however many sockets the host holds); 0 when there is no such connection;
+    None when the kernel cannot be asked (not Linux, or netlink refused)."""
+    family = socket.AF_INET6 if local[0].version == 6 else socket.AF_INET
+    sock_id = (struct.pack("!HH", local[1], remote[1]) + _diag_address(local[0], family)
+               + _diag_address(remote[0], family) + struct.pack("=III", 0, _NO_COOKIE, _NO_COOKIE))
+    body = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + sock_id
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4) as nl:  # NETLINK_SOCK_DIAG
+            nl.settimeout(1.0)
+            nl.send(struct.pack("=IHHII", 16 + len(body), _SOCK_DIAG, _REQUEST, 1, 0) + body)
+            answer = nl.recv(8192)
+    except (OSError, AttributeError):  # no AF_NETLINK (not Linux), or no sock_diag
+        return None
+    if len(answer) < 20:
+        return None
+    kind = struct.unpack_from("=H", answer, 4)[0]
+    if kind == _ERROR:
+        return 0 if struct.unpack_from("=i", answer, 16)[0] == -errno.ENOENT else None
+    if kind != _SOCK_DIAG or len(answer) < 16 + 72:
+        return None
+    # inet_diag_msg: family, state, ..., the socket's ends, ..., uid, inode. With no such connection the kernel answers
+    # with the listening socket of the local end.
+    state, remote_port = answer[17], struct.unpack_from("!H", answer, 16 + 6)[0]
+    if state == _LISTEN or remote_port != remote[1]:
+        return 0
+    return struct.unpack_from("=I", answer, 16 + 68)[0]
 
 
 def spell_pins(pins: frozenset[Endpoint]) -> str:
@@ -130,7 +168,7 @@ def parse_pins(text: str) -> frozenset[Endpoint]:
         host, _, port = item.rpartition(":")
         if not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
             raise ValueError(f"not a connection's end: {item[:60]!r}")
-        out.add((_plain(ipaddress.ip_address(host.strip("[]"))), int(port)))
+        out.add((plain_ip(ipaddress.ip_address(host.strip("[]"))), int(port)))
     if len(out) > MAX_PINS:
         raise ValueError(f"more than {MAX_PINS} connections")
     return frozenset(out)
@@ -143,7 +181,7 @@ def endpoint_of_peer(peer: str) -> Endpoint | None:
     if kind not in ("ipv4", "ipv6") or not port.isdigit():
         return None
     try:
-        return _plain(ipaddress.ip_address(host.strip("[]"))), int(port)
+        return plain_ip(ipaddress.ip_address(host.strip("[]"))), int(port)
     except ValueError:
         return None
 

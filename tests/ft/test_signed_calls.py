@@ -32,7 +32,7 @@ from lowband.ft.gateway import (  # noqa: E402
     ask_gate,
     string_field,
 )
-from lowband.ft.pins import endpoint_of_peer, served_over, spell_pins  # noqa: E402
+from lowband.ft.pins import connection_inode, endpoint_of_peer, spell_pins  # noqa: E402
 from lowband.ft.protowire import sign_request, signed_parts  # noqa: E402
 from lowband.ft.transport import StateTransport, TransferError  # noqa: E402
 from lowband.trust.admission import replica_id  # noqa: E402
@@ -278,15 +278,16 @@ def test_a_connection_from_a_named_end_after_that_one_closed_is_refused_before_t
         s.connect(("127.0.0.1", port))
         return s
 
-    def wait_served(end, sockets: int) -> None:  # the gate's server accepts (and closes) on its own threads
+    def wait_served(end, there: bool) -> int:  # the gate's server accepts (and closes) on its own threads
         deadline = time.monotonic() + 10
-        while len(served_over(port, end)) != sockets and time.monotonic() < deadline:
+        while bool(inode := connection_inode((end[0], port), end)) != there and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert len(served_over(port, end)) == sockets
+        assert bool(inode) == there
+        return inode
 
     member = connect()
     end = endpoint_of_peer(f"ipv4:127.0.0.1:{member.getsockname()[1]}")
-    wait_served(end, 1)
+    first = wait_served(end, True)
     rid = _member(secret, 0)
     assert g.member_refusal(ADMIT, _admit(rid, keys[0], pins=spell_pins(frozenset({end}))), "127.0.0.1") is None
     peer, quorum = f"ipv4:127.0.0.1:{end[1]}", _admit(rid)
@@ -294,10 +295,10 @@ def test_a_connection_from_a_named_end_after_that_one_closed_is_refused_before_t
     assert g.member_refusal(QUORUM, quorum, "127.0.0.1", peer=peer) is None  # the same connection again
     member.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     member.close()  # reset: the port is free at once
-    wait_served(end, 0)
+    wait_served(end, False)
     relay = connect(end[1])  # another process, from the end the member named
     try:
-        wait_served(end, 1)
+        assert wait_served(end, True) != first  # the same four ends, another connection
         why = g.member_refusal(QUORUM, quorum, "127.0.0.1", peer=peer)
         assert why is not None and "another connection calls from the end it named" in why, why
         assert "none now" in g.member_refusal(QUORUM, quorum, "127.0.0.1", peer=peer)  # that end is named no more
