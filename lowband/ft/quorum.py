@@ -22,9 +22,6 @@ log = logging.getLogger("lowband.ft.node")
 #: While a quorum takes longer than this, a node with the job's secret asks the Lighthouse's gate (every this many
 #: seconds) whether it is still a member.
 GATE_POLL_S = 2.0
-#: How much earlier than its call a node takes a lost request at the gate to be of another call (clocks differ, the
-#: gate's answer takes time).
-LOST_MARGIN_S = 1.0
 #: How many times in a row a node with the job's secret asks again for a quorum whose request timed out while the gate
 #: admits it (torchft's Manager does not retry a failed request to the Lighthouse: its ranks wait out the timeout). A
 #: request the gate saw end without a quorum (:class:`QuorumLost`) is asked again for up to the quorum timeout.
@@ -126,11 +123,15 @@ class QuorumRecorder:
         started = time.monotonic()
         while not done.wait(GATE_POLL_S):  # after a refusal must not hold the process up until its timeout
             try:
+                asked = time.monotonic()
                 status = gate_status(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
                                      timeout_s=GATE_POLL_S)
                 why = status.why
+                # The gate measured the age when it answered, after ``asked``: a loss it dates after ``started`` by
+                # this bound happened after the call began (both ends measure durations on monotonic clocks). A step's
+                # quorum call lasts milliseconds, so a broken connection mostly ends one that began a moment before.
                 if (why is None and status.in_flight == 0 and status.lost_age_s is not None
-                        and status.lost_age_s < time.monotonic() - started - LOST_MARGIN_S):
+                        and status.lost_age_s < asked - started):
                     # This node's request reached the gate after its call began and ended without a quorum (its
                     # connection broke, or it was refused): torchft's Manager does not retry it, and its ranks
                     # would wait out the whole timeout. The call is left behind (a daemon); the node asks again.
