@@ -552,11 +552,10 @@ class LighthouseGateway:
 
 
 def peer_host(peer: str) -> str:
-    """The host of a gRPC peer string (``ipv4:10.0.0.2:5123``, ``ipv6:[::1]:5123``)."""
-    kind, _, rest = peer.partition(":")
-    if kind == "ipv6":
-        return rest.rsplit(":", 1)[0].strip("[]")
-    return rest.rsplit(":", 1)[0] if kind == "ipv4" else ""
+    """The host of a gRPC peer string (``ipv4:10.0.0.2:5123``, ``ipv6:[::1]:5123``; an IPv4-mapped one as its IPv4
+    address), or "" for another kind."""
+    end = endpoint_of_peer(peer)
+    return "" if end is None else str(end[0])
 
 
 def accuse_at_gate(lighthouse: str, rid: str, accused: str, why: str, *, timeout_s: float = 10.0,

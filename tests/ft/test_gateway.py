@@ -303,6 +303,7 @@ def test_a_peer_strings_host():
     assert peer_host("ipv4:10.0.0.2:5123") == "10.0.0.2"
     assert peer_host("ipv6:[::1]:5123") == "::1"
     assert peer_host("unix:/tmp/x") == ""
+    assert peer_host("ipv6:[::ffff:10.0.0.2]:5123") == "10.0.0.2"  # a dual-stack socket's IPv4 caller, as itself
 
 
 def test_a_call_without_a_deadline_is_passed_on_without_one(gate):
