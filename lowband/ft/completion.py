@@ -47,14 +47,16 @@ class JobComplete(Exception):  # noqa: N818 - not an error: the job this node wo
     """The job this node would join is complete: it leaves without training (``lowband train`` exits 0)."""
 
 
-def done_request(rid: str, address: str, store: str, step: int, where: str, *, key=None) -> bytes:
+def done_request(rid: str, address: str, store: str, step: int, where: str, *, key=None,
+                 secret: bytes | None = None) -> bytes:
     """The bytes of a :data:`DONE` call: the reporting member as in :func:`lowband.ft.gateway.admission_request`
     (field 1), the job's last step it committed (field 2, decimal) and its final checkpoint's path (field 3); signed
-    with the member's ``key`` (a :class:`lowband.trust.keys.MemberKey`) when given."""
+    with the member's ``key`` (a :class:`lowband.trust.keys.MemberKey`) when given, else tagged with the job's
+    ``secret`` when given."""
     member = string_field(1, rid.encode()) + string_field(2, address.encode()) + string_field(3, store.encode())
     body = (string_field(1, member) + string_field(2, str(int(step)).encode())
             + string_field(3, where.encode()[:4 * MAX_WHERE_CHARS].decode("utf-8", "ignore").encode()))
-    return body if key is None else sign_request(key, DONE, body)
+    return sign_request(key, DONE, body, secret=secret)
 
 
 def done_fields(request: bytes) -> tuple[str, int, str]:
@@ -129,6 +131,8 @@ class CompletionRecord:
         at = members[claim.node][1]
         if step < max(at, 1):
             return f"it reports step {step}, but it was at step {at} in the current quorum"
+        if claim.last_step is not None and step > claim.last_step:
+            return f"it reports step {step}, after the job's last step ({claim.last_step})"
         with self._lock:
             if self.step is not None:
                 if step != self.step:
@@ -199,12 +203,14 @@ def job_complete(lighthouse: str, answer: str) -> JobComplete:
                        "in those checkpoints (start a new job, with a new --out, to train on).")
 
 
-def report_done(lighthouse: str, rid: str, step: int, where: str, *, timeout_s: float = 10.0, key=None) -> str | None:
+def report_done(lighthouse: str, rid: str, step: int, where: str, *, timeout_s: float = 10.0, key=None,
+                secret: bytes | None = None) -> str | None:
     """Report to the gate at ``lighthouse`` that this member (replica id ``rid``, the node's rank 0) committed the
-    job's last ``step``, its final checkpoint at ``where`` (signed with the member's ``key`` when given): None when
+    job's last ``step``, its final checkpoint at ``where`` (signed with the member's ``key`` when given, else tagged
+    with the job's ``secret``): None when
     the gate counted it, else why not (no gate: torchft's own Lighthouse; unreachable; or the report was refused)."""
     claim = claim_of(rid)
     if claim is None:
         return f"{rid[:80]!r} is not a lowband replica id"
-    return call_gate(lighthouse, DONE, done_request(rid, f"http://{claim.manager}", claim.store, step, where, key=key),
-                     timeout_s=timeout_s)
+    return call_gate(lighthouse, DONE, done_request(rid, f"http://{claim.manager}", claim.store, step, where, key=key,
+                                                    secret=secret), timeout_s=timeout_s)

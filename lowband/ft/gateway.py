@@ -59,7 +59,7 @@ from lowband.ft.protowire import (
 )
 from lowband.ft.protowire import string_of as _string
 from lowband.trust.admission import CannotListen, claim_of, proves, same_host
-from lowband.trust.keys import MemberKey, ReplayCache, Roster, verify_call
+from lowband.trust.keys import MemberKey, ReplayCache, Roster, verify_call, verify_mac
 from lowband.trust.limits import SourceLimiter, Tarpit
 
 __all__ = ["ACCUSE", "ADMIT", "COMMITTED_SCALE", "DONE", "HEARTBEAT", "HELD_OUT", "KEPT_OUT", "MAX_FIELDS", "PINNED", "QUORUM",
@@ -118,19 +118,19 @@ def admission_request(rid: str, address: str, store: str, *, key: MemberKey | No
 
 
 def accusation_request(rid: str, address: str, store: str, accused: str, why: str, *,
-                       key: MemberKey | None = None) -> bytes:
+                       key: MemberKey | None = None, secret: bytes | None = None) -> bytes:
     """The bytes of an :data:`ACCUSE` call: the reporting member as in :func:`admission_request` (field 1), the
     replica id of the member it reports (field 2) and what was wrong with its messages (field 3); signed with
-    ``key`` when given."""
+    ``key`` when given, else tagged with the job's ``secret`` when given (:func:`~lowband.ft.protowire.sign_request`)."""
     return sign_request(key, ACCUSE, admission_request(rid, address, store) + string_field(2, accused.encode())
-                        + string_field(3, why.encode()[:300].decode("utf-8", "ignore").encode()))
+                        + string_field(3, why.encode()[:300].decode("utf-8", "ignore").encode()), secret=secret)
 
 
 #: The kinds of refusal (each reason starts with one): what the gate counts, never the caller's text, which would grow.
 REFUSAL_KINDS = ("malformed request", "the request names no requester", "replica id does not prove the job's secret",
                  "its addresses are not the ones its tag vouches for", "the call came from another address than its "
                  "member's", "the call is not signed by its member's key", "not the process its member registered",
-                 "too many refused calls from this host")
+                 "the report does not prove the job's secret", "too many refused calls from this host")
 
 
 def refusal_kind(why: str) -> str:
@@ -288,6 +288,8 @@ class LighthouseGateway:
             why = refusal(self._secret, request, method if method in (QUORUM, HEARTBEAT) else QUORUM)
             if why is None and self.roster is not None:
                 why = self.member_refusal(method, request, host, peer=context.peer())
+            elif why is None and method in (ACCUSE, DONE):
+                why = self.report_refusal(method, request)
             if why is not None:
                 self.tarpit.refused(peer)
                 self.limiter.refused(host)
@@ -474,6 +476,17 @@ class LighthouseGateway:
                 self.pinned.pop(claim.node, None)  # unless it named its connections, its next call pins one again
         return None
 
+    def report_refusal(self, method: str, request: bytes) -> str | None:
+        """Without a roster, why a member's report (:data:`ACCUSE`, :data:`DONE`) is refused, or None: it must carry an
+        HMAC under the job's secret over what it says, the time and a fresh nonce (the replica id alone is no proof:
+        torchft's status page and the nodes' stores show it to anyone on their hosts)."""
+        try:
+            _, parts, (t, nonce, mac) = signed_parts(request)
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
+            return f"malformed request ({e})"
+        why = verify_mac(self._secret, self.replays, mac, t, nonce, method, *parts)
+        return None if why is None else f"the report does not prove the job's secret: {why}"
+
     def _same_connection(self, slot: int, here) -> str | None:
         """None when a call from the named end ``here`` came over the connection from it that the slot's first call
         came over (its socket, :func:`lowband.ft.pins.connection_inode`): once the member's connection closed, another
@@ -559,15 +572,16 @@ def peer_host(peer: str) -> str:
 
 
 def accuse_at_gate(lighthouse: str, rid: str, accused: str, why: str, *, timeout_s: float = 10.0,
-                   key: MemberKey | None = None) -> str | None:
+                   key: MemberKey | None = None, secret: bytes | None = None) -> str | None:
     """Report to the gate at ``lighthouse`` that the member with replica id ``accused`` sent this member (replica id
-    ``rid``) bad messages (``why``), signed with the member's ``key`` when given: None when the gate counted it,
-    else why not (no gate: torchft's own Lighthouse, which cannot remove a member; or the report was refused)."""
+    ``rid``) bad messages (``why``), signed with the member's ``key`` when given, else tagged with the job's
+    ``secret``: None when the gate counted it, else why not (no gate: torchft's own Lighthouse, which cannot remove a
+    member; or the report was refused)."""
     claim = claim_of(rid)
     if claim is None:
         return f"{rid[:80]!r} is not a lowband replica id"
     return call_gate(lighthouse, ACCUSE, accusation_request(rid, f"http://{claim.manager}", claim.store, accused, why,
-                                                            key=key), timeout_s=timeout_s)
+                                                            key=key, secret=secret), timeout_s=timeout_s)
 
 
 class GateStatus(NamedTuple):

@@ -556,7 +556,8 @@ class FaultTolerance:
             self.reported[rid] = "pending"
 
             def report(rid: str = rid, why: str = f"{why}; {what}") -> None:
-                self.reported[rid] = accuse_at_gate(self.cfg.lighthouse, self.replica_id, rid, why, key=self.cfg.key)
+                self.reported[rid] = accuse_at_gate(self.cfg.lighthouse, self.replica_id, rid, why, key=self.cfg.key,
+                                                  secret=self.cfg.secret)
                 log.warning("rank %d: node %s reported to the Lighthouse's gate for %s: %s", self.rank,
                             member_of(rid)[1], why, self.reported[rid] or "counted")
             threading.Thread(target=report, daemon=True, name="lowband-report").start()

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lowband.trust.keys import MemberKey, sign_call
+from lowband.trust.keys import MemberKey, mac_call, sign_call
 
 __all__ = ["MAX_FIELDS", "RESPONSE_FIELDS", "SIGNED_FIELDS", "call_gate", "encode_varint", "parse_fields", "sign_request",
            "signed_parts", "string_field", "string_of"]
@@ -103,13 +103,14 @@ def signed_parts(request: bytes) -> tuple[str, tuple[str, ...], tuple[str, str, 
     return rid, parts, (t, nonce, sig)
 
 
-def sign_request(key: MemberKey | None, method: str, request: bytes) -> bytes:
+def sign_request(key: MemberKey | None, method: str, request: bytes, *, secret: bytes | None = None) -> bytes:
     """``request`` (a gate's own call ``method``) with the member's signature appended (:data:`SIGNED_FIELDS`): over
-    the method, what :func:`signed_parts` reads of it, the time and a fresh nonce. Unchanged without ``key``."""
-    if key is None:
+    the method, what :func:`signed_parts` reads of it, the time and a fresh nonce. Without ``key``, with the job's
+    ``secret`` (a job without a roster): the same fields hold an HMAC under the secret. Unchanged without either."""
+    if key is None and secret is None:
         return request
     _, parts, _ = signed_parts(request)
-    t, nonce, sig = sign_call(key, method, *parts)
+    t, nonce, sig = sign_call(key, method, *parts) if key is not None else mac_call(secret, method, *parts)
     return request + b"".join(string_field(n, v.encode()) for n, v in zip(SIGNED_FIELDS, (t, nonce, sig), strict=True))
 
 

@@ -171,7 +171,8 @@ class FaultTolerantSession:
             return  # no gate; not the node's rank 0; or the run did not reach the job's end
         final = t.out / "checkpoints" / f"step_{t.steps_done:06d}"
         where = str((final if final.exists() else t.out).resolve())
-        why = report_done(self.config.lighthouse, self.torchft.replica_id, t.steps_done, where, key=self.config.key)
+        why = report_done(self.config.lighthouse, self.torchft.replica_id, t.steps_done, where, key=self.config.key,
+                          secret=self.config.secret)
         if why is None:
             log.info("node %d: told the Lighthouse's gate that the job is complete at step %d (%s)", self.config.node,
                      t.steps_done, where)

@@ -28,7 +28,8 @@ from pathlib import Path
 from lowband.trust.secret import SecretError, load_secret, tag, verify, write_secret
 
 __all__ = ["KEY_FORMAT", "MAX_SKEW_S", "ROSTER_FORMAT", "MemberKey", "ReplayCache", "Roster", "check_member", "key_path",
-           "load_key", "load_roster", "roster_path", "sign_call", "signed_bytes", "verify_call", "write_keys"]
+           "load_key", "load_roster", "mac_call", "roster_path", "sign_call", "signed_bytes", "verify_call", "verify_mac",
+           "write_keys"]
 
 ROSTER_FORMAT = "lowband-roster/1"
 KEY_FORMAT = "lowband-key/1"
@@ -280,21 +281,45 @@ def sign_call(key: MemberKey, *parts: object, clock=time.time) -> tuple[str, str
     return t, nonce, key.sign(*parts, t, nonce)
 
 
+def mac_call(secret: bytes, *parts: object, clock=time.time) -> tuple[str, str, str]:
+    """(time, nonce, tag) of a call that says ``parts``, made with the job's ``secret`` now: a job without a roster,
+    whose members share the secret only (:func:`verify_mac`)."""
+    t, nonce = repr(float(clock())), _secrets.token_hex(16)
+    return t, nonce, tag(secret, "lowband-call", *parts, t, nonce)
+
+
+def _time_of(t: object, nonce: object) -> float | None:
+    """The time a call says it was made at, or None when its time or nonce is not what :func:`sign_call` writes."""
+    if not (isinstance(t, str) and isinstance(nonce, str) and len(t) <= 32 and re.fullmatch(r"[0-9a-f]{32}", nonce)):
+        return None
+    try:
+        when = float(t)
+    except ValueError:
+        return None
+    return None if when != when or when in (float("inf"), float("-inf")) else when
+
+
 def verify_call(roster: Roster, cache: ReplayCache, slot: int, signature: str, t: str, nonce: str,
                 *parts: object) -> str | None:
     """Why a call that says ``parts`` in node slot ``slot``'s name, signed at ``t`` with ``nonce``, is refused; None when
     ``slot``'s key signed it, fresh and never seen. Never raises (every field is a caller's)."""
     if slot not in roster:
         return f"node {slot} has no key in the job's roster"
-    if not (isinstance(t, str) and isinstance(nonce, str) and len(t) <= 32 and re.fullmatch(r"[0-9a-f]{32}", nonce)):
-        return "the call carries no time and nonce"
-    try:
-        when = float(t)
-    except ValueError:
-        return "the call carries no time and nonce"
-    if when != when or when in (float("inf"), float("-inf")):
+    when = _time_of(t, nonce)
+    if when is None:
         return "the call carries no time and nonce"
     if not roster.verify(slot, signature, *parts, t, nonce):
         return f"forged: not signed by node {slot}'s key"
+    return cache.check(when, nonce)
+
+
+def verify_mac(secret: bytes, cache: ReplayCache, mac: str, t: str, nonce: str, *parts: object) -> str | None:
+    """Why a call that says ``parts``, made at ``t`` with ``nonce`` and tagged ``mac`` (:func:`mac_call`), is refused;
+    None when the job's secret made it, fresh and never seen. Never raises (every field is a caller's)."""
+    when = _time_of(t, nonce)
+    if when is None:
+        return "the call carries no time and nonce"
+    if not verify(secret, mac, "lowband-call", *parts, t, nonce):
+        return "forged: not made with the job's secret"
     return cache.check(when, nonce)
 

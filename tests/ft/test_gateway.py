@@ -380,14 +380,14 @@ def test_a_member_reported_through_the_gate_is_refused_there_and_leaves_with_the
     g, seen, _ = gate
     ids = {s: _member(s, "127.0.0.1") for s in range(3)}
     g.breaker.observe((1, 0), {s: q(5, 5) for s in ids}, ids)
-    assert accuse_at_gate(g.address(), ids[0], ids[2], "index out of range") is None
+    assert accuse_at_gate(g.address(), ids[0], ids[2], "index out of range", secret=SECRET) is None
     outsider = replica_id("f00d", 0) + ":x"
     with pytest.raises(grpc.RpcError) as e:  # an outsider's report never reaches the breaker
         _call(g.address(), ACCUSE, accusation_request(outsider, "http://127.0.0.1:6000", "127.0.0.1:5000", ids[2], "x"))
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "FAILED_PRECONDITION" in accuse_at_gate(g.address(), _member(1, "127.0.0.9"), ids[2], "x")
+    assert "FAILED_PRECONDITION" in accuse_at_gate(g.address(), _member(1, "127.0.0.9"), ids[2], "x", secret=SECRET)
     assert g.breaker.held(2) is None
-    assert accuse_at_gate(g.address(), ids[1], ids[2], "index out of range") is None
+    assert accuse_at_gate(g.address(), ids[1], ids[2], "index out of range", secret=SECRET) is None
     with pytest.raises(grpc.RpcError) as e:  # node 2's quorum request: refused, with the reason
         _call(g.address(), QUORUM, admission_request(ids[2], "http://127.0.0.1:6000", "127.0.0.1:5000"))
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and KEPT_OUT in e.value.details()
@@ -419,7 +419,7 @@ def test_a_node_whose_quorum_waits_asks_the_gate_and_leaves_at_once_when_it_was_
     rec = ft_quorum.QuorumRecorder(client, ft)
     assert rec._asked(step=0) == "the quorum"
     for reporter in (0, 1):
-        assert accuse_at_gate(g.address(), ids[reporter], ids[2], "index out of range") is None
+        assert accuse_at_gate(g.address(), ids[reporter], ids[2], "index out of range", secret=SECRET) is None
     client._quorum = lambda **kw: time.sleep(60)  # refused at the gate: torchft would wait out its timeout
     t0 = time.monotonic()
     with pytest.raises(AdmissionRefused, match=r"node 2 is removed from the job .*sent bad messages.*nodes 0, 1"):
@@ -696,14 +696,16 @@ def test_in_a_round_of_two_one_report_ends_the_job_only_at_the_last_step_each_me
 
     for lasts, step, at in (((700, 800), 700, 699),  # node 1 named another end
                             ((700, None), 700, 699),  # node 1 named none
-                            ((500, 500), 700, 699),  # a report of another step than the named one
+                            ((500, 500), 700, 699),  # a report after the named end: refused outright
                             ((800, 800), 800, 699),  # the named end, but the round (at 699) is not at its quorum
                             ((None, None), 700, 699)):  # no names: both must report
         b = StallBreaker()
         ids = {s: member(s, last) for s, last in enumerate(lasts)}
         b.observe((1, 0), {0: q(at, at), 1: q(at, at)}, ids)
         r = CompletionRecord()
-        assert r.done(ids[0], "10.0.0.1", step, "/out0", b.round_members()) is None and not r.complete, lasts
+        why = r.done(ids[0], "10.0.0.1", step, "/out0", b.round_members())
+        assert (why is None if lasts[0] is None or step <= lasts[0] else "after the job's last step (500)" in why), why
+        assert not r.complete, lasts
     b = StallBreaker()
     ids = {s: member(s, 700) for s in range(2)}
     assert proves(SECRET, ids[0]) and not proves(SECRET, ids[0].replace("_l700_", "_l300_"))  # the tag binds it
@@ -751,14 +753,30 @@ def test_a_node_that_asks_after_the_job_is_complete_is_told_so_and_leaves_and_a_
     with pytest.raises(grpc.RpcError) as e:
         _call(g.address(), DONE, done_request(outsider, "http://127.0.0.1:6000", "127.0.0.1:5000", 10, "/x"))
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "FAILED_PRECONDITION" in report_done(g.address(), _member(4, "127.0.0.1"), 10, "/x")  # not a member
+    assert "FAILED_PRECONDITION" in report_done(g.address(), _member(4, "127.0.0.1"), 10, "/x",
+                                               secret=SECRET)  # not a member
     assert "INVALID_ARGUMENT" in _done_error(g, ids[0], "ten")
+    # a member's full replica id (torchft's status page and the nodes' stores show it) without the job's secret: a
+    # report with no tag, with another secret's, or a tagged one sent again, is refused before the record sees it
+    plain = done_request(ids[0], "http://127.0.0.1:6000", "127.0.0.1:5000", 10, "/stranger")
+    tagged = done_request(ids[0], "http://127.0.0.1:6000", "127.0.0.1:5000", 11, "/run/node0", secret=SECRET)
+    for request, why in ((plain, "carries no time and nonce"),
+                         (done_request(ids[0], "http://127.0.0.1:6000", "127.0.0.1:5000", 10, "/x", secret=b"o" * 32),
+                          "forged"), (tagged, None), (tagged, "replayed")):
+        if why is None:
+            assert _call(g.address(), DONE, request) == b""
+            continue
+        with pytest.raises(grpc.RpcError) as e:
+            _call(g.address(), DONE, request)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "does not prove the job's secret" in \
+            e.value.details() and why in e.value.details(), e.value.details()
+    assert g.completion._reports == {0: (11, "/run/node0")}  # counted, as the member's own
     # while the job runs a member passes (a node alone during the job trains on)
     assert ask_gate(g.address(), ids[0], "http://127.0.0.1:6000", "127.0.0.1:5000") is None
     assert not g.completion.complete
-    assert report_done(g.address(), ids[1], 10, "/run/node1/checkpoints/step_000010") is None
+    assert report_done(g.address(), ids[1], 10, "/run/node1/checkpoints/step_000010", secret=SECRET) is None
     assert not g.completion.complete  # one of three
-    assert report_done(g.address(), ids[2], 10, "/run/node2/checkpoints/step_000010") is None
+    assert report_done(g.address(), ids[2], 10, "/run/node2/checkpoints/step_000010", secret=SECRET) is None
     with pytest.raises(JobComplete, match=r"complete at step 10; final checkpoints: node1 at /run/node1/checkpoints"):
         ask_gate(g.address(), ids[0], "http://127.0.0.1:6000", "127.0.0.1:5000")
     with pytest.raises(grpc.RpcError) as e:  # its quorum request too: never reaches the Lighthouse
@@ -769,11 +787,13 @@ def test_a_node_that_asks_after_the_job_is_complete_is_told_so_and_leaves_and_a_
 
 def _done_error(g, rid: str, step: str) -> str:
     from lowband.ft.completion import DONE
+    from lowband.ft.protowire import sign_request
     from lowband.ft.protowire import string_field as field
 
     member = field(1, rid.encode()) + field(2, b"http://127.0.0.1:6000") + field(3, b"127.0.0.1:5000")
     try:
-        _call(g.address(), DONE, field(1, member) + field(2, step.encode()) + field(3, b"/x"))
+        _call(g.address(), DONE, sign_request(None, DONE, field(1, member) + field(2, step.encode()) + field(3, b"/x"),
+                                              secret=SECRET))
     except grpc.RpcError as e:
         return f"{e.code().name}: {e.details()}"
     return ""
@@ -797,8 +817,8 @@ def test_a_node_whose_quorum_waits_when_the_job_ends_leaves_and_lowband_train_ex
     client = type("C", (), {})()
     client._quorum = lambda **kw: time.sleep(60)  # torchft would wait out its timeout
     rec = ft_quorum.QuorumRecorder(client, ft)
-    assert report_done(g.address(), ids[0], 6, "/out0") is None
-    assert report_done(g.address(), ids[1], 6, "/out1") is None  # two of the round's three: the job is complete
+    assert report_done(g.address(), ids[0], 6, "/out0", secret=SECRET) is None
+    assert report_done(g.address(), ids[1], 6, "/out1", secret=SECRET) is None  # two of the round's three: the job is complete
     t0 = time.monotonic()
     with pytest.raises(JobComplete, match="complete at step 6; final checkpoints: node0 at /out0, node1 at /out1"):
         rec._asked(step=6)

@@ -372,6 +372,37 @@ def test_signed_calls_random_mutated_or_replayed_are_refused_with_a_reason_of_a_
     assert 1 <= passed <= 2 + CASES // 50  # each genuine call once (an ADMIT whose mutation left what it signs intact aside)
 
 
+def test_reports_without_a_roster_random_or_mutated_are_refused_with_a_reason_of_a_fixed_kind_never_raise():
+    """A job without a roster: the gate takes a member's report (Done, Accuse) only with an HMAC under the job's secret
+    over what it says, fresh and never seen (LighthouseGateway.report_refusal): random and mutated reports are refused
+    with a reason of a known kind, never an exception, and the genuine one passes once."""
+    import types
+
+    from lowband.ft.completion import DONE, done_request
+    from lowband.ft.gateway import ACCUSE, accusation_request
+    from lowband.trust.keys import ReplayCache
+
+    rid = replica_id("f00d", 0, secret=SECRET, store=STORE, manager=MANAGER, last_step=10) + ":u0"
+    gate = types.SimpleNamespace(_secret=SECRET, replays=ReplayCache())
+    rng = random.Random(4402)
+    genuine = {DONE: done_request(rid, f"http://{MANAGER}", STORE, 10, "/out", secret=SECRET),
+               ACCUSE: accusation_request(rid, f"http://{MANAGER}", STORE, rid, "bad", secret=SECRET)}
+    for method, request in genuine.items():
+        assert LighthouseGateway.report_refusal(gate, method, request) is None
+    for i in range(CASES):
+        method = (DONE, ACCUSE)[i % 2]
+        raw = bytearray(genuine[method])
+        if i % 3 == 0:
+            for _ in range(rng.randint(1, 3)):
+                j = rng.randrange(len(raw))
+                raw[j] = rng.randrange(256) if rng.randrange(2) else raw[j] ^ (1 << rng.randrange(8))
+        elif i % 3 == 1:
+            raw = bytearray(_random_message(rng))
+        req = bytes(raw[:rng.choice([len(raw), len(raw), rng.randrange(len(raw) + 1)])])
+        why = LighthouseGateway.report_refusal(gate, method, req)
+        assert isinstance(why, str) and why.startswith(REFUSAL_KINDS), (req[:80], why)  # replayed, forged or malformed
+
+
 def test_named_connections_random_and_mutated_are_read_or_refused_never_raise():
     """A registration's list of connections (lowband.ft.pins.parse_pins) and gRPC's peer strings: read as written or a
     ValueError (parse_pins) / None (endpoint_of_peer), never another exception."""
