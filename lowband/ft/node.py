@@ -289,7 +289,7 @@ class FaultTolerance:
         from torchft.process_group import ProcessGroupGloo  # optional dependency (the ft extra)
 
         self.cfg = cfg
-        self.rank = rank
+        self.rank, self.local_ranks = rank, world_size
         self._load_user = load_state_dict
         self._check_user = check_state
         self.bad_sources: dict[str, str] = {}  # members whose state this node refused (replica id -> why)

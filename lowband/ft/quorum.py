@@ -26,6 +26,10 @@ GATE_POLL_S = 2.0
 #: admits it (torchft's Manager does not retry a failed request to the Lighthouse: its ranks wait out the timeout). A
 #: request the gate saw end without a quorum (:class:`QuorumLost`) is asked again for up to the quorum timeout.
 QUORUM_RETRIES = 3
+#: After this many polls in a row at which the gate held no quorum call of a one-rank node whose call waits, its
+#: request never reached the gate (its connection broke before it was sent): it asks again. A node of several ranks
+#: waits there legitimately while its other ranks have not asked yet (torchft's Manager asks once all have).
+ABSENT_POLLS = 3
 #: How often a node that the gate holds out asks whether it may join again.
 HELD_POLL_S = 10.0
 
@@ -111,7 +115,7 @@ class QuorumRecorder:
         claim = claim_of(self._ft.replica_id)
         if cfg.secret is None or claim is None:
             return self._client._quorum(*args, **kwargs)
-        done, answer, told = threading.Event(), {}, False
+        done, answer, told, absent = threading.Event(), {}, False, 0
 
         def call() -> None:
             try:
@@ -137,6 +141,10 @@ class QuorumRecorder:
                     # would wait out the whole timeout. The call is left behind (a daemon); the node asks again.
                     raise QuorumLost(f"node {cfg.node}'s quorum request ended at the Lighthouse's gate "
                                      f"{status.lost_age_s:.1f} s ago without a quorum")
+                absent = absent + 1 if why is None and status.in_flight == 0 else 0
+                if absent >= ABSENT_POLLS and getattr(self._ft, "local_ranks", 0) == 1:
+                    raise QuorumLost(f"node {cfg.node}'s quorum request has not been at the Lighthouse's gate for "
+                                     f"{absent * GATE_POLL_S:.0f} s")
                 if why is not None and cfg.key is not None and UNREGISTERED in why:
                     # A gate that forgot this process (the Lighthouse was restarted): registered again, signed. A
                     # process that another one of the node replaced is told so and leaves (it does not take it back).

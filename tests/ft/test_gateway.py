@@ -582,6 +582,17 @@ def test_a_node_whose_quorum_request_ended_at_the_gate_stops_waiting_for_torchft
     with pytest.raises(ft_quorum.QuorumLost, match="ended at the Lighthouse's gate"):
         ft_quorum.QuorumRecorder(client, ft)._asked(step=1)
     assert time.monotonic() - t0 < 3.0
+    # a request that never reached the gate (nothing of the slot in flight there, nothing lost since): a node of one
+    # rank asks again after ABSENT_POLLS polls; one of several ranks waits (its other ranks may not have asked yet)
+    ft.local_ranks = 2
+    client._quorum = lambda **kw: (time.sleep(1.0), "the quorum")[1]
+    assert ft_quorum.QuorumRecorder(client, ft)._asked(step=2) == "the quorum"
+    ft.local_ranks = 1
+    client._quorum = lambda **kw: time.sleep(60)
+    t0 = time.monotonic()
+    with pytest.raises(ft_quorum.QuorumLost, match="has not been at the Lighthouse's gate"):
+        ft_quorum.QuorumRecorder(client, ft)._asked(step=3)
+    assert time.monotonic() - t0 < 3.0
 
 
 # ----------------------------------------------------------------------------- what a stranger can make it do
