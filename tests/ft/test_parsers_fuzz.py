@@ -319,6 +319,19 @@ def test_state_request_paths_random_and_mutated_are_read_or_refused_never_raise(
 
 
 # ----------------------------------------------------------------------------- signed calls (a job with a roster)
+def _mutated(rng: random.Random, genuine: bytes, i: int) -> bytes:
+    """Case ``i`` of a fuzz of ``genuine``: a few bytes changed (i % 3 == 0), a random message (1) or it as it is (2),
+    then maybe cut short."""
+    raw = bytearray(genuine)
+    if i % 3 == 0:
+        for _ in range(rng.randint(1, 3)):
+            j = rng.randrange(len(raw))
+            raw[j] = rng.randrange(256) if rng.randrange(2) else raw[j] ^ (1 << rng.randrange(8))
+    elif i % 3 == 1:
+        raw = bytearray(_random_message(rng))
+    return bytes(raw[:rng.choice([len(raw), len(raw), rng.randrange(len(raw) + 1)])])
+
+
 def test_signed_calls_random_mutated_or_replayed_are_refused_with_a_reason_of_a_fixed_kind_never_raise(tmp_path):
     """The gate's checks of a job with a roster (LighthouseGateway.member_refusal) on signed calls whose bytes were
     mutated, truncated, replayed or are random: a refusal of one of REFUSAL_KINDS, never an exception; only the
@@ -349,14 +362,7 @@ def test_signed_calls_random_mutated_or_replayed_are_refused_with_a_reason_of_a_
     passed = 0
     for i in range(CASES):
         method = (ADMIT, ACCUSE)[i % 2]
-        raw = bytearray(genuine[method])
-        if i % 3 == 0:
-            for _ in range(rng.randint(1, 3)):
-                j = rng.randrange(len(raw))
-                raw[j] = rng.randrange(256) if rng.randrange(2) else raw[j] ^ (1 << rng.randrange(8))
-        elif i % 3 == 1:
-            raw = bytearray(_random_message(rng))
-        req = bytes(raw[:rng.choice([len(raw), len(raw), rng.randrange(len(raw) + 1)])])
+        req = _mutated(rng, genuine[method], i)
         if refusal(secret, req, QUORUM) is not None:  # the gate's first check (the secret's tag, the addresses)
             continue
         why = LighthouseGateway.member_refusal(gate, method, req, rng.choice(["127.0.0.1", "127.0.0.1", "10.0.0.9"]))
@@ -391,14 +397,7 @@ def test_reports_without_a_roster_random_or_mutated_are_refused_with_a_reason_of
         assert LighthouseGateway.report_refusal(gate, method, request) is None
     for i in range(CASES):
         method = (DONE, ACCUSE)[i % 2]
-        raw = bytearray(genuine[method])
-        if i % 3 == 0:
-            for _ in range(rng.randint(1, 3)):
-                j = rng.randrange(len(raw))
-                raw[j] = rng.randrange(256) if rng.randrange(2) else raw[j] ^ (1 << rng.randrange(8))
-        elif i % 3 == 1:
-            raw = bytearray(_random_message(rng))
-        req = bytes(raw[:rng.choice([len(raw), len(raw), rng.randrange(len(raw) + 1)])])
+        req = _mutated(rng, genuine[method], i)
         why = LighthouseGateway.report_refusal(gate, method, req)
         assert isinstance(why, str) and why.startswith(REFUSAL_KINDS), (req[:80], why)  # replayed, forged or malformed
 
