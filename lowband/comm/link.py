@@ -342,7 +342,7 @@ class Link:
         works: list = []
         if g > 1 and self.ft is not None:
             send = tensor.contiguous() if self.tags is None else self.tags.seal(
-                tensor, sender=self.group_rank, context=self._quorum_id())
+                tensor, sender=self.group_rank, context=self._tag_context())
             payload = nbytes(send)
             out = sealed = torch.zeros((g, *send.shape), dtype=send.dtype, device=send.device)
             if not self.ft.errored:
@@ -367,16 +367,19 @@ class Link:
             start, works, out, async_op=async_op,
         )
 
-    def _quorum_id(self) -> int:
-        """The current quorum's id (torchft's, the same on every member): what a message's tag binds it to."""
-        return int(getattr(getattr(self.ft, "manager", None), "_quorum_id", 0) or 0)
+    def _tag_context(self) -> tuple[int, int]:
+        """What a message's tag binds it to, the same on every member: the current quorum's id (torchft's) and its
+        step (the quorum's newest: a quorum id lasts as long as its members, so a message of an earlier step would
+        pass again without it)."""
+        quorum_id = int(getattr(getattr(self.ft, "manager", None), "_quorum_id", 0) or 0)
+        return quorum_id, int(getattr(self.ft, "quorum_max_step", 0) or 0)
 
     def _opened(self, sealed: torch.Tensor, senders: list[int], like: torch.Tensor) -> torch.Tensor:
         """Tagged rows -> the messages; a row whose tag fails is someone else's in its sender's place (left out,
         marked not counted, counted against no one; :mod:`lowband.comm.tags`)."""
         if self.ft.errored:  # the step is dropped: what arrived is not all there, and nothing of it is used
             return sealed[:, :-TAG_BYTES].contiguous().view(like.dtype).reshape(len(senders), *like.shape)
-        rows, forged = self.tags.open(sealed, senders=senders, context=self._quorum_id(), like=like)
+        rows, forged = self.tags.open(sealed, senders=senders, context=self._tag_context(), like=like)
         for i in forged:
             log.warning("rank %d: a message in quorum member %d's place failed the job's tag: someone else put it on "
                         "the wire, not that member; it is left out and counted against no one", self.rank, senders[i])
@@ -443,7 +446,7 @@ class Link:
         staged = device.type != "cpu"
         t = tensor.detach().to("cpu").contiguous() if staged else tensor.contiguous()
         if self.tags is not None:
-            t = self.tags.seal(t, sender=me, context=self._quorum_id())
+            t = self.tags.seal(t, sender=me, context=self._tag_context())
         payload = nbytes(t)
         received = [torch.zeros_like(t) for _ in peers]
         works: list = []

@@ -1,5 +1,5 @@
 """Each message a node gathers or exchanges under fault tolerance with the job's secret carries a tag (an HMAC under a
-key drawn from the secret) over its sender's place in the quorum and its bytes.
+key drawn from the secret) over its sender's place in the quorum, the quorum and its step, and its bytes.
 
 gloo's traffic is not authenticated: someone who reaches the job's network (or writes into a quorum's TCPStore) can
 put a message on the wire in a member's place. A message that fails its checks is counted against its sender, and
@@ -32,18 +32,20 @@ class MessageTags:
         self._key = hmac.new(secret, b"lowband message tag v1", hashlib.sha256).digest()
         self.forged = 0  # messages whose tag failed: someone else's, in a member's place
 
-    def _tag(self, data: bytes, sender: int, context: int) -> bytes:
-        head = struct.pack(">qq", context, sender)
+    def _tag(self, data: bytes, sender: int, context: int | tuple[int, ...]) -> bytes:
+        ctx = (context,) if isinstance(context, int) else tuple(context)
+        head = struct.pack(f">{len(ctx) + 1}q", *ctx, sender)
         return hmac.new(self._key, head + data, hashlib.sha256).digest()[:TAG_BYTES]
 
-    def seal(self, tensor: torch.Tensor, *, sender: int, context: int) -> torch.Tensor:
-        """``tensor``'s bytes (uint8, 1-D) followed by its tag as sent by quorum member ``sender`` (``context``: the
-        quorum's id, the same on every member)."""
+    def seal(self, tensor: torch.Tensor, *, sender: int, context: int | tuple[int, ...]) -> torch.Tensor:
+        """``tensor``'s bytes (uint8, 1-D) followed by its tag as sent by quorum member ``sender`` (``context``: what
+        is the same on every member for this message and no other: the quorum's id and its step)."""
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         tag = self._tag(raw.cpu().numpy().tobytes(), sender, context)
         return torch.cat([raw, torch.frombuffer(bytearray(tag), dtype=torch.uint8).to(raw.device)])
 
-    def open(self, sealed: torch.Tensor, *, senders: list[int], context: int, like: torch.Tensor) -> tuple[
+    def open(self, sealed: torch.Tensor, *, senders: list[int], context: int | tuple[int, ...],
+             like: torch.Tensor) -> tuple[
             torch.Tensor, list[int]]:
         """Rows of sealed messages (``sealed``: (R, n + TAG_BYTES) uint8, row i sent by ``senders[i]``) -> (the
         messages, (R, *like.shape) of ``like``'s dtype; the rows whose tag failed), each failed row replaced by

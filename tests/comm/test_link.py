@@ -243,6 +243,10 @@ def test_tagged_messages_open_as_sent_and_a_message_in_a_members_place_is_left_o
         assert forged == [0, 1, 2]
         assert all(opened[i].reshape(-1)[-1].item() == 2 and not opened[i].reshape(-1)[:-1].any() for i in range(3))
     assert MessageTags(b"o" * 32).open(sealed, senders=[0, 1, 2], context=7, like=like)[1] == [0, 1, 2]  # another job
+    # a quorum id lasts as long as its members: the step is bound too, so an earlier step's message sent again fails
+    earlier = torch.stack([tags.seal(r, sender=i, context=(7, 100)) for i, r in enumerate(rows)])
+    assert tags.open(earlier, senders=[0, 1, 2], context=(7, 100), like=like)[1] == []
+    assert tags.open(earlier, senders=[0, 1, 2], context=(7, 101), like=like)[1] == [0, 1, 2]
 
 
 class _GatherPG:
@@ -271,8 +275,9 @@ def test_a_link_with_the_jobs_secret_tags_what_it_gathers_and_leaves_a_forged_ro
     tags = MessageTags(secret)
     ft = _FT([])
     ft.cfg, ft.manager = SimpleNamespace(secret=secret, max_nodes=3), SimpleNamespace(_quorum_id=4)
+    ft.quorum_max_step = 9  # the quorum's step: bound into the tag with its id
     mine = torch.tensor([1.0, 2.0, 0.0])
-    genuine = tags.seal(torch.tensor([3.0, 4.0, 0.0]), sender=1, context=4)
+    genuine = tags.seal(torch.tensor([3.0, 4.0, 0.0]), sender=1, context=(4, 9))
     garbage = torch.randint(0, 255, genuine.shape, dtype=torch.uint8)
     ft.pg = _GatherPG([genuine, garbage])
     link = Link(Topology(num_nodes=1, ranks_per_node=1), ft=ft)
