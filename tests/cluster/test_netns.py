@@ -18,6 +18,7 @@ from lowband.cluster import (
     list_namespaces,
 )
 from lowband.cluster._procs import is_alive
+from lowband.cluster.netns import namespace_pids
 from tests.cluster.emulation import (
     PREFIX,
     child_env,
@@ -36,6 +37,9 @@ def test_teardown_after_exception_stops_processes_inside() -> None:
         with EmulatedNetwork(3, 50e6, prefix=PREFIX) as net:
             assert net.hub_namespace in list_namespaces()
             sleeper = subprocess.Popen(net.exec_argv(2, ["sleep", "300"]), start_new_session=True)
+            # `ip netns exec` enters the namespace only after it starts: under load a process not inside yet is not
+            # the network's to stop (as in the crash tests below)
+            assert wait_until(lambda: sleeper.pid in namespace_pids(net.node(2).namespace), 60)
             raise RuntimeError("boom")
     assert sleeper.wait(timeout=10) != 0
     assert our_namespaces(os.getpid()) == []
