@@ -24,8 +24,8 @@ import struct
 import threading
 from collections.abc import Callable
 
-__all__ = ["MAX_PINS", "PinKeeper", "addresses_of", "endpoint_of_peer", "own_connections", "own_sockets", "parse_pins", "plain_ip",
-           "connection_inode", "spell_pins"]
+__all__ = ["MAX_PINS", "PinKeeper", "addresses_of", "connection_inode", "endpoint_of_peer", "own_connections",
+           "parse_pins", "plain_ip", "spell_pins"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _ends_of(fd: int) -> tuple[Endpoint, Endpoint] | None:
 _ENDS: dict[str, tuple[Endpoint, Endpoint]] = {}
 
 
-def own_sockets() -> list[tuple[str, Endpoint, Endpoint]]:
+def _own_sockets() -> list[tuple[str, Endpoint, Endpoint]]:
     """(the socket's name, ``socket:[INODE]``, its local end, its remote end) of each TCP socket this process holds
     that was connected when first seen (ends are kept by name: a socket reset since still shows them, until its owner
     closes it); empty where Linux's /proc/self cannot be read."""
@@ -109,7 +109,7 @@ def own_connections(host: str | frozenset, port: int) -> frozenset[Endpoint]:
         remote = host if isinstance(host, frozenset) else addresses_of(host, port)
     except OSError:
         return frozenset()
-    return frozenset(here for _, here, there in own_sockets() if there[1] == port and there[0] in remote)
+    return frozenset(here for _, here, there in _own_sockets() if there[1] == port and there[0] in remote)
 
 
 # Linux's sock_diag (netlink): SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, NLMSG_ERROR, and "no cookie" (match any socket).

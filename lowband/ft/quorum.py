@@ -131,9 +131,8 @@ class QuorumRecorder:
                 status = gate_status(cfg.lighthouse, self._ft.replica_id, f"http://{claim.manager}", claim.store,
                                      timeout_s=GATE_POLL_S)
                 why = status.why
-                # The gate measured the age when it answered, after ``asked``: a loss it dates after ``started`` by
-                # this bound happened after the call began (both ends measure durations on monotonic clocks). A step's
-                # quorum call lasts milliseconds, so a broken connection mostly ends one that began a moment before.
+                # The gate dated the loss when it answered, after ``asked``: measured from there, a loss within the
+                # call's age ended this call (a quorum call may have begun just before its connection broke).
                 if (why is None and status.in_flight == 0 and status.lost_age_s is not None
                         and status.lost_age_s < asked - started):
                     # This node's request reached the gate after its call began and ended without a quorum (its
